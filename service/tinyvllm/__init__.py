@@ -1,0 +1,1 @@
+"""tinyvllm: a small, fast LLM inference server."""

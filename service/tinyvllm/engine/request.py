@@ -1,0 +1,124 @@
+"""Requests as the engine core sees them, and what it reports back once per step."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import msgspec
+
+from tinyvllm.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # cancelled by the client, a deadline or shutdown
+    ERROR = "error"  # the engine failed on this request
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What the frontend sends to the engine core (crosses the process boundary)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: Optional[str] = None
+
+
+class Logprobs(msgspec.Struct, array_like=True):
+    """Logprobs of one sampled token: its own and the top-n alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request's news from one engine step (one batch of these crosses IPC per step)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Optional[list[Logprobs]] = None
+    finish_reason: Optional[str] = None  # a FinishReason value once finished
+    stop_reason: Optional[int] = None  # the stop token id that ended it, if any
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: Optional[str] = None
+
+
+@dataclass(eq=False)
+class Request:
+    """Engine-side state of one request.
+
+    The scheduler speaks tokens: `num_computed_tokens` chases `num_tokens`. A request is
+    prefilling while `num_computed_tokens < num_prompt_tokens`; preemption resets
+    `num_computed_tokens` to 0 and keeps `output_token_ids`, which are recomputed as part of the
+    prompt (so a preempted request finishes with the same greedy output).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    cache_salt: Optional[str] = None
+    eos_token_ids: frozenset = frozenset()
+    max_model_len: int = 1 << 30
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # set on first scheduling; -1 = not yet looked up
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: Optional[int] = None
+    num_preemptions: int = 0
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest, eos_token_ids: frozenset,
+                                 max_model_len: int) -> "Request":
+        return cls(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
+                   sampling_params=req.sampling_params, arrival_time=req.arrival_time,
+                   priority=req.priority, cache_salt=req.cache_salt,
+                   eos_token_ids=eos_token_ids, max_model_len=max_model_len)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def max_tokens(self) -> int:
+        """Most output tokens: the user's max_tokens, capped by the model's context length."""
+        room = self.max_model_len - self.num_prompt_tokens
+        mt = self.sampling_params.max_tokens
+        return room if mt is None else min(mt, room)
