@@ -1,0 +1,16 @@
+"""The only door to the CUDA kernels (`tinyvllm._cuda`), with a pure-torch reference for each.
+
+Every op takes torch tensors, documents shapes, and runs the CUDA kernel when its inputs live on a
+CUDA device and the kernel supports them; otherwise the torch reference runs (that is the CPU
+path). On CUDA an unsupported input raises rather than silently falling back.
+"""
+
+from tinyvllm.ops.attention import AttentionMetadata, paged_attention, paged_attention_ref
+from tinyvllm.ops.kv_cache import KV_CACHE_LAYOUT, allocate_kv_caches, reshape_and_cache
+from tinyvllm.ops.layers import rms_norm, rotary_embedding, silu_and_mul, build_cos_sin_cache
+
+__all__ = [
+    "AttentionMetadata", "paged_attention", "paged_attention_ref", "KV_CACHE_LAYOUT",
+    "allocate_kv_caches", "reshape_and_cache", "rms_norm", "rotary_embedding", "silu_and_mul",
+    "build_cos_sin_cache",
+]

@@ -1,0 +1,121 @@
+"""Paged attention over the KV cache: prefill, chunked prefill with cached prefixes, and decode.
+
+The model calls `paged_attention`; the CUDA kernels plug in behind it. Every sequence's new queries
+sit at the end of its context: query i of a sequence with `q_len` new tokens and `seq_len` total
+tokens is at position `seq_len - q_len + i` and attends (causally) to keys 0..that position, which
+live in the blocks listed by its block table (cached prefix blocks included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tinyvllm.ops._dispatch import use_kernel
+
+
+@dataclass
+class AttentionMetadata:
+    """Flat description of one batch; built once per step by the model runner.
+
+    Shape:
+        slot_mapping: [num_tokens] int64 (cache slot of each new token; -1 = padding)
+        query_start_loc: [num_seqs + 1] int32 (cu_seqlens of the new tokens)
+        seq_lens: [num_seqs] int32 (context length including this step's new tokens)
+        block_tables: [num_seqs, max_num_blocks_per_seq] int32 (padding entries are 0, the null block)
+    Host copies (`*_cpu`) of query_start_loc and seq_lens let the reference loop without syncs.
+    """
+
+    num_tokens: int
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of new queries over their sequences' paged K/V (GQA aware).
+
+    Shape:
+        query: [num_tokens, num_heads, head_dim]
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
+        returns: [num_tokens, num_heads, head_dim]
+    """
+    kernel = use_kernel(query, kv_cache)
+    if kernel is not None and hasattr(kernel, "paged_attention"):
+        from tinyvllm.ops.attention_cuda import paged_attention_cuda
+        return paged_attention_cuda(kernel, query, kv_cache, meta, scale)
+    return paged_attention_ref(query, kv_cache, meta, scale)
+
+
+def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float) -> torch.Tensor:
+    """Torch reference: gather each sequence's K/V from its blocks, then attend."""
+    if meta.is_pure_decode and meta.num_seqs > 1:
+        return _decode_batched_ref(query, kv_cache, meta, scale)
+    out = torch.empty_like(query)
+    qsl = meta.query_start_loc_cpu
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        q = query[qsl[i]:qsl[i + 1]]
+        k, v = _gather_kv(kv_cache, meta.block_tables[i], seq_len)
+        out[qsl[i]:qsl[i + 1]] = _attend(q, k, v, scale, causal_offset=seq_len - q.shape[0])
+    return out
+
+
+def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
+    """[seq_len, num_kv_heads, head_dim] keys and values of one sequence."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    kv = kv_cache[:, block_table[:num_blocks].long()]  # [2, nb, bs, hkv, d]
+    kv = kv.reshape(2, num_blocks * block_size, *kv_cache.shape[3:])[:, :seq_len]
+    return kv[0], kv[1]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            causal_offset: int) -> torch.Tensor:
+    """q: [q_len, h, d]; k, v: [kv_len, h_kv, d]; query i sees keys 0..causal_offset + i."""
+    q_len, kv_len = q.shape[0], k.shape[0]
+    mask = None
+    if q_len > 1:
+        rows = torch.arange(q_len, device=q.device).unsqueeze(1) + causal_offset
+        mask = torch.arange(kv_len, device=q.device).unsqueeze(0) <= rows
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+        attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(0, 1)
+
+
+def _decode_batched_ref(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float) -> torch.Tensor:
+    """All sequences have one query: gather every context padded to the longest, mask the rest."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-meta.max_seq_len // block_size)
+    tables = meta.block_tables[:, :num_blocks].long()  # [b, nb]
+    kv = kv_cache[:, tables]  # [2, b, nb, bs, hkv, d]
+    b = tables.shape[0]
+    kv = kv.reshape(2, b, num_blocks * block_size, *kv_cache.shape[3:])
+    k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [b, hkv, ctx, d]
+    positions = torch.arange(num_blocks * block_size, device=query.device)
+    mask = (positions.unsqueeze(0) < meta.seq_lens[:b].unsqueeze(1).to(query.device))  # [b, ctx]
+    q = query[:b].unsqueeze(2)  # [b, h, 1, d]
+    out = F.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1])
+    result = torch.empty_like(query)
+    result[:b] = out.squeeze(2)
+    return result

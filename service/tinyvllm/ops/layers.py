@@ -1,0 +1,116 @@
+"""Elementwise and normalisation ops of the Llama family, each with its torch reference."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from tinyvllm.ops._dispatch import use_kernel
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None):
+    """RMSNorm, optionally fused with the residual add that precedes it.
+
+    Shape: x, residual: [num_tokens, hidden]; weight: [hidden].
+    Returns: normed x, or (normed(x + residual), x + residual) when residual is given.
+    """
+    kernel = use_kernel(x, weight)
+    if kernel is not None and hasattr(kernel, "rms_norm"):
+        from tinyvllm.ops.layers_cuda import rms_norm_cuda
+        return rms_norm_cuda(kernel, x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+def rms_norm_ref(x, weight, eps, residual=None):
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = (normed.to(x.dtype) * weight) if x.dtype != torch.float32 else normed * weight
+    return out if residual is None else (out, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation. Shape: x [num_tokens, 2 * d] (gate | up) -> [num_tokens, d]."""
+    kernel = use_kernel(x)
+    if kernel is not None and hasattr(kernel, "silu_and_mul"):
+        from tinyvllm.ops.layers_cuda import silu_and_mul_cuda
+        return silu_and_mul_cuda(kernel, x)
+    return silu_and_mul_ref(x)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def build_cos_sin_cache(head_dim: int, max_position: int, base: float,
+                        rope_scaling: Optional[dict], device=None) -> torch.Tensor:
+    """[max_position, head_dim] float32: cos of the rotary angles in the first half, sin in the second.
+
+    Supports Llama 3 rope scaling (`rope_type: llama3`) and linear scaling.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv_freq = _scale_inv_freq(inv_freq, rope_scaling)
+    t = torch.arange(max_position, dtype=torch.float64)
+    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "linear":
+        t = t / float(rope_scaling["factor"])
+    freqs = torch.outer(t, inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float().to(device)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, rope_scaling: Optional[dict]) -> torch.Tensor:
+    if not rope_scaling:
+        return inv_freq
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind in (None, "default", "linear"):
+        return inv_freq
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling: unsupported rope_type {kind!r}")
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+    factor = float(rope_scaling["factor"])
+    low = float(rope_scaling.get("low_freq_factor", 1.0))
+    high = float(rope_scaling.get("high_freq_factor", 4.0))
+    old_len = float(rope_scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, head_dim: int):
+    """Rotate q and k (GPT-NeoX / HF Llama half-split style).
+
+    Shape:
+        positions: [num_tokens] int64
+        query: [num_tokens, num_heads * head_dim]; key: [num_tokens, num_kv_heads * head_dim]
+        cos_sin_cache: [max_position, head_dim] float32
+    Returns: (query, key) rotated, same shapes (in place on CUDA).
+    """
+    kernel = use_kernel(positions, query, key)
+    if kernel is not None and hasattr(kernel, "rotary_embedding"):
+        from tinyvllm.ops.layers_cuda import rotary_embedding_cuda
+        return rotary_embedding_cuda(kernel, positions, query, key, cos_sin_cache, head_dim)
+    return rotary_embedding_ref(positions, query, key, cos_sin_cache, head_dim)
+
+
+def rotary_embedding_ref(positions, query, key, cos_sin_cache, head_dim):
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [t, d/2] each
+    cos = torch.cat([cos, cos], -1).unsqueeze(1)
+    sin = torch.cat([sin, sin], -1).unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(shape[0], -1, head_dim).float()
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+        return (x * cos + rotated * sin).view(shape)
+
+    return rotate(query).to(query.dtype), rotate(key).to(key.dtype)
