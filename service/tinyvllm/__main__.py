@@ -1,0 +1,5 @@
+import sys
+
+from tinyvllm.entrypoints.cli import main
+
+sys.exit(main())
