@@ -1,0 +1,322 @@
+"""Turn a step's logits into one token per batch row.
+
+Pipeline, in this order (vLLM's and HF's order, so that the same parameters give the same tokens):
+
+    raw logits ──▶ logprobs (log_softmax of the raw logits, when asked)
+        │
+        ├─ min_tokens: EOS / stop token ids -> -inf while the output is too short
+        ├─ repetition penalty (CTRL): over prompt + output, positive / r, negative * r
+        ├─ presence / frequency penalties (OpenAI): over output tokens
+        │        └─▶ greedy rows: argmax here
+        ├─ temperature
+        ├─ top-k, top-p (one sort), min-p
+        └─ softmax, exponential race argmax(probs / Exp(1))   (gpt-fast: no host sync)
+
+Everything is vectorised over the batch: per-row parameters become [N] tensors; the only per-row
+Python loops build those tensors and draw seeded rows' noise from their own generators, so that a
+seeded sample does not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from tinyvllm.engine.request import Logprobs
+from tinyvllm.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingState:
+    """Per-row sampling state, kept by the model runner across steps.
+
+    Attributes:
+        params: the request's sampling parameters.
+        prompt_token_ids: the prompt (for the repetition penalty).
+        output_token_ids: the request's live list of generated tokens (read-only here).
+        eos_token_ids: the model's EOS ids (suppressed under min_tokens unless ignore_eos).
+        generator: the request's own generator when params.seed is set, on the logits' device.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: frozenset[int] = frozenset()
+    generator: Optional[torch.Generator] = None
+
+    @classmethod
+    def create(cls, params: SamplingParams, prompt_token_ids: list[int],
+               output_token_ids: list[int], eos_token_ids: frozenset[int] = frozenset(),
+               device: torch.device | str = "cpu") -> "SamplingState":
+        """Build a state, seeding a generator on `device` when params.seed is set."""
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(params.seed)
+        return cls(params, prompt_token_ids, output_token_ids, eos_token_ids, generator)
+
+    @property
+    def needs_min_tokens_mask(self) -> bool:
+        return len(self.output_token_ids) < self.params.min_tokens
+
+    @property
+    def has_penalties(self) -> bool:
+        p = self.params
+        return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                or p.frequency_penalty != 0.0)
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row, and its logprobs where the row asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[Optional[Logprobs]]
+
+
+class Sampler:
+    """Stateless; call it once per step with the batch's logits and states."""
+
+    def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
+        """Sample one token per row.
+
+        Args:
+            logits: [num_rows, vocab_size] float32 model logits; modified in place.
+            states: one per row.
+        Returns:
+            SamplerOutput with num_rows token ids and logprobs (None for rows that did not ask).
+        """
+        assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
+        if all(_is_plain_greedy(s) for s in states):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(states))
+
+        want_logprobs = any(s.params.logprobs is not None for s in states)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+
+        apply_min_tokens(logits, states)
+        _apply_batch_penalties(logits, states)
+        sampled = _sample(logits, states)
+
+        logprobs: list[Optional[Logprobs]] = [None] * len(states)
+        if raw_logprobs is not None:
+            logprobs = _gather_logprobs(raw_logprobs, sampled, states)
+        return SamplerOutput(sampled.tolist(), logprobs)
+
+
+def _is_plain_greedy(s: SamplingState) -> bool:
+    return (s.params.greedy and not s.has_penalties and s.params.logprobs is None
+            and not s.needs_min_tokens_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Logit processors (in place)
+# ---------------------------------------------------------------------------------------------
+
+
+def apply_min_tokens(logits: torch.Tensor, states: list[SamplingState]) -> None:
+    """Set EOS (unless ignore_eos) and stop token ids to -inf while output < min_tokens.
+
+    Shape: logits [num_rows, vocab_size].
+    """
+    rows: list[int] = []
+    cols: list[int] = []
+    vocab_size = logits.shape[1]
+    for i, s in enumerate(states):
+        if not s.needs_min_tokens_mask:
+            continue
+        banned = set(s.params.stop_token_ids)
+        if not s.params.ignore_eos:
+            banned |= s.eos_token_ids
+        banned = [t for t in banned if t < vocab_size]
+        rows += [i] * len(banned)
+        cols += banned
+    if rows:
+        logits[_index(rows, logits.device), _index(cols, logits.device)] = _NEG_INF
+
+
+def apply_penalties(logits: torch.Tensor, prompt_token_ids: torch.Tensor,
+                    output_token_ids: torch.Tensor, repetition_penalties: torch.Tensor,
+                    presence_penalties: torch.Tensor, frequency_penalties: torch.Tensor) -> None:
+    """Apply repetition, presence and frequency penalties in place.
+
+    Repetition (CTRL / HF): for every token seen in prompt or output, a positive logit is divided
+    by the penalty and a negative one multiplied by it. Presence / frequency (OpenAI): over output
+    tokens, logit -= frequency * count + presence * (count > 0).
+
+    Shape:
+        logits: [num_rows, vocab_size]
+        prompt_token_ids: [num_rows, max_prompt_len], padded with vocab_size
+        output_token_ids: [num_rows, max_output_len], padded with vocab_size
+        repetition_penalties, presence_penalties, frequency_penalties: [num_rows]
+    """
+    num_rows, vocab_size = logits.shape
+    # One spare column collects the padding so that no row needs its own length.
+    output_counts = torch.zeros(num_rows, vocab_size + 1, dtype=logits.dtype, device=logits.device)
+    output_counts.scatter_add_(1, output_token_ids, torch.ones_like(output_token_ids,
+                                                                    dtype=logits.dtype))
+    output_counts = output_counts[:, :vocab_size]
+    output_seen = output_counts > 0
+
+    prompt_seen = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
+    prompt_seen.scatter_(1, prompt_token_ids, True)
+    seen = prompt_seen[:, :vocab_size] | output_seen
+
+    rep = repetition_penalties.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits.copy_(torch.where(seen, penalised, logits))
+    logits -= frequency_penalties.unsqueeze(1) * output_counts
+    logits -= presence_penalties.unsqueeze(1) * output_seen.to(logits.dtype)
+
+
+def _apply_batch_penalties(logits: torch.Tensor, states: list[SamplingState]) -> None:
+    """Build the penalty tensors for the rows that have penalties and apply them."""
+    rows = [i for i, s in enumerate(states) if s.has_penalties]
+    if not rows:
+        return
+    device, vocab_size = logits.device, logits.shape[1]
+    picked = [states[i] for i in rows]
+    prompts = _pad([s.prompt_token_ids for s in picked], vocab_size, device)
+    outputs = _pad([s.output_token_ids for s in picked], vocab_size, device)
+    params = [s.params for s in picked]
+
+    def per_row(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(p, name) for p in params], dtype=logits.dtype,
+                            device=device)
+
+    index = _index(rows, device)
+    sub = logits[index]
+    apply_penalties(sub, prompts, outputs, per_row("repetition_penalty"),
+                    per_row("presence_penalty"), per_row("frequency_penalty"))
+    logits[index] = sub
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
+                      top_p: Optional[torch.Tensor]) -> None:
+    """Mask, in place, the logits outside each row's top-k and outside its top-p nucleus.
+
+    The nucleus is the smallest set of most likely tokens whose mass reaches top_p; the most
+    likely token always survives.
+
+    Shape: logits [num_rows, vocab_size]; top_k [num_rows] int64 (vocab_size = off);
+    top_p [num_rows] (1.0 = off).
+    """
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        positions = torch.arange(logits.shape[1], device=logits.device)
+        drop |= positions.unsqueeze(0) >= top_k.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        # Rows with top_p = 1 are skipped explicitly: rounding can push the running mass to 1.
+        drop |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        drop[:, 0] = False
+    logits.scatter_(1, sorted_ids, sorted_logits.masked_fill(drop, _NEG_INF))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Mask, in place, tokens whose probability is below min_p * the row's top probability.
+
+    Shape: logits [num_rows, vocab_size]; min_p [num_rows] (0 = off).
+    """
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------------
+
+
+def _sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Greedy rows take the argmax; the others go through temperature, filters and the race.
+
+    Shape: logits [num_rows, vocab_size] (penalised) -> [num_rows] int64.
+    """
+    device = logits.device
+    greedy_mask = [s.params.greedy for s in states]
+    greedy_ids = logits.argmax(dim=-1)
+    if all(greedy_mask):
+        return greedy_ids
+
+    params = [s.params for s in states]
+    # Greedy rows divide by 1 so that nothing becomes inf / nan; their result is discarded.
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
+                               dtype=logits.dtype, device=device)
+    logits.div_(temperature.unsqueeze(1))
+
+    vocab_size = logits.shape[1]
+    top_k = top_p = None
+    if any(p.top_k > 0 for p in params):
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params],
+                             dtype=torch.int64, device=device)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
+    if top_k is not None or top_p is not None:
+        apply_top_k_top_p(logits, top_k, top_p)
+    if any(p.min_p > 0.0 for p in params):
+        apply_min_p(logits, torch.tensor([p.min_p for p in params], dtype=logits.dtype,
+                                         device=device))
+
+    probs = logits.softmax(dim=-1)
+    sampled = (probs / _exponential_noise(probs, states)).argmax(dim=-1)
+    return torch.where(torch.tensor(greedy_mask, device=device), greedy_ids, sampled)
+
+
+def _exponential_noise(probs: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Exp(1) noise, [num_rows, vocab_size]: one shared draw, seeded rows from their generator.
+
+    Clamped away from 0 so that a masked token (probability 0) can never win with 0 / 0 = nan.
+    """
+    noise = torch.empty_like(probs).exponential_()
+    for i, s in enumerate(states):
+        if s.generator is not None and not s.params.greedy:
+            noise[i].exponential_(generator=s.generator)
+    return noise.clamp_min_(torch.finfo(probs.dtype).tiny)
+
+
+def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
+                     states: list[SamplingState]) -> list[Optional[Logprobs]]:
+    """Sampled token's logprob and rank plus the top-n, from the raw model distribution.
+
+    Shape: raw_logprobs [num_rows, vocab_size]; sampled [num_rows].
+    """
+    max_n = max(s.params.logprobs or 0 for s in states)
+    token_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [num_rows, 1]
+    ranks = (raw_logprobs > token_logprobs).sum(dim=-1) + 1  # 1 = best
+    top_logprobs, top_ids = raw_logprobs.topk(max_n, dim=-1)
+    # One transfer per tensor, all after the sample was taken.
+    token_ids_l, token_lps_l = sampled.tolist(), token_logprobs.squeeze(1).tolist()
+    ranks_l, top_lps_l, top_ids_l = ranks.tolist(), top_logprobs.tolist(), top_ids.tolist()
+
+    result: list[Optional[Logprobs]] = []
+    for i, s in enumerate(states):
+        n = s.params.logprobs
+        if n is None:
+            result.append(None)
+            continue
+        result.append(Logprobs(token_id=token_ids_l[i], logprob=token_lps_l[i], rank=ranks_l[i],
+                               top_token_ids=top_ids_l[i][:n], top_logprobs=top_lps_l[i][:n]))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _pad(rows: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+    """[len(rows), max(1, longest)] int64, padded with pad_id."""
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.int64,
+                        device=device)
