@@ -83,7 +83,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # set on first scheduling; -1 = not yet looked up
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, chained
+    num_published_blocks: int = 0  # leading block_ids already in the prefix cache
     finish_reason: Optional[FinishReason] = None
     stop_reason: Optional[int] = None
     num_preemptions: int = 0

@@ -1,0 +1,203 @@
+"""The engine core in its own process, talking to the frontend over ZeroMQ.
+
+```
+frontend (asyncio)                                    engine-core process (this module)
+  PUSH  ipc://<dir>/input   ── AddRequests / AbortRequests / Shutdown ──▶  PULL
+  PULL  ipc://<dir>/output  ◀── Ready, then one StepOutputs per step ───  PUSH
+                                (EngineFailed once, then exit 1)
+```
+
+Messages are msgspec structs tagged by type. The loop is busy while there is work: it drains the
+input socket without blocking, runs one `EngineCore.step()`, and sends ONE message carrying every
+request's outputs plus the engine stats. When idle it blocks on input (waking now and then to
+notice that the frontend died).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any, Optional, Union
+
+import msgspec
+import zmq
+
+from tinyvllm.config import EngineConfig, RuntimeInfo
+from tinyvllm.engine.request import EngineCoreOutput, EngineCoreRequest, FinishReason
+
+DEFAULT_ENGINE_CLASS = "tinyvllm.engine.engine_core:EngineCore"
+
+IDLE_POLL_MS = 500
+"""How often an idle engine wakes to check that its parent is still alive."""
+
+FAILURE_LINGER_MS = 2000
+"""How long the engine waits for its last message (Ready / EngineFailed) to leave on exit."""
+
+
+# --- wire messages ----------------------------------------------------------------------------
+
+class AddRequests(msgspec.Struct, tag="add", array_like=True):
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+EngineInput = Union[AddRequests, AbortRequests, Shutdown]
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    runtime_info: RuntimeInfo
+    pid: int
+
+
+class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    """Everything one engine step produced.
+
+    `stats` is `EngineStats` as a dict (so the frontend need not import the engine), and
+    `step_start_time` is `time.monotonic()` when the step began (the clock is system-wide).
+    """
+
+    outputs: list[EngineCoreOutput]
+    stats: dict[str, float]
+    step_start_time: float
+
+
+class EngineFailed(msgspec.Struct, tag="failed", array_like=True):
+    error: str
+
+
+EngineOutput = Union[Ready, StepOutputs, EngineFailed]
+
+
+def ipc_addresses(directory: str) -> tuple[str, str]:
+    """(input address, output address) of the sockets in `directory`."""
+    return f"ipc://{directory}/input", f"ipc://{directory}/output"
+
+
+# --- the process --------------------------------------------------------------------------------
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
+                    engine_class: str = DEFAULT_ENGINE_CLASS) -> None:
+    """Entry point of the engine process (multiprocessing `spawn` target).
+
+    Exits 0 on Shutdown or when the parent is gone, 1 after sending EngineFailed.
+    """
+    # The frontend owns shutdown: a Ctrl-C reaching the whole process group must not kill the
+    # engine before the frontend has drained its streams.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.connect(input_addr)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.connect(output_addr)
+    encoder = msgspec.msgpack.Encoder()
+    code = 0
+    try:
+        core = _load_engine(engine_class)(config)
+        outputs.send(encoder.encode(Ready(runtime_info=core.runtime_info, pid=os.getpid())))
+        EngineCoreLoop(core, inputs, outputs, encoder).run()
+        core.shutdown()
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the frontend
+        code = 1
+        detail = "".join(traceback.format_exception(e))
+        print(f"tinyvllm engine core failed:\n{detail}", file=sys.stderr, flush=True)
+        outputs.send(encoder.encode(EngineFailed(error=f"{type(e).__name__}: {e}")))
+    finally:
+        inputs.close(linger=0)
+        outputs.close(linger=FAILURE_LINGER_MS)
+        ctx.term()
+    sys.exit(code)
+
+
+def _stats_dict(stats: Any) -> dict[str, float]:
+    if isinstance(stats, msgspec.Struct):
+        return msgspec.structs.asdict(stats)
+    return dataclasses.asdict(stats)
+
+
+def _load_engine(path: str) -> Any:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class EngineCoreLoop:
+    """Busy loop around one `EngineCore`: drain inputs, step, send one message per step."""
+
+    def __init__(self, core: Any, inputs: zmq.Socket, outputs: zmq.Socket,
+                 encoder: msgspec.msgpack.Encoder):
+        self.core = core
+        self.inputs = inputs
+        self.outputs = outputs
+        self.encoder = encoder
+        self.decoder = msgspec.msgpack.Decoder(EngineInput)
+        self.parent_pid = os.getppid()
+        self.shutdown_requested = False
+        # Outputs produced outside a step (requests the core refused); sent with the next message.
+        self.pending_outputs: list[EngineCoreOutput] = []
+
+    def run(self) -> None:
+        while not self.shutdown_requested:
+            busy = self.core.has_unfinished_requests()
+            handled = self._drain_inputs(timeout_ms=0 if busy else IDLE_POLL_MS)
+            if self.shutdown_requested:
+                return
+            if self.core.has_unfinished_requests():
+                self._step()
+            elif handled:
+                # Idle after aborts or refusals: report them and the freed blocks once.
+                self._send(time.monotonic())
+            elif not busy and os.getppid() != self.parent_pid:
+                return  # the frontend is gone; nobody will ever read our outputs
+
+    def _drain_inputs(self, timeout_ms: int) -> bool:
+        """Handle every queued input, waiting up to `timeout_ms` for the first one."""
+        if not self.inputs.poll(timeout_ms):
+            return False
+        while not self.shutdown_requested:
+            try:
+                raw = self.inputs.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._handle(self.decoder.decode(raw))
+        return True
+
+    def _handle(self, msg: EngineInput) -> None:
+        if isinstance(msg, AddRequests):
+            for req in msg.requests:
+                self._add(req)
+        elif isinstance(msg, AbortRequests):
+            self.core.abort_requests(msg.request_ids)
+        else:
+            self.shutdown_requested = True
+
+    def _add(self, req: EngineCoreRequest) -> None:
+        try:
+            self.core.add_request(req)
+        except ValueError as e:  # RequestValidationError, SamplingParamsError
+            self.pending_outputs.append(EngineCoreOutput(
+                request_id=req.request_id, new_token_ids=[],
+                finish_reason=FinishReason.ERROR.value, error=str(e)))
+
+    def _step(self) -> None:
+        start = time.monotonic()
+        step_outputs = self.core.step()
+        self._send(start, step_outputs)
+
+    def _send(self, start: float, step_outputs: Optional[list[EngineCoreOutput]] = None) -> None:
+        outputs = self.pending_outputs + list(step_outputs or [])
+        self.pending_outputs = []
+        stats = _stats_dict(self.core.get_stats())
+        self.outputs.send(self.encoder.encode(
+            StepOutputs(outputs=outputs, stats=stats, step_start_time=start)))

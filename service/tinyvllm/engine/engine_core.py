@@ -1,0 +1,115 @@
+"""EngineCore: the synchronous heart of tinyvllm.
+
+The same class runs in-process for `LLM.generate` and tests, and inside the engine process behind
+the gRPC server. One `step()` is: schedule, run the model, update the requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Iterable
+
+import msgspec
+
+from tinyvllm.config import EngineConfig, RuntimeInfo
+from tinyvllm.engine.kv_cache_manager import KVCacheManager
+from tinyvllm.engine.request import EngineCoreOutput, EngineCoreRequest, Request
+from tinyvllm.engine.scheduler import Scheduler
+from tinyvllm.engine.validation import RequestValidationError, validate_request
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStats(msgspec.Struct, array_like=True):
+    """A snapshot for metrics; counters are cumulative since start."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int  # usable blocks (the null block excluded)
+    num_free_kv_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_scheduled_tokens: int  # in the last step
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_runner=None):
+        from tinyvllm.worker.model_runner import ModelRunner  # torch stays out of engine/ imports
+
+        self.config = config
+        self.runner = model_runner or ModelRunner(config)
+        loaded = self.runner.loaded
+        self.tokenizer = loaded.tokenizer
+        self.runtime_info = RuntimeInfo(
+            num_kv_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
+            max_model_len=self.runner.max_model_len, vocab_size=loaded.arch.vocab_size,
+            eos_token_ids=tuple(self.tokenizer.eos_token_ids), model_name=loaded.name,
+            device=str(self.runner.device), dtype=str(self.runner.dtype).removeprefix("torch."))
+        seed = config.cache.prefix_cache_seed
+        kv = KVCacheManager(self.runner.num_blocks, self.runner.block_size,
+                            config.cache.enable_prefix_caching,
+                            seed if seed is not None else secrets.randbits(63))
+        self.scheduler = Scheduler(config.scheduler, kv, self.runner.max_model_len)
+        self._eos = frozenset(self.tokenizer.eos_token_ids)
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._num_scheduled_tokens = 0
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.scheduler.kv
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request. Raises RequestValidationError naming the bad field."""
+        validate_request(req, self.runtime_info)
+        if req.request_id in self.scheduler.requests:
+            raise RequestValidationError("request_id", f"{req.request_id!r} is already in use")
+        request = Request.from_engine_core_request(req, self._eos, self.runner.max_model_len)
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Stop requests now and free their KV blocks (unknown or finished ids are ignored)."""
+        self.scheduler.abort_requests(list(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        out = self.scheduler.schedule()
+        sampled = self.runner.execute(out)
+        outputs = self.scheduler.update(out, sampled)
+        self._count(out, outputs)
+        return outputs
+
+    def _count(self, out, outputs: list[EngineCoreOutput]) -> None:
+        self._num_scheduled_tokens = out.num_scheduled_tokens
+        self._num_generation_tokens += len(outputs)
+        for s in out.scheduled:  # num_computed_tokens has already moved past this step
+            before = s.request.num_computed_tokens - s.num_new_tokens
+            self._num_prompt_tokens += max(0, min(s.num_new_tokens,
+                                                  s.request.num_prompt_tokens - before))
+
+    def get_stats(self) -> EngineStats:
+        kv = self.kv
+        return EngineStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks=kv.num_blocks - 1, num_free_kv_blocks=kv.num_free_blocks,
+            kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+            num_scheduled_tokens=self._num_scheduled_tokens)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.scheduler.abort_requests(list(self.scheduler.requests))
+

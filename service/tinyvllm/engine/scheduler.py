@@ -1,0 +1,257 @@
+"""Token-budget continuous batching with chunked prefill, prefix-cache hits and preemption.
+
+The scheduler speaks tokens, not phases: each step, every request gets `num_new_tokens` so that
+`num_computed_tokens` chases `num_tokens`. Running requests go first (decodes and unfinished
+prefill chunks), then waiting ones while the budget, `max_num_seqs` and the KV pool allow. When the
+pool runs dry, the lowest-priority latest running request is preempted: its blocks are freed and it
+is recomputed later from its prompt plus the tokens it already produced, so it finishes with the
+same output.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from tinyvllm.config import SchedulerConfig
+from tinyvllm.engine.kv_cache_manager import KVCacheManager
+from tinyvllm.engine.request import (EngineCoreOutput, FinishReason, Logprobs, Request,
+                                     RequestStatus)
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def completes_sequence(self) -> bool:
+        """After this step the request has no uncomputed token: its last position is sampled."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens >= r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Requests that left the running set since the last step (finished, aborted, preempted):
+    # the model runner drops its per-request state for them.
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """FCFS deque, or a heap ordered by (priority, arrival) under the priority policy."""
+
+    def __init__(self, policy: str):
+        self.policy = policy
+        self._fcfs: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._fcfs) + len(self._heap)
+
+    def __iter__(self):
+        return iter(list(self._fcfs) if self.policy == "fcfs" else [e[3] for e in self._heap])
+
+    def add(self, request: Request, front: bool = False) -> None:
+        if self.policy == "fcfs":
+            (self._fcfs.appendleft if front else self._fcfs.append)(request)
+        else:
+            key = (request.priority, request.arrival_time, next(self._counter), request)
+            heapq.heappush(self._heap, key)
+
+    def peek(self) -> Request:
+        return self._fcfs[0] if self.policy == "fcfs" else self._heap[0][3]
+
+    def pop(self) -> Request:
+        return self._fcfs.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[3]
+
+    def remove(self, requests: set[Request]) -> None:
+        """Drop several requests at once (aborts): one O(n) pass, not one per request."""
+        if self.policy == "fcfs":
+            self._fcfs = deque(r for r in self._fcfs if r not in requests)
+        else:
+            self._heap = [e for e in self._heap if e[3] not in requests]
+            heapq.heapify(self._heap)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # --- requests in and out ------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already running")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        found = [self.requests[i] for i in request_ids if i in self.requests]
+        if not found:
+            return
+        aborted = set(found)
+        self.running = [r for r in self.running if r not in aborted]
+        self.waiting.remove(aborted)
+        for request in found:
+            self._finish(request, FinishReason.ABORT)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = self.config.max_num_batched_tokens
+        budget, preempted = self._schedule_running(out, budget)
+        if not preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        preempted_any = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, budget)
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                if victim_index < i:  # scheduled earlier in this step: give its tokens back
+                    i -= 1
+                    budget += sum(s.num_new_tokens for s in out.scheduled if s.request is victim)
+                self._preempt(victim, out)
+                preempted_any = True
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            # The request preempted itself; running[i] is now the next one.
+        return budget, preempted_any
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hits, num_cached = ([], 0)
+            if request.num_computed_tokens == 0:
+                hits, num_cached = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_cached
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.num_published_blocks = len(hits)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens
+        return max(1, min(num_new, budget))
+
+    def _pick_victim(self) -> Request:
+        """The lowest-priority running request, latest arrival first among equals."""
+        if self.config.policy == "fcfs":
+            return self.running[-1]
+        return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        out.scheduled = [s for s in out.scheduled if s.request is not request]
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_published_blocks = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        out.finished_request_ids.add(request.request_id)
+        self.waiting.add(request, front=True)
+
+    # --- after the model ran --------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, tuple[int, Optional[Logprobs]]]
+               ) -> list[EngineCoreOutput]:
+        """Advance each scheduled request and collect what the frontend must hear.
+
+        `sampled` maps request ids whose sequence was completed this step to the sampled token
+        (and its logprobs when asked).
+        """
+        outputs = []
+        for s in out.scheduled:
+            request = s.request
+            request.num_computed_tokens += s.num_new_tokens
+            request.num_published_blocks = self.kv.cache_computed_blocks(
+                request, request.num_published_blocks)
+            if request.request_id not in sampled:
+                continue  # a prefill chunk that has not reached the end of the sequence yet
+            token_id, logprobs = sampled[request.request_id]
+            request.output_token_ids.append(token_id)
+            reason = self._check_stop(request, token_id)
+            if reason is not None:
+                self.running.remove(request)
+                self._finish(request, reason)
+            outputs.append(EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[token_id],
+                new_logprobs=[logprobs] if logprobs is not None else None,
+                finish_reason=reason.value if reason is not None else None,
+                stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens))
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> Optional[FinishReason]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return FinishReason.STOP
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return FinishReason.STOP
+        if request.num_output_tokens >= request.max_tokens or \
+                request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.add(request.request_id)
