@@ -1,0 +1,226 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over the paged KV cache.
+
+Every norm, rotary, KV write, attention and activation goes through `tinyvllm.ops`, so that the CUDA
+kernels plug in without touching this file. Projections are merged (`qkv_proj`, `gate_up_proj`);
+`load_weights` takes Hugging Face tensor names and fills the merged weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tinyvllm import ops
+from tinyvllm.model.arch import LlamaArch
+
+# HF projection name -> (merged parameter name, shard index). Shard order is the row order.
+_STACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size,
+                                  bias=arch.attention_bias)
+        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
+        self.scale = arch.head_dim ** -0.5
+
+    def shard_sizes(self, name: str) -> list[int]:
+        return [self.arch.q_size, self.arch.kv_size, self.arch.kv_size]
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                meta: ops.AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_tokens, hidden] -> [num_tokens, hidden]; writes this step's K/V first."""
+        a = self.arch
+        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q, k = ops.rotary_embedding(positions, q.contiguous(), k.contiguous(), cos_sin_cache,
+                                    a.head_dim)
+        num_tokens = hidden.shape[0]
+        k = k.view(num_tokens, a.num_kv_heads, a.head_dim)
+        v = v.contiguous().view(num_tokens, a.num_kv_heads, a.head_dim)
+        ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        out = ops.paged_attention(q.view(num_tokens, a.num_heads, a.head_dim), kv_cache, meta,
+                                  self.scale)
+        return self.o_proj(out.reshape(num_tokens, a.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def shard_sizes(self, name: str) -> list[int]:
+        return [self.arch.intermediate_size, self.arch.intermediate_size]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.eps = arch.rms_norm_eps
+        self.self_attn = LlamaAttention(arch)
+        self.mlp = LlamaMLP(arch)
+        self.input_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
+
+    def forward(self, positions, hidden, residual: Optional[torch.Tensor], kv_cache, meta,
+                cos_sin_cache):
+        """Pre-norm block; the residual add is fused into the next norm (returns both streams)."""
+        if residual is None:
+            residual = hidden
+            hidden = ops.rms_norm(hidden, self.input_layernorm, self.eps)
+        else:
+            hidden, residual = ops.rms_norm(hidden, self.input_layernorm, self.eps, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin_cache)
+        hidden, residual = ops.rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = nn.Parameter(torch.ones(arch.hidden_size))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow HF (`model.layers.0.self_attn.qkv_proj.weight`, ...), with norms as
+    bare parameters (`model.layers.0.input_layernorm`) and merged projections."""
+
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch)
+        self.lm_head = (None if arch.tie_word_embeddings
+                        else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
+        # float32 on purpose: rotary angles lose too much in bf16 (see _apply).
+        self.register_buffer("cos_sin_cache", self._build_cos_sin_cache(None), persistent=False)
+
+    def _build_cos_sin_cache(self, device) -> torch.Tensor:
+        a = self.arch
+        return ops.build_cos_sin_cache(a.head_dim, a.max_position_embeddings, a.rope_theta,
+                                       a.rope_scaling, device=device)
+
+    def _apply(self, fn, recurse: bool = True):
+        # `.to(dtype)` would cast the rotary cache too; rebuild it in float32 on its new device.
+        super()._apply(fn, recurse)
+        cache = self.cos_sin_cache
+        if cache.dtype != torch.float32 or cache.is_meta:
+            self.cos_sin_cache = self._build_cos_sin_cache(cache.device)
+        return self
+
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers (after `to_empty`)."""
+        self.cos_sin_cache = self._build_cos_sin_cache(self.cos_sin_cache.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: ops.AttentionMetadata) -> torch.Tensor:
+        """Run the decoder over one flat batch.
+
+        Shape:
+            input_ids, positions: [num_tokens] int64
+            kv_caches: num_layers tensors, each ops.KV_CACHE_LAYOUT
+            returns: [num_tokens, hidden_size] after the final norm
+        """
+        hidden = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta,
+                                     self.cos_sin_cache)
+        hidden, _ = ops.rms_norm(hidden, self.model.norm, self.arch.rms_norm_eps, residual)
+        return hidden
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Shape: hidden [num_seqs, hidden_size] -> [num_seqs, vocab_size] float32."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the (merged) parameters; returns the names it filled.
+
+        Raises:
+            KeyError: a tensor name this model has no parameter for.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name, shard = _our_name(hf_name)
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints still ship a copy of the embedding
+            if name not in params:
+                raise KeyError(f"unexpected weight {hf_name!r}")
+            target = params[name]
+            if shard is not None:
+                module = self.get_submodule(name.rsplit(".", 2)[0])
+                sizes = module.shard_sizes(name)
+                start = sum(sizes[:shard])
+                target = target.narrow(0, start, sizes[shard])
+                loaded.add(f"{name}#{shard}")
+            if target.shape != tensor.shape:
+                raise ValueError(f"weight {hf_name!r}: shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    def expected_weight_names(self) -> set[str]:
+        """What `load_weights` must fill for the model to be complete (merged shards counted)."""
+        names = set()
+        for name, _ in self.named_parameters():
+            names.add(name)
+            if "qkv_proj.weight" in name or "qkv_proj.bias" in name:
+                names.update(f"{name}#{i}" for i in range(3))
+            elif "gate_up_proj" in name:
+                names.update(f"{name}#{i}" for i in range(2))
+        return names
+
+
+def _our_name(hf_name: str) -> tuple[str, Optional[int]]:
+    """HF name -> (our parameter name, shard index or None)."""
+    name = hf_name
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        name = name.replace(f"{norm}.weight", norm)
+    if name == "model.norm.weight":
+        name = "model.norm"
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _STACKED:
+        merged, shard = _STACKED[parts[-2]]
+        return ".".join(parts[:-2] + [merged, parts[-1]]), shard
+    return name, None
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_empty_model(arch: LlamaArch, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """An uninitialised model allocated directly in `dtype` on `device` (no CPU float32 copy)."""
+    with _default_dtype(dtype), torch.device("meta"):
+        model = LlamaForCausalLM(arch)
+    model.to_empty(device=device)
+    model.init_buffers()
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,180 @@
+"""Loading a model: Hugging Face safetensors directories and GGUF files. Never through pickle."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from tinyvllm.model.arch import LlamaArch
+from tinyvllm.model.llama import LlamaForCausalLM, build_empty_model
+from tinyvllm.model.paths import is_gguf, read_gguf, resolve_model_path
+from tinyvllm.model.tokenizer import (Tokenizer, model_name, tokenizer_from_gguf_metadata,
+                                      tokenizer_from_hf_dir)
+
+__all__ = ["LoadedModel", "load_model", "resolve_model_path"]
+
+GGUF_SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                      "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_GGUF_ROPE_FREQS = "rope_freqs.weight"
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch: LlamaArch
+    tokenizer: Tokenizer
+    name: str
+    path: Path
+    max_model_len: int
+    """The model's context length (`arch.max_position_embeddings`)."""
+
+
+def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """Load weights, architecture and tokenizer of a .gguf file or a HF directory (None: default).
+
+    Raises:
+        FileNotFoundError: missing path or default package (see resolve_model_path).
+        ValueError: unsupported architecture or weight type, or missing/mis-shaped weights.
+    """
+    path = resolve_model_path(model)
+    device = torch.device(device)
+    if is_gguf(path):
+        arch, tokenizer, weights, count = _open_gguf(path)
+    else:
+        arch, tokenizer, weights, count = _open_hf_dir(path)
+    net = build_empty_model(arch, dtype, device)
+    loaded = net.load_weights(tqdm(weights, total=count, desc=f"Loading {path.name}",
+                                   unit="tensor", leave=False))
+    missing = net.expected_weight_names() - loaded
+    if missing:
+        raise ValueError(f"{path.name}: missing weights {sorted(missing)[:8]}")
+    return LoadedModel(model=net, arch=arch, tokenizer=tokenizer, name=model_name(path), path=path,
+                       max_model_len=arch.max_position_embeddings)
+
+
+# --- Hugging Face directory ----------------------------------------------------------------------
+
+def _open_hf_dir(path: Path):
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    arch = LlamaArch.from_hf_config(config, name=path.name)
+    files = _safetensors_files(path)
+    tokenizer = tokenizer_from_hf_dir(path)
+    tokenizer.vocab_size = arch.vocab_size
+    count = sum(len(_safetensors_keys(f)) for f in files)
+    return arch, tokenizer, _iter_safetensors(files), count
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path.name}: no *.safetensors weights (pickled .bin weights "
+                                "are not loaded, for safety)")
+    return files
+
+
+def _safetensors_keys(file: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        return list(f.keys())
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue  # old checkpoints saved the rope buffer; we compute it
+                yield name, f.get_tensor(name)
+
+
+# --- GGUF ----------------------------------------------------------------------------------------
+
+def _open_gguf(path: Path):
+    reader, meta = read_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    freqs = tensors.get(_GGUF_ROPE_FREQS)
+    vocab_size = int(tensors["token_embd.weight"].shape[1])  # ggml order: [hidden, vocab]
+    arch = LlamaArch.from_gguf_metadata(
+        meta, set(tensors), vocab_size,
+        rope_freq_factors=None if freqs is None else _dequantize(freqs))
+    tokenizer = tokenizer_from_gguf_metadata(meta, vocab_size=vocab_size, name=model_name(path))
+    # llama.cpp permutes q/k rows for its interleaved rope only for the `llama` architecture.
+    permuted = meta["general.architecture"] == "llama"
+    weights = [t for name, t in tensors.items() if name != _GGUF_ROPE_FREQS]
+    return arch, tokenizer, _iter_gguf(weights, arch, permuted), len(weights)
+
+
+def _iter_gguf(tensors: list, arch: LlamaArch, permuted: bool):
+    for t in tensors:
+        name = _gguf_to_hf_name(t.name)
+        weight = torch.from_numpy(_dequantize(t))
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            weight = unpermute_rope_rows(weight, arch.num_heads)
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            weight = unpermute_rope_rows(weight, arch.num_kv_heads)
+        yield name, weight
+
+
+def _gguf_to_hf_name(name: str) -> str:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".", 2)
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    raise ValueError(f"unexpected GGUF tensor {name!r}")
+
+
+def _dequantize(t: Any) -> np.ndarray:
+    """float32 array in the row-major (PyTorch) shape of a GGUF tensor.
+
+    Raises:
+        ValueError: a quantization type outside GGUF_SUPPORTED_TYPES, naming tensor and type.
+    """
+    import gguf
+
+    type_name = t.tensor_type.name
+    if type_name not in GGUF_SUPPORTED_TYPES:
+        raise ValueError(f"GGUF tensor {t.name!r} has unsupported type {type_name} "
+                         f"(supported: {', '.join(GGUF_SUPPORTED_TYPES)})")
+    values = gguf.quants.dequantize(t.data, t.tensor_type)
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists dims fastest-first
+    values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
+    # F32 tensors come back as views of the read-only memory map; torch wants writable memory.
+    return values if values.flags.writeable else values.copy()
+
+
+def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Invert llama.cpp's converter permutation of q/k rows (HF half-split -> interleaved rope).
+
+    The converter does, per head, rows [h, 2, d/2] -> [h, d/2, 2]; we go back.
+    Shape: weight [num_heads * head_dim, ...] (a bias is [num_heads * head_dim]).
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return (weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2)
+            .reshape(weight.shape))
