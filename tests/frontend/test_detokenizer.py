@@ -96,9 +96,9 @@ def test_hold_back_releases_everything_on_finish(smollm2_tokenizer):
     detok = IncrementalDetokenizer(smollm2_tokenizer, SamplingParams(stop=["longstop"]))
     detok.update(ids)
     held = detok.get_next_delta(finished=False)
-    assert held == "no stop in this text"[:-(len("longstop") - 1)]
+    assert held == detok.released_text == "no stop in this text"[:-(len("longstop") - 1)]
     assert detok.get_next_delta(finished=True) == "in this text"[-(len("longstop") - 1):]
-    assert detok.output_text == "no stop in this text"
+    assert detok.output_text == detok.released_text == "no stop in this text"
 
 
 def test_earliest_stop_string_wins(smollm2_tokenizer):
@@ -128,7 +128,8 @@ def test_stop_terminated_leaves_out_the_stop_token_text(smollm2_tokenizer):
     assert detok.token_ids == ids
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), use_stop=st.booleans())
 def test_any_split_into_update_chunks_gives_the_same_text(smollm2_tokenizer, data, use_stop):
     ids = encode(smollm2_tokenizer, MIXED_TEXT)

@@ -75,7 +75,7 @@ def test_min_p_masks_exactly_the_unlikely_tokens():
 def test_min_p_sampling_never_draws_masked_tokens():
     probs = torch.tensor([0.5, 0.3, 0.1, 0.06, 0.04])
     logits = probs.log().expand(4000, -1).contiguous()
-    drawn = set(sample(logits, [state(min_p=0.25) for _ in range(4000)]))
+    drawn = set(sample(logits, [state(min_p=0.25)] * 4000))
     assert drawn == {0, 1}
 
 
@@ -132,7 +132,7 @@ def draw(logits_row: torch.Tensor, **params) -> torch.Tensor:
     """Counts of NUM_DRAWS samples from one distribution (one batched sampler call)."""
     logits = logits_row.expand(NUM_DRAWS, -1).contiguous()
     torch.manual_seed(0)
-    ids = torch.tensor(sample(logits, [state(**params) for _ in range(NUM_DRAWS)]))
+    ids = torch.tensor(sample(logits, [state(**params)] * NUM_DRAWS))
     return torch.bincount(ids, minlength=logits_row.numel()).float()
 
 

@@ -58,9 +58,14 @@ class IncrementalDetokenizer:
     @property
     def output_text(self) -> str:
         """The text so far (a matched stop string removed unless include_stop_str_in_output)."""
+        return self.released_text + self._pending
+
+    @property
+    def released_text(self) -> str:
+        """The text handed out by get_next_delta so far (all of output_text once finished)."""
         if len(self._released_parts) > 1:
             self._released_parts = ["".join(self._released_parts)]
-        return "".join(self._released_parts) + self._pending
+        return self._released_parts[0] if self._released_parts else ""
 
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> Optional[str]:
         """Append tokens; return the stop string if one now ends the output.
