@@ -184,8 +184,7 @@ def _apply_batch_penalties(logits: torch.Tensor, states: list[SamplingState]) ->
     params = [s.params for s in picked]
 
     def per_row(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(p, name) for p in params], dtype=logits.dtype,
-                            device=device)
+        return _to_device([getattr(p, name) for p in params], logits.dtype, device)
 
     index = _index(rows, device)
     sub = logits[index]
@@ -247,26 +246,25 @@ def _sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
 
     params = [s.params for s in states]
     # Greedy rows divide by 1 so that nothing becomes inf / nan; their result is discarded.
-    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
-                               dtype=logits.dtype, device=device)
+    temperature = _to_device([1.0 if p.greedy else p.temperature for p in params],
+                             logits.dtype, device)
     logits.div_(temperature.unsqueeze(1))
 
     vocab_size = logits.shape[1]
     top_k = top_p = None
     if any(p.top_k > 0 for p in params):
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params],
-                             dtype=torch.int64, device=device)
+        top_k = _to_device([p.top_k if p.top_k > 0 else vocab_size for p in params],
+                           torch.int64, device)
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
+        top_p = _to_device([p.top_p for p in params], logits.dtype, device)
     if top_k is not None or top_p is not None:
         apply_top_k_top_p(logits, top_k, top_p)
     if any(p.min_p > 0.0 for p in params):
-        apply_min_p(logits, torch.tensor([p.min_p for p in params], dtype=logits.dtype,
-                                         device=device))
+        apply_min_p(logits, _to_device([p.min_p for p in params], logits.dtype, device))
 
     probs = logits.softmax(dim=-1)
     sampled = (probs / _exponential_noise(probs, states)).argmax(dim=-1)
-    return torch.where(torch.tensor(greedy_mask, device=device), greedy_ids, sampled)
+    return torch.where(_to_device(greedy_mask, torch.bool, device), greedy_ids, sampled)
 
 
 def _exponential_noise(probs: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
@@ -311,12 +309,22 @@ def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
 # ---------------------------------------------------------------------------------------------
 
 
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on device without a host sync.
+
+    A copy from pageable memory synchronises the stream first; from pinned memory with
+    non_blocking it is queued behind the step's kernels like any other work.
+    """
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    return _to_device(values, torch.int64, device)
 
 
 def _pad(rows: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
     """[len(rows), max(1, longest)] int64, padded with pad_id."""
     width = max(1, max(len(r) for r in rows))
-    return torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.int64,
-                        device=device)
+    return _to_device([r + [pad_id] * (width - len(r)) for r in rows], torch.int64, device)
