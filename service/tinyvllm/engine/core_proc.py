@@ -199,5 +199,7 @@ class EngineCoreLoop:
         outputs = self.pending_outputs + list(step_outputs or [])
         self.pending_outputs = []
         stats = _stats_dict(self.core.get_stats())
+        if step_outputs is None:
+            stats["num_scheduled_tokens"] = 0  # no step ran: nothing was scheduled
         self.outputs.send(self.encoder.encode(
             StepOutputs(outputs=outputs, stats=stats, step_start_time=start)))

@@ -1,0 +1,166 @@
+"""The gRPC server's life cycle: start, serve, drain on SIGTERM, exit.
+
+```
+start:   gRPC + metrics ports open (health NOT_SERVING) ─▶ engine READY ─▶ health SERVING
+SIGTERM: health NOT_SERVING, new streams UNAVAILABLE ─▶ in-flight streams finish (at most
+         drain_timeout_s, then cancelled) ─▶ engine shut down ─▶ exit 0
+engine dies: in-flight streams INTERNAL, health NOT_SERVING ─▶ exit 1 after ENGINE_DEAD_GRACE_S
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import signal
+import time
+from typing import Optional
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tinyvllm.config import EngineConfig, ServerConfig
+from tinyvllm.engine import core_proc
+from tinyvllm.frontend.engine_client import AsyncEngineClient
+from tinyvllm.frontend.errors import EngineUnavailableError
+from tinyvllm.server.errors import ErrorMappingInterceptor
+from tinyvllm.server.metrics import MetricsHttpServer, ServerMetrics
+from tinyvllm.server.servicer import GenerationServicer
+from tinyvllm.v1 import generation_pb2 as pb
+from tinyvllm.v1 import generation_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+ENGINE_DEAD_GRACE_S = 1.0
+"""After the engine dies: time for error statuses to reach clients and probes to see NOT_SERVING."""
+
+STOP_GRACE_S = 1.0
+"""Grace given to `grpc.aio.Server.stop` once streams have drained (or timed out)."""
+
+DRAIN_POLL_S = 0.05
+
+
+class ExitReason(enum.Enum):
+    SIGNAL = 0
+    ENGINE_DEAD = 1
+
+
+class Server:
+    """One tinyvllm server: gRPC (Generation, health, reflection), metrics HTTP, engine process."""
+
+    def __init__(self, server_config: ServerConfig, engine_config: EngineConfig,
+                 engine_class: str = core_proc.DEFAULT_ENGINE_CLASS) -> None:
+        self.config = server_config
+        self.metrics = ServerMetrics()
+        self.engine = AsyncEngineClient(engine_config, observer=self.metrics,
+                                        on_dead=self._on_engine_dead, engine_class=engine_class)
+        self.health = health.aio.HealthServicer()
+        self._exit: Optional[asyncio.Future] = None
+        self.port: Optional[int] = None
+
+    async def run(self) -> int:
+        """Serve until SIGTERM/SIGINT (exit code 0) or engine death (exit code 1)."""
+        loop = asyncio.get_running_loop()
+        self._exit = loop.create_future()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._request_exit, ExitReason.SIGNAL)
+        grpc_server = await self._start_grpc()
+        http = await self._start_http()
+        code = 1
+        try:
+            if await self._start_engine():
+                code = await self._serve(grpc_server)
+        finally:
+            await grpc_server.stop(STOP_GRACE_S)
+            await self.engine.shutdown()
+            if http is not None:
+                await http.stop()
+        logger.info("tinyvllm server exiting with code %d", code)
+        return code
+
+    async def _start_grpc(self) -> grpc.aio.Server:
+        server = grpc.aio.server(
+            interceptors=[ErrorMappingInterceptor()],
+            options=[("grpc.max_concurrent_streams", self.config.max_concurrent_streams)])
+        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.engine), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        await server.start()
+        logger.info("gRPC listening on %s:%d (not serving until the engine is ready)",
+                    self.config.host, self.port)
+        return server
+
+    async def _start_http(self) -> Optional[MetricsHttpServer]:
+        if not self.config.metrics_port:
+            return None
+        http = MetricsHttpServer(self.metrics, lambda: self.engine.is_ready
+                                 and not self.engine.draining)
+        await http.start(self.config.host, self.config.metrics_port)
+        logger.info("metrics on http://%s:%d/metrics", self.config.host, self.config.metrics_port)
+        return http
+
+    async def _start_engine(self) -> bool:
+        """Start the engine unless a signal arrives first; False if serving should not begin."""
+        start = asyncio.ensure_future(self.engine.start())
+        await asyncio.wait({start, self._exit}, return_when=asyncio.FIRST_COMPLETED)
+        if not start.done():
+            start.cancel()
+            return False
+        try:
+            start.result()
+        except EngineUnavailableError as e:
+            logger.error("engine failed to start: %s", e)
+            return False
+        if self._exit.done():
+            return False
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        info = self.engine.runtime_info
+        logger.info("tinyvllm serving %s on %s:%d (engine pid %d, %d KV blocks of %d tokens)",
+                    info.model_name, self.config.host, self.port, self.engine.engine_pid,
+                    info.num_kv_blocks, info.block_size)
+        return True
+
+    async def _serve(self, grpc_server: grpc.aio.Server) -> int:
+        reason = await self._exit
+        await self.health.enter_graceful_shutdown()  # NOT_SERVING everywhere, from now on
+        if reason is ExitReason.ENGINE_DEAD:
+            await asyncio.sleep(ENGINE_DEAD_GRACE_S)
+            return 1
+        await self._drain()
+        return 0 if self.engine.dead_reason is None else 1
+
+    async def _drain(self) -> None:
+        self.engine.draining = True
+        n = self.engine.num_in_flight
+        logger.info("draining: %d streams in flight, up to %.1fs", n, self.config.drain_timeout_s)
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.engine.num_in_flight and time.monotonic() < deadline:
+            if self.engine.dead_reason is not None:
+                return
+            await asyncio.sleep(DRAIN_POLL_S)
+        if self.engine.num_in_flight:
+            logger.warning("drain timeout: cancelling %d streams", self.engine.num_in_flight)
+
+    def _on_engine_dead(self, reason: str) -> None:
+        self._request_exit(ExitReason.ENGINE_DEAD)
+
+    def _request_exit(self, reason: ExitReason) -> None:
+        if self._exit is not None and not self._exit.done():
+            self._exit.set_result(reason)
+        elif reason is ExitReason.SIGNAL:
+            logger.info("already stopping")
+
+
+async def serve(server_config: ServerConfig, engine_config: EngineConfig,
+                engine_class: str = core_proc.DEFAULT_ENGINE_CLASS) -> int:
+    return await Server(server_config, engine_config, engine_class).run()

@@ -1,0 +1,179 @@
+"""Protobuf <-> domain objects. No I/O, no engine: pure functions the servicer calls.
+
+Every bad input raises an error with a `field_name` (InvalidArgumentError here,
+SamplingParamsError from SamplingParams), which `server.errors` maps to INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.v1 import generation_pb2 as pb
+
+
+class InvalidArgumentError(ValueError):
+    """A request field is invalid; the message starts with the field name."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field_name = field_name
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """What each response carries (StreamOptions with defaults applied)."""
+
+    text: bool = True
+    token_ids: bool = False
+    logprobs: Optional[int] = None
+
+
+@dataclass
+class DomainRequest:
+    """A GenerateRequest after conversion and tokenization."""
+
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: Optional[str]
+    stream: StreamSpec
+
+
+_FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+
+# SamplingParameters fields with presence, copied when set (the rest are repeated or plain bools).
+_OPTIONAL_SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "max_tokens", "min_tokens", "skip_special_tokens",
+)
+
+
+# --- requests -----------------------------------------------------------------------------------
+
+def sampling_params_from_proto(msg: pb.SamplingParameters, stream: StreamSpec) -> SamplingParams:
+    """Raises SamplingParamsError or InvalidArgumentError naming the field."""
+    kwargs: dict[str, Any] = {f: getattr(msg, f) for f in _OPTIONAL_SAMPLING_FIELDS
+                              if msg.HasField(f)}
+    if msg.HasField("n") and msg.n != 1:
+        raise InvalidArgumentError("n", f"only 1 completion per stream is supported, got {msg.n}")
+    return SamplingParams(
+        stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        include_stop_str_in_output=msg.include_stop_str_in_output, logprobs=stream.logprobs,
+        **kwargs)
+
+
+def stream_spec_from_proto(req: pb.GenerateRequest) -> StreamSpec:
+    if not req.HasField("stream"):
+        return StreamSpec()
+    s = req.stream
+    return StreamSpec(text=s.text if s.HasField("text") else True, token_ids=s.token_ids,
+                      logprobs=s.logprobs if s.HasField("logprobs") else None)
+
+
+def chat_messages_from_proto(chat: pb.ChatPrompt) -> list[dict[str, str]]:
+    if not chat.messages:
+        raise InvalidArgumentError("chat.messages", "must not be empty")
+    for i, m in enumerate(chat.messages):
+        if not m.role:
+            raise InvalidArgumentError(f"chat.messages[{i}].role", "must not be empty")
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+def tokenize_prompt(tokenizer: Any, req: Any) -> tuple[Optional[str], list[int]]:
+    """(prompt text, prompt token ids) of a request with a `prompt`/`input` oneof.
+
+    Raises:
+        InvalidArgumentError: no prompt, an empty one, or malformed chat messages.
+    """
+    kind = req.WhichOneof("prompt" if isinstance(req, pb.GenerateRequest) else "input")
+    if kind is None:
+        raise InvalidArgumentError("prompt", "one of text, token_ids or chat must be set")
+    if kind == "token_ids":
+        return None, list(req.token_ids.ids)
+    if kind == "text":
+        if not req.text:
+            raise InvalidArgumentError("prompt", "must not be empty")
+        return req.text, tokenizer.encode(req.text)
+    messages = chat_messages_from_proto(req.chat)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except ValueError as e:
+        raise InvalidArgumentError("chat", str(e)) from None
+    # A rendered template carries its own special tokens.
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def domain_request_from_proto(req: pb.GenerateRequest, tokenizer: Any) -> DomainRequest:
+    stream = stream_spec_from_proto(req)
+    params = sampling_params_from_proto(req.sampling, stream)
+    prompt, prompt_token_ids = tokenize_prompt(tokenizer, req)
+    return DomainRequest(prompt=prompt, prompt_token_ids=prompt_token_ids, params=params,
+                         priority=req.priority, cache_salt=req.cache_salt or None, stream=stream)
+
+
+# --- responses ----------------------------------------------------------------------------------
+
+def response_from_output(out: Any, stream: StreamSpec,
+                         timing: Optional[tuple[float, float, float]]) -> Optional[pb.GenerateResponse]:
+    """The response for one (possibly merged) RequestOutput; None when it has nothing to say.
+
+    Args:
+        timing: (ttft_s, e2e_s, queue_s), used on the final response.
+    """
+    c = out.outputs[0]
+    resp = pb.GenerateResponse(request_id=out.request_id)
+    if stream.text:
+        resp.text = c.delta_text
+    if stream.token_ids:
+        resp.token_ids.extend(c.delta_token_ids)
+    if stream.logprobs is not None and c.delta_logprobs:
+        resp.logprobs.extend(_logprobs_to_proto(c.delta_token_ids, c.delta_logprobs,
+                                                stream.logprobs))
+    if out.finished:
+        _fill_final(resp, out, timing)
+    elif not (resp.text or resp.token_ids or resp.logprobs):
+        return None
+    return resp
+
+
+def _fill_final(resp: pb.GenerateResponse, out: Any,
+                timing: Optional[tuple[float, float, float]]) -> None:
+    c = out.outputs[0]
+    reason = getattr(c.finish_reason, "value", c.finish_reason)
+    resp.finish_reason = _FINISH_REASONS.get(reason, pb.FINISH_REASON_UNSPECIFIED)
+    if isinstance(c.stop_reason, str):
+        resp.stop_string = c.stop_reason
+    elif isinstance(c.stop_reason, int):
+        resp.stop_token_id = c.stop_reason
+    resp.usage.prompt_tokens = len(out.prompt_token_ids)
+    resp.usage.completion_tokens = len(c.token_ids)
+    resp.usage.cached_prompt_tokens = out.num_cached_tokens or 0
+    if timing is not None:
+        resp.timing.ttft_s, resp.timing.e2e_s, resp.timing.queue_s = timing
+
+
+def _logprobs_to_proto(token_ids: list[int], logprobs: list[dict], num_top: int
+                       ) -> list[pb.TokenLogprob]:
+    result = []
+    for token_id, entries in zip(token_ids, logprobs):
+        own = entries[token_id]
+        ranked = sorted(entries.items(), key=lambda kv: kv[1].rank)[:num_top]
+        result.append(pb.TokenLogprob(
+            token_id=token_id, logprob=own.logprob, rank=own.rank, token=own.decoded_token or "",
+            top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp.logprob,
+                                        token=lp.decoded_token or "") for t, lp in ranked]))
+    return result
+
+
+def model_info_to_proto(info: Any, version: str) -> pb.ModelInfoResponse:
+    return pb.ModelInfoResponse(
+        model_name=info.model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+        eos_token_ids=list(info.eos_token_ids), block_size=info.block_size,
+        num_kv_blocks=info.num_kv_blocks, device=info.device, dtype=info.dtype, version=version)

@@ -1,0 +1,148 @@
+"""Prometheus metrics (`tinyvllm:` prefix, own registry) and the HTTP endpoint for /metrics, /health.
+
+Engine-side numbers (running, waiting, KV usage, prefix cache, preemptions, token counts) are read
+from the latest `EngineStats` at scrape time; request latencies are observed by the frontend as
+outputs arrive (`EngineObserver` hooks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable, Iterator, Optional
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
+                               disable_created_metrics)
+from prometheus_client import generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tinyvllm.frontend.engine_client import EngineObserver
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "tinyvllm:"
+
+LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                 120.0, 240.0, 480.0, 960.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+# (metric suffix, EngineStats key, help)
+_GAUGES = (
+    ("num_requests_running", "num_running", "Requests in the engine's running batch."),
+    ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+    ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use (0 to 1)."),
+)
+_COUNTERS = (
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("num_preemptions", "num_preemptions", "Requests preempted for lack of KV blocks."),
+    ("prompt_tokens", "num_prompt_tokens", "Prompt tokens prefilled."),
+    ("generation_tokens", "num_generation_tokens", "Tokens generated."),
+)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, get_stats: Callable[[], dict[str, float]]) -> None:
+        self._get_stats = get_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._get_stats()
+        for suffix, key, help_text in _GAUGES:
+            yield GaugeMetricFamily(PREFIX + suffix, help_text, value=stats.get(key, 0))
+        for suffix, key, help_text in _COUNTERS:
+            yield CounterMetricFamily(PREFIX + suffix, help_text, value=stats.get(key, 0))
+
+
+class ServerMetrics(EngineObserver):
+    """All metrics of one server, in their own registry."""
+
+    def __init__(self) -> None:
+        disable_created_metrics()  # `*_created` series only confuse dashboards
+        self.registry = CollectorRegistry()
+        self.stats: dict[str, float] = {}
+        self.registry.register(_EngineStatsCollector(lambda: self.stats))
+        r = self.registry
+        self.request_success = Counter(
+            PREFIX + "request_success", "Finished requests by finish reason.", ["finished_reason"],
+            registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Time from arrival to the first token.", buckets=LATENCY_BUCKETS_S,
+                              registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                             "Time between consecutive outputs of a request.",
+                             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "Time from arrival to the last token.", buckets=E2E_BUCKETS_S,
+                             registry=r)
+        self.queue = Histogram(PREFIX + "request_queue_time_seconds",
+                               "Time from arrival to the start of the step that produced the "
+                               "first token.", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.iteration_tokens = Histogram(PREFIX + "iteration_tokens_total",
+                                          "Tokens scheduled per engine step.",
+                                          buckets=ITERATION_TOKEN_BUCKETS, registry=r)
+
+    def on_step(self, stats: dict[str, float]) -> None:
+        self.stats = stats
+        if stats.get("num_scheduled_tokens"):
+            self.iteration_tokens.observe(stats["num_scheduled_tokens"])
+
+    def on_first_token(self, ttft_s: float, queue_s: float) -> None:
+        self.ttft.observe(ttft_s)
+        self.queue.observe(queue_s)
+
+    def on_inter_token(self, latency_s: float) -> None:
+        self.itl.observe(latency_s)
+
+    def on_finished(self, finish_reason: str, e2e_s: float) -> None:
+        self.request_success.labels(finished_reason=finish_reason).inc()
+        self.e2e.observe(e2e_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsHttpServer:
+    """A minimal asyncio HTTP/1.0 server: GET /metrics and GET /health (200 or 503)."""
+
+    def __init__(self, metrics: ServerMetrics, is_healthy: Callable[[], bool]) -> None:
+        self.metrics = metrics
+        self.is_healthy = is_healthy
+        self._server: Optional[asyncio.base_events.Server] = None
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._handle, host, port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10.0)
+            method, path = (head.split(b"\r\n", 1)[0].split(b" ") + [b"", b""])[:2]
+            status, ctype, body = self._route(method, path.split(b"?", 1)[0])
+            writer.write(b"HTTP/1.0 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n"
+                         b"Connection: close\r\n\r\n" % (status, ctype.encode(), len(body)))
+            if method != b"HEAD":
+                writer.write(body)
+            await writer.drain()
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError,
+                asyncio.LimitOverrunError):
+            pass
+        finally:
+            writer.close()
+
+    def _route(self, method: bytes, path: bytes) -> tuple[bytes, str, bytes]:
+        if method not in (b"GET", b"HEAD"):
+            return b"405 Method Not Allowed", "text/plain", b"method not allowed\n"
+        if path == b"/metrics":
+            return b"200 OK", CONTENT_TYPE_LATEST, self.metrics.render()
+        if path == b"/health":
+            if self.is_healthy():
+                return b"200 OK", "text/plain", b"SERVING\n"
+            return b"503 Service Unavailable", "text/plain", b"NOT_SERVING\n"
+        return b"404 Not Found", "text/plain", b"not found\n"
