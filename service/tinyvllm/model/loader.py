@@ -121,7 +121,7 @@ def _open_gguf(path: Path):
     vocab_size = int(tensors["token_embd.weight"].shape[1])  # ggml order: [hidden, vocab]
     arch = LlamaArch.from_gguf_metadata(
         meta, set(tensors), vocab_size,
-        rope_freq_factors=None if freqs is None else _dequantize(freqs))
+        rope_freq_factors=None if freqs is None else dequantize_gguf_tensor(freqs))
     tokenizer = tokenizer_from_gguf_metadata(meta, vocab_size=vocab_size, name=model_name(path))
     # llama.cpp permutes q/k rows for its interleaved rope only for the `llama` architecture.
     permuted = meta["general.architecture"] == "llama"
@@ -132,7 +132,7 @@ def _open_gguf(path: Path):
 def _iter_gguf(tensors: list, arch: LlamaArch, permuted: bool):
     for t in tensors:
         name = _gguf_to_hf_name(t.name)
-        weight = torch.from_numpy(_dequantize(t))
+        weight = torch.from_numpy(dequantize_gguf_tensor(t))
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = unpermute_rope_rows(weight, arch.num_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -149,7 +149,7 @@ def _gguf_to_hf_name(name: str) -> str:
     raise ValueError(f"unexpected GGUF tensor {name!r}")
 
 
-def _dequantize(t: Any) -> np.ndarray:
+def dequantize_gguf_tensor(t: Any) -> np.ndarray:
     """float32 array in the row-major (PyTorch) shape of a GGUF tensor.
 
     Raises:

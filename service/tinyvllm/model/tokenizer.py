@@ -68,15 +68,20 @@ class Tokenizer:
         """Render `messages` with the model's Jinja chat template, as transformers does.
 
         Raises:
-            ValueError: the model has no chat template, or a message is malformed.
+            ValueError: the model has no chat template, a message is malformed, or the template
+                rejects the conversation (`raise_exception`).
         """
         if not self.chat_template:
             raise ValueError(f"model {self.name!r} has no chat template; send a plain prompt")
         _validate_messages(messages)
         template = _compile_template(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               tools=tools, bos_token=self.bos_token or "",
-                               eos_token=self.eos_token, **kwargs)
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   tools=tools, bos_token=self.bos_token or "",
+                                   eos_token=self.eos_token, **kwargs)
+        except jinja2.exceptions.TemplateError as e:
+            # The template's own checks (`raise_exception`) reject the conversation: bad input.
+            raise ValueError(f"chat template of {self.name!r} rejected the messages: {e}") from e
 
 
 def _validate_messages(messages: Any) -> None:

@@ -1,0 +1,47 @@
+"""Models with random weights: benchmarks at real shapes without downloads, and tiny test models."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from tinyvllm.model.arch import LlamaArch
+from tinyvllm.model.llama import LlamaForCausalLM, build_empty_model
+
+WEIGHT_STD = 0.02
+"""Standard deviation of random projection and embedding weights (HF's initializer_range)."""
+NORM_JITTER = 0.05
+"""Norm weights are 1 +- this, so that a wrong norm weight still shows in tests."""
+
+LLAMA3_8B_SHAPE = LlamaArch(
+    hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+    intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072,
+    name="llama3-8b-random")
+
+
+def tiny_arch(**overrides: Any) -> LlamaArch:
+    """A two-layer GQA model small enough for CPU tests; override any field."""
+    base = LlamaArch(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                     intermediate_size=128, vocab_size=256, rope_theta=10000.0,
+                     rms_norm_eps=1e-5, max_position_embeddings=512, name="tiny-random")
+    return dataclasses.replace(base, **overrides)
+
+
+@torch.no_grad()
+def make_random_model(arch: LlamaArch, seed: int, dtype: torch.dtype,
+                      device: torch.device) -> LlamaForCausalLM:
+    """Random weights generated on `device` from `seed` (same seed, same device -> same weights)."""
+    device = torch.device(device)
+    model = build_empty_model(arch, dtype, device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() == 1 and "bias" not in name:  # RMSNorm weights
+            param.uniform_(1 - NORM_JITTER, 1 + NORM_JITTER, generator=generator)
+        else:
+            param.normal_(0.0, WEIGHT_STD, generator=generator)
+    return model
