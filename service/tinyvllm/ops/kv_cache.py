@@ -49,8 +49,15 @@ def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, kv_cache: torc
 
 def _reshape_and_cache_cuda(kernel, key, value, kv_cache, slot_mapping) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
-    assert key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.is_contiguous()
-    assert slot_mapping.dtype == torch.int64 and kv_cache.dtype == key.dtype
+    for name, t in (("key", key), ("value", value)):
+        if t.shape != key.shape or t.stride(-1) != 1 or t.stride(-2) != head_dim:
+            raise ValueError(f"{name}: expected [num_tokens, num_kv_heads, head_dim] with contiguous "
+                             f"rows, got shape {tuple(t.shape)} strides {t.stride()}")
+    if not kv_cache.is_contiguous() or kv_cache.dtype != key.dtype or value.dtype != key.dtype:
+        raise ValueError(f"kv_cache: expected a contiguous cache of key's dtype {key.dtype}, got "
+                         f"{kv_cache.dtype} (value {value.dtype})")
+    if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+        raise ValueError(f"slot_mapping: expected contiguous int64, got {slot_mapping.dtype}")
     kernel.reshape_and_cache(
         key.data_ptr(), value.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
         slot_mapping.data_ptr(), num_tokens, num_kv_heads, head_dim, kv_cache.shape[2],

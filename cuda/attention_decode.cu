@@ -1,0 +1,117 @@
+// Launcher for paged decode attention: checks sizes, picks the instantiation.
+//
+// Instantiations: {float16, bfloat16} x head_dim {64, 128} x MAX_G {4, 8}, block size 16. MAX_G is
+// how many query heads of one KV head a CTA serves: 4 covers GQA ratios up to 4 with fewer
+// registers; ratios above 4 use 8 and, above 8, several CTAs per KV head.
+#include <cmath>
+
+#include "attention_decode.cuh"
+#include "launchers.h"
+
+namespace tinyvllm {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <typename T, int HEAD_DIM, int MAX_G>
+void launch_decode(DecodeParams p, int num_seqs, cudaStream_t stream) {
+  p.head_chunks = (p.group_size + MAX_G - 1) / MAX_G;
+  const size_t smem = decode_smem_floats<MAX_G>(p.partition_size, HEAD_DIM) * sizeof(float);
+  auto kernel = paged_decode_kernel<T, HEAD_DIM, MAX_G>;
+  // Once per instantiation, for the largest partition (a magic static is thread-safe).
+  static const cudaError_t smem_ok = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      static_cast<int>(decode_smem_floats<MAX_G>(kDecodeMaxPartition, HEAD_DIM) * sizeof(float)));
+  check_cuda(smem_ok, "paged_decode_kernel: shared memory");
+  const dim3 grid(p.num_kv_heads * p.head_chunks, num_seqs, p.num_splits);
+  kernel<<<grid, kDecodeThreads, smem, stream>>>(p);
+  check_launch("paged_decode_kernel");
+  if (p.num_splits > 1) {
+    paged_decode_reduce_kernel<T><<<dim3(p.num_heads, num_seqs), HEAD_DIM, 0, stream>>>(
+        static_cast<T*>(p.out), p.split_out, p.split_max, p.split_sum, p.seq_lens, p.num_heads,
+        HEAD_DIM, p.num_splits, p.partition_size);
+    check_launch("paged_decode_reduce_kernel");
+  }
+}
+
+template <typename T, int HEAD_DIM>
+void dispatch_group(const DecodeParams& p, int num_seqs, cudaStream_t stream) {
+  if (p.group_size <= 4) {
+    launch_decode<T, HEAD_DIM, 4>(p, num_seqs, stream);
+  } else {
+    launch_decode<T, HEAD_DIM, 8>(p, num_seqs, stream);
+  }
+}
+
+void check_decode_args(const DecodeParams& p, int num_seqs, int head_dim, int block_size) {
+  const std::string where = "paged_attention_decode: ";
+  require(head_dim == 64 || head_dim == 128,
+          where + "head_dim=" + std::to_string(head_dim) + " unsupported (64, 128)");
+  require(block_size == kDecodeBlockSize,
+          where + "block_size=" + std::to_string(block_size) + " unsupported (16)");
+  require(num_seqs > 0 && num_seqs <= 65535,
+          where + "num_seqs=" + std::to_string(num_seqs) + " out of range [1, 65535]");
+  require(p.num_kv_heads > 0 && p.num_heads % p.num_kv_heads == 0,
+          where + "num_heads=" + std::to_string(p.num_heads) + " is not a multiple of num_kv_heads=" +
+              std::to_string(p.num_kv_heads));
+  require(p.partition_size > 0 && p.partition_size % kDecodeBlockSize == 0 &&
+              p.partition_size <= kDecodeMaxPartition,
+          where + "partition_size=" + std::to_string(p.partition_size) +
+              " must be a multiple of 16 in [16, 512]");
+  require(p.num_splits >= 1 && p.num_splits <= 65535,
+          where + "num_splits=" + std::to_string(p.num_splits) + " out of range");
+  require(p.num_splits == 1 || (p.split_out && p.split_max && p.split_sum),
+          where + "num_splits > 1 needs the split_out / split_max / split_sum workspace");
+  // 16-byte loads of q rows and cache rows.
+  require(p.q_stride_token % 8 == 0 && p.q_stride_head % 8 == 0 && aligned16(p.query) &&
+              aligned16(p.key_cache) && aligned16(p.value_cache),
+          where + "query strides (" + std::to_string(p.q_stride_token) + ", " +
+              std::to_string(p.q_stride_head) + ") and pointers must be 16-byte aligned");
+}
+
+}  // namespace
+
+void paged_attention_decode(
+    ptr_t out,           // [num_seqs, num_heads, head_dim] contiguous
+    ptr_t query,         // [num_seqs, num_heads, head_dim] strides (q_stride_token, q_stride_head, 1)
+    ptr_t key_cache,     // [num_blocks, block_size, num_kv_heads, head_dim]
+    ptr_t value_cache,   // [num_blocks, block_size, num_kv_heads, head_dim]
+    ptr_t block_tables,  // [num_seqs, max_num_blocks_per_seq] int32
+    ptr_t seq_lens,      // [num_seqs] int32
+    ptr_t split_out,     // [num_seqs, num_heads, num_splits, head_dim] float32 (num_splits > 1)
+    ptr_t split_max,     // [num_seqs, num_heads, num_splits] float32
+    ptr_t split_sum,     // [num_seqs, num_heads, num_splits] float32
+    int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+    int64_t q_stride_token, int64_t q_stride_head, int max_num_blocks_per_seq, int num_splits,
+    int partition_size, float scale, int dtype, stream_t stream) {
+  DecodeParams p{};
+  p.out = reinterpret_cast<void*>(out);
+  p.query = reinterpret_cast<const void*>(query);
+  p.key_cache = reinterpret_cast<const void*>(key_cache);
+  p.value_cache = reinterpret_cast<const void*>(value_cache);
+  p.block_tables = reinterpret_cast<const int*>(block_tables);
+  p.seq_lens = reinterpret_cast<const int*>(seq_lens);
+  p.split_out = reinterpret_cast<float*>(split_out);
+  p.split_max = reinterpret_cast<float*>(split_max);
+  p.split_sum = reinterpret_cast<float*>(split_sum);
+  p.num_heads = num_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.group_size = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
+  p.q_stride_token = q_stride_token;
+  p.q_stride_head = q_stride_head;
+  p.max_num_blocks_per_seq = max_num_blocks_per_seq;
+  p.num_splits = num_splits;
+  p.partition_size = partition_size;
+  p.scale_log2 = scale * kLog2e;
+  check_decode_args(p, num_seqs, head_dim, block_size);
+  const cudaStream_t s = as_stream(stream);
+  TINYVLLM_DISPATCH_HALF(dtype, "paged_attention_decode", {
+    if (head_dim == 64) {
+      dispatch_group<scalar_t, 64>(p, num_seqs, s);
+    } else {
+      dispatch_group<scalar_t, 128>(p, num_seqs, s);
+    }
+  });
+}
+
+}  // namespace tinyvllm

@@ -1,0 +1,285 @@
+// Paged attention, decode: one query per sequence over its paged K/V. Framework-free device code.
+//
+// Grid (num_kv_heads * head_chunks, num_seqs, num_splits). A CTA takes one KV head, up to MAX_G of
+// the query heads that share it (GQA: K/V are read once for all of them) and one partition of the
+// context (split-K / flash-decoding, so that a few long sequences still fill the chip):
+//   phase 1  scores of every token of the partition, kept in shared memory      (reads K once)
+//   phase 2  max and sum per head over the partition (exact softmax inside it)
+//   phase 3  probability-weighted sum of V                                         (reads V once)
+// With several partitions, each writes (normalised out, max, sum) and `paged_decode_reduce_kernel`
+// merges them; with one, the CTA writes the final output. fp32 accumulation throughout; scores are
+// kept in the log2 domain (q is pre-scaled by scale * log2(e)) so exp2 does the softmax.
+//
+// Lane layout: a token's head_dim elements are read by HEAD_DIM / 8 lanes, 16 bytes each, so a warp
+// reads 32 / (HEAD_DIM / 8) whole tokens per load and every load is a coalesced 16-byte access.
+#pragma once
+
+#include <math_constants.h>
+
+#include "common.cuh"
+
+namespace tinyvllm {
+
+constexpr int kDecodeThreads = 128;
+constexpr int kDecodeWarps = kDecodeThreads / 32;
+constexpr int kDecodeBlockSize = 16;      // tokens per KV block (the only one instantiated)
+constexpr int kDecodeMaxPartition = 512;  // tokens per split, at most (shared memory for scores)
+
+struct DecodeParams {
+  void* out;                  // [num_seqs, num_heads, head_dim]
+  const void* query;          // [num_seqs, num_heads, head_dim] with strides below
+  const void* key_cache;      // [num_blocks, block_size, num_kv_heads, head_dim]
+  const void* value_cache;    // [num_blocks, block_size, num_kv_heads, head_dim]
+  const int* block_tables;    // [num_seqs, max_num_blocks_per_seq]
+  const int* seq_lens;        // [num_seqs]
+  float* split_out;           // [num_seqs, num_heads, num_splits, head_dim]
+  float* split_max;           // [num_seqs, num_heads, num_splits] (log2 domain)
+  float* split_sum;           // [num_seqs, num_heads, num_splits]
+  int num_heads;
+  int num_kv_heads;
+  int group_size;             // num_heads / num_kv_heads
+  int head_chunks;            // ceil(group_size / MAX_G)
+  int64_t q_stride_token;
+  int64_t q_stride_head;
+  int max_num_blocks_per_seq;
+  int num_splits;
+  int partition_size;         // multiple of kDecodeBlockSize, <= kDecodeMaxPartition
+  float scale_log2;           // softmax scale * log2(e)
+};
+
+template <int MAX_G>
+constexpr size_t decode_smem_floats(int partition_size, int head_dim) {
+  return size_t(MAX_G) * partition_size + size_t(kDecodeWarps) * MAX_G * head_dim;
+}
+
+template <typename T, int HEAD_DIM, int MAX_G>
+struct DecodeCta {
+  static constexpr int kVec = 8;  // 16-bit elements per 16-byte load
+  static constexpr int kLanesPerToken = HEAD_DIM / kVec;
+  static constexpr int kTokensPerLoad = 32 / kLanesPerToken;
+  static constexpr int kLoadsPerBlock = kDecodeBlockSize / kTokensPerLoad;
+
+  const DecodeParams& p;
+  int seq, split, kv_head, head0, num_g, len, num_blocks;
+  const int* table;  // this partition's entries of the block table
+  int lane_token, lane_chunk, warp, lane;
+  float* logits;     // [MAX_G][partition_size]
+  float* reduce_buf; // [kDecodeWarps][MAX_G][HEAD_DIM]
+
+  // K or V rows of one block for this lane: kLoadsPerBlock 16-byte vectors.
+  __device__ __forceinline__ void load_block(const T* cache, int b, uint4 (&v)[kLoadsPerBlock]) const {
+    const int64_t token_stride = int64_t(p.num_kv_heads) * HEAD_DIM;
+    const T* base = cache + (int64_t(table[b]) * kDecodeBlockSize + lane_token) * token_stride +
+                    kv_head * HEAD_DIM + lane_chunk * kVec;
+#pragma unroll
+    for (int i = 0; i < kLoadsPerBlock; ++i) {
+      v[i] = __ldg(reinterpret_cast<const uint4*>(base + i * kTokensPerLoad * token_stride));
+    }
+  }
+
+  // Token index (within the partition) of load i of block b for this lane.
+  __device__ __forceinline__ int token_of(int b, int i) const {
+    return b * kDecodeBlockSize + i * kTokensPerLoad + lane_token;
+  }
+
+  __device__ __forceinline__ void load_query(float (&q)[MAX_G][kVec]) const {
+    const T* base = static_cast<const T*>(p.query) + seq * p.q_stride_token + lane_chunk * kVec;
+#pragma unroll
+    for (int g = 0; g < MAX_G; ++g) {
+      float f[kVec] = {};
+      if (g < num_g) {
+        unpack8<T>(*reinterpret_cast<const uint4*>(base + (head0 + g) * p.q_stride_head), f);
+      }
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) q[g][i] = f[i] * p.scale_log2;
+    }
+  }
+
+  __device__ __forceinline__ void scores(const float (&q)[MAX_G][kVec]) const {
+    for (int b = warp; b < num_blocks; b += kDecodeWarps) {
+      uint4 k[kLoadsPerBlock];
+      load_block(static_cast<const T*>(p.key_cache), b, k);
+#pragma unroll
+      for (int i = 0; i < kLoadsPerBlock; ++i) {
+        float kf[kVec];
+        unpack8<T>(k[i], kf);
+        const int t = token_of(b, i);
+#pragma unroll
+        for (int g = 0; g < MAX_G; ++g) {
+          if (g >= num_g) break;
+          float s = 0.f;
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) s = fmaf(q[g][e], kf[e], s);
+#pragma unroll
+          for (int off = kLanesPerToken / 2; off > 0; off >>= 1) {
+            s += __shfl_xor_sync(0xffffffffu, s, off);
+          }
+          if (lane_chunk == 0) logits[g * p.partition_size + t] = t < len ? s : -CUDART_INF_F;
+        }
+      }
+    }
+  }
+
+  // Turns scores into exp2(s - max) in place; returns nothing, fills head_max / head_sum.
+  __device__ __forceinline__ void softmax(float* head_max, float* head_sum) const {
+    for (int g = warp; g < num_g; g += kDecodeWarps) {
+      float* row = logits + g * p.partition_size;
+      float m = -CUDART_INF_F;
+      for (int t = lane; t < len; t += 32) m = fmaxf(m, row[t]);
+      m = warp_max(m);
+      float sum = 0.f;
+      for (int t = lane; t < num_blocks * kDecodeBlockSize; t += 32) {
+        const float e = t < len ? exp2f(row[t] - m) : 0.f;
+        row[t] = e;
+        sum += e;
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) {
+        head_max[g] = m;
+        head_sum[g] = sum;
+      }
+    }
+  }
+
+  __device__ __forceinline__ void weighted_values(float (&acc)[MAX_G][kVec]) const {
+    for (int b = warp; b < num_blocks; b += kDecodeWarps) {
+      uint4 v[kLoadsPerBlock];
+      load_block(static_cast<const T*>(p.value_cache), b, v);
+#pragma unroll
+      for (int i = 0; i < kLoadsPerBlock; ++i) {
+        const int t = token_of(b, i);
+        if (t >= len) continue;  // slots past the context may hold anything, NaN included
+        float vf[kVec];
+        unpack8<T>(v[i], vf);
+#pragma unroll
+        for (int g = 0; g < MAX_G; ++g) {
+          if (g >= num_g) break;
+          const float w = logits[g * p.partition_size + t];
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[g][e] = fmaf(w, vf[e], acc[g][e]);
+        }
+      }
+    }
+  }
+
+  // Sums acc over the lanes and warps that hold the same dims; result in reduce_buf[0].
+  __device__ __forceinline__ void reduce_acc(float (&acc)[MAX_G][kVec]) const {
+#pragma unroll
+    for (int g = 0; g < MAX_G; ++g) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+#pragma unroll
+        for (int off = kLanesPerToken; off < 32; off <<= 1) {
+          acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], off);
+        }
+      }
+    }
+    if (lane_token == 0) {
+#pragma unroll
+      for (int g = 0; g < MAX_G; ++g) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          reduce_buf[(warp * MAX_G + g) * HEAD_DIM + lane_chunk * kVec + e] = acc[g][e];
+        }
+      }
+    }
+  }
+
+  __device__ __forceinline__ void write(const float* head_max, const float* head_sum) const {
+    for (int idx = threadIdx.x; idx < num_g * HEAD_DIM; idx += kDecodeThreads) {
+      const int g = idx / HEAD_DIM, d = idx % HEAD_DIM;
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) total += reduce_buf[(w * MAX_G + g) * HEAD_DIM + d];
+      const float val = total / head_sum[g];
+      const int64_t row = int64_t(seq) * p.num_heads + head0 + g;
+      if (p.num_splits == 1) {
+        static_cast<T*>(p.out)[row * HEAD_DIM + d] = from_float<T>(val);
+      } else {
+        const int64_t at = row * p.num_splits + split;
+        p.split_out[at * HEAD_DIM + d] = val;
+        if (d == 0) {
+          p.split_max[at] = head_max[g];
+          p.split_sum[at] = head_sum[g];
+        }
+      }
+    }
+  }
+
+  // A zero-length sequence with a single partition: its output is zeros.
+  __device__ __forceinline__ void write_zeros() const {
+    for (int idx = threadIdx.x; idx < num_g * HEAD_DIM; idx += kDecodeThreads) {
+      const int64_t row = int64_t(seq) * p.num_heads + head0 + idx / HEAD_DIM;
+      static_cast<T*>(p.out)[row * HEAD_DIM + idx % HEAD_DIM] = from_float<T>(0.f);
+    }
+  }
+};
+
+template <typename T, int HEAD_DIM, int MAX_G>
+__global__ void __launch_bounds__(kDecodeThreads)
+paged_decode_kernel(const DecodeParams p) {
+  using Cta = DecodeCta<T, HEAD_DIM, MAX_G>;
+  extern __shared__ float smem[];
+  __shared__ float head_max[MAX_G], head_sum[MAX_G];
+  Cta c{p};
+  c.seq = blockIdx.y;
+  c.split = blockIdx.z;
+  c.kv_head = blockIdx.x / p.head_chunks;
+  const int chunk = blockIdx.x % p.head_chunks;
+  c.head0 = c.kv_head * p.group_size + chunk * MAX_G;
+  c.num_g = min(MAX_G, p.group_size - chunk * MAX_G);
+  const int seq_len = p.seq_lens[c.seq];
+  const int start = c.split * p.partition_size;
+  if (start >= seq_len) {
+    if (p.num_splits == 1) c.write_zeros();
+    return;  // partitions past the context write nothing; the reduce skips them
+  }
+  c.len = min(seq_len - start, p.partition_size);
+  c.num_blocks = (c.len + kDecodeBlockSize - 1) / kDecodeBlockSize;
+  c.table = p.block_tables + int64_t(c.seq) * p.max_num_blocks_per_seq + start / kDecodeBlockSize;
+  c.warp = threadIdx.x / 32;
+  c.lane = threadIdx.x % 32;
+  c.lane_token = c.lane / Cta::kLanesPerToken;
+  c.lane_chunk = c.lane % Cta::kLanesPerToken;
+  c.logits = smem;
+  c.reduce_buf = smem + MAX_G * p.partition_size;
+
+  float q[MAX_G][Cta::kVec];
+  c.load_query(q);
+  c.scores(q);
+  __syncthreads();
+  c.softmax(head_max, head_sum);
+  __syncthreads();
+  float acc[MAX_G][Cta::kVec] = {};
+  c.weighted_values(acc);
+  c.reduce_acc(acc);
+  __syncthreads();
+  c.write(head_max, head_sum);
+}
+
+// Grid (num_heads, num_seqs), HEAD_DIM threads: merges the partitions of one (seq, head).
+template <typename T>
+__global__ void paged_decode_reduce_kernel(
+    T* __restrict__ out,                  // [num_seqs, num_heads, head_dim]
+    const float* __restrict__ split_out,  // [num_seqs, num_heads, num_splits, head_dim]
+    const float* __restrict__ split_max,  // [num_seqs, num_heads, num_splits]
+    const float* __restrict__ split_sum,  // [num_seqs, num_heads, num_splits]
+    const int* __restrict__ seq_lens,     // [num_seqs]
+    int num_heads, int head_dim, int num_splits, int partition_size) {
+  const int seq = blockIdx.y, head = blockIdx.x, d = threadIdx.x;
+  const int64_t row = int64_t(seq) * num_heads + head;
+  const int used = min(num_splits, (seq_lens[seq] + partition_size - 1) / partition_size);
+  const float* mx = split_max + row * num_splits;
+  const float* sm = split_sum + row * num_splits;
+  float m = -CUDART_INF_F;
+  for (int s = 0; s < used; ++s) m = fmaxf(m, mx[s]);
+  float num = 0.f, den = 0.f;
+  for (int s = 0; s < used; ++s) {
+    const float w = sm[s] * exp2f(mx[s] - m);
+    den += w;
+    num = fmaf(w, split_out[(row * num_splits + s) * head_dim + d], num);
+  }
+  out[row * head_dim + d] = from_float<T>(used > 0 ? num / den : 0.f);
+}
+
+}  // namespace tinyvllm

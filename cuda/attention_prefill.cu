@@ -1,0 +1,84 @@
+// Launcher for paged prefill attention: checks sizes, picks the instantiation.
+//
+// Instantiations: {float16, bfloat16} x head_dim {64, 128}, block size 16 (the engine's shapes).
+#include "attention_prefill.cuh"
+#include "launchers.h"
+
+namespace tinyvllm {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <typename T, int HEAD_DIM>
+void launch_prefill(const PrefillParams& p, int num_seqs, int max_query_len,
+                    cudaStream_t stream) {
+  constexpr size_t smem = PrefillSmem<HEAD_DIM>::kBytes;
+  auto kernel = paged_prefill_kernel<T, HEAD_DIM>;
+  static const cudaError_t smem_ok = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  check_cuda(smem_ok, "paged_prefill_kernel: shared memory");
+  const dim3 grid(p.num_heads, (max_query_len + kPrefillBlockM - 1) / kPrefillBlockM, num_seqs);
+  kernel<<<grid, kPrefillThreads, smem, stream>>>(p);
+  check_launch("paged_prefill_kernel");
+}
+
+void check_prefill_args(const PrefillParams& p, int num_seqs, int head_dim, int block_size,
+                        int max_query_len) {
+  const std::string where = "paged_attention_prefill: ";
+  require(head_dim == 64 || head_dim == 128,
+          where + "head_dim=" + std::to_string(head_dim) + " unsupported (64, 128)");
+  require(block_size == kPrefillBlockSize,
+          where + "block_size=" + std::to_string(block_size) + " unsupported (16)");
+  require(num_seqs > 0 && num_seqs <= 65535,
+          where + "num_seqs=" + std::to_string(num_seqs) + " out of range [1, 65535]");
+  require(max_query_len > 0, where + "max_query_len=" + std::to_string(max_query_len) +
+                                 " must be positive");
+  require(p.num_kv_heads > 0 && p.num_heads % p.num_kv_heads == 0,
+          where + "num_heads=" + std::to_string(p.num_heads) + " is not a multiple of num_kv_heads=" +
+              std::to_string(p.num_kv_heads));
+  require(p.q_stride_token % 8 == 0 && p.q_stride_head % 8 == 0 && aligned16(p.query) &&
+              aligned16(p.key_cache) && aligned16(p.value_cache) && aligned16(p.out),
+          where + "query strides (" + std::to_string(p.q_stride_token) + ", " +
+              std::to_string(p.q_stride_head) + ") and pointers must be 16-byte aligned");
+}
+
+}  // namespace
+
+void paged_attention_prefill(
+    ptr_t out,              // [num_tokens, num_heads, head_dim] contiguous
+    ptr_t query,            // [num_tokens, num_heads, head_dim] strides (q_stride_token, q_stride_head, 1)
+    ptr_t key_cache,        // [num_blocks, block_size, num_kv_heads, head_dim]
+    ptr_t value_cache,      // [num_blocks, block_size, num_kv_heads, head_dim]
+    ptr_t block_tables,     // [num_seqs, max_num_blocks_per_seq] int32
+    ptr_t seq_lens,         // [num_seqs] int32
+    ptr_t query_start_loc,  // [num_seqs + 1] int32
+    int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+    int64_t q_stride_token, int64_t q_stride_head, int max_num_blocks_per_seq, int max_query_len,
+    float scale, int dtype, stream_t stream) {
+  PrefillParams p{};
+  p.out = reinterpret_cast<void*>(out);
+  p.query = reinterpret_cast<const void*>(query);
+  p.key_cache = reinterpret_cast<const void*>(key_cache);
+  p.value_cache = reinterpret_cast<const void*>(value_cache);
+  p.block_tables = reinterpret_cast<const int*>(block_tables);
+  p.seq_lens = reinterpret_cast<const int*>(seq_lens);
+  p.query_start_loc = reinterpret_cast<const int*>(query_start_loc);
+  p.num_heads = num_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.group_size = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
+  p.q_stride_token = q_stride_token;
+  p.q_stride_head = q_stride_head;
+  p.max_num_blocks_per_seq = max_num_blocks_per_seq;
+  p.scale_log2 = scale * kLog2e;
+  check_prefill_args(p, num_seqs, head_dim, block_size, max_query_len);
+  const cudaStream_t s = as_stream(stream);
+  TINYVLLM_DISPATCH_HALF(dtype, "paged_attention_prefill", {
+    if (head_dim == 64) {
+      launch_prefill<scalar_t, 64>(p, num_seqs, max_query_len, s);
+    } else {
+      launch_prefill<scalar_t, 128>(p, num_seqs, max_query_len, s);
+    }
+  });
+}
+
+}  // namespace tinyvllm

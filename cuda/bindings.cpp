@@ -1,0 +1,50 @@
+// The pybind11 module tinyvllm._cuda: declarations only. Kernels live in the .cuh headers, size
+// checks and instantiation choice in the launcher .cu files (signatures in launchers.h). Pointers
+// are torch's data_ptr() values and streams torch's cuda_stream handles; Python wrappers with
+// shapes live in service/tinyvllm/ops/*_cuda.py. std::invalid_argument becomes ValueError.
+#include <pybind11/pybind11.h>
+
+#include "launchers.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_cuda, m) {
+  m.doc() = "tinyvllm CUDA kernels (raw device pointers, sizes and stream handles)";
+
+  m.def("reshape_and_cache", &tinyvllm::reshape_and_cache, py::arg("key"), py::arg("value"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
+        py::arg("num_tokens"), py::arg("num_kv_heads"), py::arg("head_dim"),
+        py::arg("block_size"), py::arg("key_stride"), py::arg("value_stride"), py::arg("dtype"),
+        py::arg("stream"));
+
+  // `paged_attention` serves any query lengths (prefill, chunked prefill, mixed batches).
+  m.def("paged_attention", &tinyvllm::paged_attention_prefill, py::arg("out"), py::arg("query"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("num_seqs"),
+        py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+        py::arg("block_size"), py::arg("q_stride_token"), py::arg("q_stride_head"),
+        py::arg("max_num_blocks_per_seq"), py::arg("max_query_len"), py::arg("scale"),
+        py::arg("dtype"), py::arg("stream"));
+
+  m.def("paged_attention_decode", &tinyvllm::paged_attention_decode, py::arg("out"),
+        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("split_out"), py::arg("split_max"), py::arg("split_sum"),
+        py::arg("num_seqs"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+        py::arg("block_size"), py::arg("q_stride_token"), py::arg("q_stride_head"),
+        py::arg("max_num_blocks_per_seq"), py::arg("num_splits"), py::arg("partition_size"),
+        py::arg("scale"), py::arg("dtype"), py::arg("stream"));
+
+  m.def("rms_norm", &tinyvllm::rms_norm, py::arg("out"), py::arg("x"), py::arg("residual"),
+        py::arg("weight"), py::arg("num_tokens"), py::arg("hidden"), py::arg("x_stride"),
+        py::arg("residual_stride"), py::arg("out_stride"), py::arg("eps"), py::arg("dtype"),
+        py::arg("stream"));
+
+  m.def("silu_and_mul", &tinyvllm::silu_and_mul, py::arg("out"), py::arg("x"),
+        py::arg("num_tokens"), py::arg("d"), py::arg("x_stride"), py::arg("out_stride"),
+        py::arg("dtype"), py::arg("stream"));
+
+  m.def("rotary_embedding", &tinyvllm::rotary_embedding, py::arg("positions"), py::arg("query"),
+        py::arg("key"), py::arg("cos_sin_cache"), py::arg("num_tokens"), py::arg("num_heads"),
+        py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("query_stride"),
+        py::arg("key_stride"), py::arg("dtype"), py::arg("stream"));
+}

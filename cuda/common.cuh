@@ -1,0 +1,131 @@
+// Shared by every kernel of tinyvllm._cuda: element types, conversions, checks. Framework-free.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace tinyvllm {
+
+// The element-type codes Python passes (ops/kv_cache.py `_dtype_code`).
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+inline const char* dtype_name(int code) {
+  switch (code) {
+    case 0: return "float32";
+    case 1: return "float16";
+    case 2: return "bfloat16";
+    default: return "unknown";
+  }
+}
+
+// Bytes per element of a dtype code; throws on an unknown code.
+inline int dtype_size(int code) {
+  if (code == 0) return 4;
+  if (code == 1 || code == 2) return 2;
+  throw std::invalid_argument("unknown dtype code " + std::to_string(code));
+}
+
+inline cudaStream_t as_stream(std::uintptr_t handle) {
+  return reinterpret_cast<cudaStream_t>(handle);
+}
+
+// Raise (pybind11 maps std::invalid_argument to ValueError) with the parameter named.
+inline void require(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+
+inline void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
+  }
+}
+
+// After each launch: a bad configuration shows up here, not at the next sync.
+inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15) == 0; }
+
+// ---- conversions (device) ---------------------------------------------------------------------
+
+template <typename T> __device__ __forceinline__ float to_float(T x);
+template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Rounds through T and back: reproduces the reference's intermediate roundings.
+template <typename T> __device__ __forceinline__ float round_to(float x) {
+  return to_float<T>(from_float<T>(x));
+}
+
+// Eight 16-bit elements live in one 16-byte vector (uint4): unpack / pack to floats.
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& v, float (&out)[8]) {
+  const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = to_float<T>(e[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&in)[8]) {
+  uint4 v;
+  T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) e[i] = from_float<T>(in[i]);
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+
+}  // namespace tinyvllm
+
+// Calls F<T>(...) with T the element type of a dtype code (16-bit types only).
+#define TINYVLLM_DISPATCH_HALF(code, name, ...)                                           \
+  do {                                                                                    \
+    if ((code) == 1) {                                                                    \
+      using scalar_t = __half;                                                            \
+      __VA_ARGS__;                                                                        \
+    } else if ((code) == 2) {                                                             \
+      using scalar_t = __nv_bfloat16;                                                     \
+      __VA_ARGS__;                                                                        \
+    } else {                                                                              \
+      throw std::invalid_argument(std::string(name) + ": unsupported dtype " +            \
+                                  ::tinyvllm::dtype_name(code) + " (float16, bfloat16)"); \
+    }                                                                                     \
+  } while (0)
+
+// As above, float32 included.
+#define TINYVLLM_DISPATCH_FLOAT(code, name, ...)                                         \
+  do {                                                                                   \
+    if ((code) == 0) {                                                                   \
+      using scalar_t = float;                                                            \
+      __VA_ARGS__;                                                                       \
+    } else {                                                                             \
+      TINYVLLM_DISPATCH_HALF(code, name, __VA_ARGS__);                                   \
+    }                                                                                    \
+  } while (0)

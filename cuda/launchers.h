@@ -1,0 +1,46 @@
+// Launchers of tinyvllm._cuda: plain C++ signatures (device pointers and streams as integers) so that
+// bindings.cpp needs neither torch nor CUDA headers. Each launcher checks its sizes, picks the
+// template instantiation and throws std::invalid_argument naming the parameter it cannot serve.
+#pragma once
+
+#include <cstdint>
+
+namespace tinyvllm {
+
+using ptr_t = std::uintptr_t;  // a device pointer, as torch's data_ptr() gives it
+using stream_t = std::uintptr_t;  // a cudaStream_t, as torch's cuda_stream gives it
+
+// kv_cache.cu: write new K/V rows into the paged cache (KV_CACHE_LAYOUT in ops/kv_cache.py).
+void reshape_and_cache(ptr_t key, ptr_t value, ptr_t key_cache, ptr_t value_cache,
+                       ptr_t slot_mapping, int64_t num_tokens, int num_kv_heads, int head_dim,
+                       int block_size, int64_t key_stride, int64_t value_stride, int dtype,
+                       stream_t stream);
+
+// attention_decode.cu: one query per sequence, split along the context, then reduced.
+void paged_attention_decode(ptr_t out, ptr_t query, ptr_t key_cache, ptr_t value_cache,
+                            ptr_t block_tables, ptr_t seq_lens, ptr_t split_out,
+                            ptr_t split_max, ptr_t split_sum, int num_seqs, int num_heads,
+                            int num_kv_heads, int head_dim, int block_size,
+                            int64_t q_stride_token, int64_t q_stride_head,
+                            int max_num_blocks_per_seq, int num_splits, int partition_size,
+                            float scale, int dtype, stream_t stream);
+
+// attention_prefill.cu: any number of new queries per sequence, causal over cached + new keys.
+void paged_attention_prefill(ptr_t out, ptr_t query, ptr_t key_cache, ptr_t value_cache,
+                             ptr_t block_tables, ptr_t seq_lens, ptr_t query_start_loc,
+                             int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                             int block_size, int64_t q_stride_token, int64_t q_stride_head,
+                             int max_num_blocks_per_seq, int max_query_len, float scale,
+                             int dtype, stream_t stream);
+
+// layers.cu
+void rms_norm(ptr_t out, ptr_t x, ptr_t residual, ptr_t weight, int64_t num_tokens, int hidden,
+              int64_t x_stride, int64_t residual_stride, int64_t out_stride, float eps, int dtype,
+              stream_t stream);
+void silu_and_mul(ptr_t out, ptr_t x, int64_t num_tokens, int d, int64_t x_stride,
+                  int64_t out_stride, int dtype, stream_t stream);
+void rotary_embedding(ptr_t positions, ptr_t query, ptr_t key, ptr_t cos_sin_cache,
+                      int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim,
+                      int64_t query_stride, int64_t key_stride, int dtype, stream_t stream);
+
+}  // namespace tinyvllm

@@ -1,0 +1,123 @@
+// Elementwise and normalisation kernels of the Llama family. Framework-free device code.
+//
+// Each kernel reproduces the rounding points of its torch reference in ops/layers.py (the residual
+// sum, the normalised value and SiLU are rounded to the activation dtype before the next product),
+// so fp16 / bf16 outputs match the reference to the last bit or one rounding step.
+#pragma once
+
+#include "common.cuh"
+
+namespace tinyvllm {
+
+// N elements of T moved as one access (16 bytes when N = 16 / sizeof(T)).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+constexpr int kRowThreads = 256;
+
+__device__ __forceinline__ float block_sum(float x, float* scratch /* [32] */) {
+  x = warp_sum(x);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  const int num_warps = (blockDim.x + 31) / 32;
+  x = lane < num_warps ? scratch[lane] : 0.f;
+  return warp_sum(x);
+}
+
+// One CTA per token. With a residual: residual <- x + residual, out <- norm(residual) * weight.
+template <typename T, int N>
+__global__ void __launch_bounds__(kRowThreads) rms_norm_kernel(
+    T* __restrict__ out,             // [num_tokens, out_stride]
+    const T* __restrict__ x,         // [num_tokens, x_stride]
+    T* __restrict__ residual,        // [num_tokens, residual_stride] or null
+    const T* __restrict__ weight,    // [hidden]
+    int hidden, int64_t x_stride, int64_t residual_stride, int64_t out_stride, float eps) {
+  using V = Pack<T, N>;
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  const V* xr = reinterpret_cast<const V*>(x + row * x_stride);
+  V* rr = residual ? reinterpret_cast<V*>(residual + row * residual_stride) : nullptr;
+  const int num_packs = hidden / N;
+  float sum_sq = 0.f;
+  for (int i = threadIdx.x; i < num_packs; i += blockDim.x) {
+    V a = xr[i];
+    if (rr) {
+      const V r = rr[i];
+#pragma unroll
+      for (int j = 0; j < N; ++j) a.v[j] = from_float<T>(to_float(a.v[j]) + to_float(r.v[j]));
+      rr[i] = a;
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const float f = to_float(a.v[j]);
+      sum_sq = fmaf(f, f, sum_sq);
+    }
+  }
+  const float inv_rms = rsqrtf(block_sum(sum_sq, scratch) / hidden + eps);
+  const V* src = rr ? rr : xr;  // this thread wrote its own packs of rr above
+  const V* wr = reinterpret_cast<const V*>(weight);
+  V* orow = reinterpret_cast<V*>(out + row * out_stride);
+  for (int i = threadIdx.x; i < num_packs; i += blockDim.x) {
+    const V a = src[i], w = wr[i];
+    V o;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      o.v[j] = from_float<T>(round_to<T>(to_float(a.v[j]) * inv_rms) * to_float(w.v[j]));
+    }
+    orow[i] = o;
+  }
+}
+
+// out = silu(gate) * up with x = [gate | up]. Grid (num_tokens, column blocks).
+template <typename T, int N>
+__global__ void __launch_bounds__(kRowThreads) silu_and_mul_kernel(
+    T* __restrict__ out,      // [num_tokens, out_stride], d columns used
+    const T* __restrict__ x,  // [num_tokens, x_stride], 2 * d columns used
+    int d, int64_t x_stride, int64_t out_stride) {
+  using V = Pack<T, N>;
+  const int64_t row = blockIdx.x;
+  const V* gate = reinterpret_cast<const V*>(x + row * x_stride);
+  const V* up = reinterpret_cast<const V*>(x + row * x_stride + d);
+  V* orow = reinterpret_cast<V*>(out + row * out_stride);
+  const int num_packs = d / N;
+  for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < num_packs; i += gridDim.y * blockDim.x) {
+    const V g = gate[i], u = up[i];
+    V o;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const float gf = to_float(g.v[j]);
+      const float silu = round_to<T>(gf / (1.f + __expf(-gf)));
+      o.v[j] = from_float<T>(silu * to_float(u.v[j]));
+    }
+    orow[i] = o;
+  }
+}
+
+// Rotates query and key in place (GPT-NeoX half split). One CTA per token.
+template <typename T>
+__global__ void __launch_bounds__(kRowThreads) rotary_embedding_kernel(
+    const int64_t* __restrict__ positions,   // [num_tokens]
+    T* __restrict__ query,                   // [num_tokens, query_stride], num_heads * head_dim used
+    T* __restrict__ key,                     // [num_tokens, key_stride], num_kv_heads * head_dim used
+    const float* __restrict__ cos_sin_cache, // [max_position, head_dim]: cos | sin halves
+    int num_heads, int num_kv_heads, int head_dim, int64_t query_stride, int64_t key_stride) {
+  const int64_t token = blockIdx.x;
+  const int half = head_dim / 2;
+  const float* cos = cos_sin_cache + positions[token] * head_dim;
+  const float* sin = cos + half;
+  const int num_pairs = (num_heads + num_kv_heads) * half;
+  for (int idx = threadIdx.x; idx < num_pairs; idx += blockDim.x) {
+    const int head = idx / half, i = idx % half;
+    T* x = head < num_heads ? query + token * query_stride + head * head_dim
+                            : key + token * key_stride + (head - num_heads) * head_dim;
+    const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+    const float c = cos[i], s = sin[i];
+    x[i] = from_float<T>(x1 * c - x2 * s);
+    x[i + half] = from_float<T>(x2 * c + x1 * s);
+  }
+}
+
+}  // namespace tinyvllm

@@ -1,0 +1,246 @@
+"""Kernel benchmark: paged attention (decode, prefill), RMSNorm, SiLU-and-mul against torch.
+
+    python -m tinyvllm.bench.kernels [--out bench-results/kernels.json] [--quick]
+
+Follows BENCHMARKS.md: the device-to-device copy bandwidth is measured in the same run and every
+memory-bound figure is reported as a fraction of it; every "faster" is a ratio against a torch
+baseline timed in this process on the same inputs (SDPA on gathered contiguous K/V, the
+gather-then-attend reference, eager torch for the elementwise ops). CUDA events, warm-up, medians.
+A JSON record goes to --out; a table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref
+from tinyvllm.ops.layers import rms_norm_ref, silu_and_mul_ref
+
+BLOCK_SIZE = 16
+DTYPE = torch.bfloat16
+ROTATE_BYTES = 512 << 20  # inputs smaller than this rotate through copies so L2 (50 MB) never holds them
+TARGET_MS = 2.0           # each timed sample runs at least this long
+
+
+@dataclass
+class Row:
+    name: str
+    shape: str
+    us: float
+    gbps: Optional[float] = None
+    tflops: Optional[float] = None
+    frac_copy_bw: Optional[float] = None
+    baselines_us: dict = field(default_factory=dict)  # name -> median us
+
+    def ratios(self) -> dict:
+        return {k: v / self.us for k, v in self.baselines_us.items()}
+
+
+def time_us(fn: Callable[[int], None], reps: int = 15) -> float:
+    """Median microseconds per call of fn(i) (i rotates inputs), events around batches of calls."""
+    for i in range(3):
+        fn(i)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(0)
+    end.record()
+    end.synchronize()
+    inner = max(1, min(200, int(TARGET_MS / max(start.elapsed_time(end), 1e-3))))
+    samples = []
+    for r in range(reps):
+        start.record()
+        for i in range(inner):
+            fn(r * inner + i)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / inner)
+    return statistics.median(samples)
+
+
+def copy_bandwidth_gbps() -> float:
+    """Device-to-device copy of 1 GiB: (bytes read + bytes written) / time."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    us = time_us(lambda i: dst.copy_(src))
+    return 2 * n / us / 1e3
+
+
+# ---- paged attention --------------------------------------------------------------------------
+
+def paged_batch(seqs, num_heads, num_kv_heads, head_dim, rotations, gen):
+    """`rotations` metadata sets over one cache, each on its own blocks. seqs: (q_len, seq_len)."""
+    nb = [-(-s // BLOCK_SIZE) for _, s in seqs]
+    num_blocks = 1 + rotations * sum(nb)
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen,
+                        device="cuda", dtype=DTYPE)
+    perm = (torch.randperm(num_blocks - 1, generator=gen, device="cuda") + 1).int()
+    q_lens, seq_lens = [q for q, _ in seqs], [s for _, s in seqs]
+    cu = [0] + torch.tensor(q_lens).cumsum(0).tolist()
+    metas, used = [], 0
+    for _ in range(rotations):
+        tables = torch.zeros(len(seqs), max(nb), dtype=torch.int32, device="cuda")
+        for i, n in enumerate(nb):
+            tables[i, :n] = perm[used:used + n]
+            used += n
+        metas.append(AttentionMetadata(
+            num_tokens=cu[-1], slot_mapping=torch.zeros(cu[-1], dtype=torch.int64, device="cuda"),
+            query_start_loc=torch.tensor(cu, dtype=torch.int32, device="cuda"),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), block_tables=tables,
+            max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_start_loc_cpu=cu,
+            seq_lens_cpu=seq_lens))
+    query = torch.randn(cu[-1], num_heads, head_dim, generator=gen, device="cuda", dtype=DTYPE)
+    return query, cache, metas
+
+
+def bench_decode(kernels, batch, ctx, num_heads, num_kv_heads, head_dim, copy_gbps, gen) -> Row:
+    from tinyvllm.ops.attention_cuda import paged_attention_cuda
+    kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * 2
+    rot = max(1, math.ceil(ROTATE_BYTES / kv_bytes))
+    query, cache, metas = paged_batch([(1, ctx)] * batch, num_heads, num_kv_heads, head_dim, rot,
+                                      gen)
+    scale = head_dim ** -0.5
+    us = time_us(lambda i: paged_attention_cuda(kernels, query, cache, metas[i % rot], scale))
+    # Baseline 1: SDPA over K/V already gathered into contiguous [batch, h_kv, ctx, d].
+    k = torch.randn(rot, batch, num_kv_heads, ctx, head_dim, generator=gen, device="cuda",
+                    dtype=DTYPE)
+    v = torch.randn_like(k)
+    q = query.view(batch, num_heads, 1, head_dim)
+    sdpa_us = time_us(lambda i: F.scaled_dot_product_attention(
+        q, k[i % rot], v[i % rot], scale=scale, enable_gqa=True))
+    del k, v
+    ref_us = time_us(lambda i: paged_attention_ref(query, cache, metas[i % rot], scale), reps=5)
+    bytes_moved = kv_bytes + 2 * query.numel() * 2  # K/V once, q read, out written
+    gbps = bytes_moved / us / 1e3
+    return Row("decode", f"b{batch} ctx{ctx} h{num_heads}/{num_kv_heads} d{head_dim}", us, gbps,
+               frac_copy_bw=gbps / copy_gbps,
+               baselines_us={"sdpa_contiguous": sdpa_us, "torch_ref": ref_us})
+
+
+def bench_prefill(kernels, seqs, num_heads, num_kv_heads, head_dim, gen) -> Row:
+    from tinyvllm.ops.attention_cuda import paged_attention_cuda
+    query, cache, metas = paged_batch(seqs, num_heads, num_kv_heads, head_dim, 1, gen)
+    scale = head_dim ** -0.5
+    us = time_us(lambda i: paged_attention_cuda(kernels, query, cache, metas[0], scale))
+    # Causal pairs: query at position p sees p + 1 keys. 2 matmuls x 2 flops per pair and dim.
+    pairs = sum(sum(range(s - q + 1, s + 1)) for q, s in seqs)
+    flops = 4 * pairs * num_heads * head_dim
+    baselines = {"torch_ref": time_us(lambda i: paged_attention_ref(query, cache, metas[0], scale),
+                                      reps=5)}
+    if all(q == s for q, s in seqs) and len(set(s for _, s in seqs)) == 1:
+        b, s = len(seqs), seqs[0][1]  # equal full prefills: SDPA causal on contiguous tensors
+        q4 = query.view(b, s, num_heads, head_dim).transpose(1, 2)
+        k4 = torch.randn(b, num_kv_heads, s, head_dim, generator=gen, device="cuda", dtype=DTYPE)
+        v4 = torch.randn_like(k4)
+        baselines["sdpa_contiguous"] = time_us(lambda i: F.scaled_dot_product_attention(
+            q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True))
+    shape = "+".join(f"{q}/{s}" for q, s in seqs[:2]) + (f" x{len(seqs)}" if len(seqs) > 2 else "")
+    return Row("prefill", f"{shape} h{num_heads}/{num_kv_heads} d{head_dim}", us,
+               tflops=flops / us / 1e6, baselines_us=baselines)
+
+
+# ---- elementwise ------------------------------------------------------------------------------
+
+def bench_rms_norm(kernels, tokens, hidden, copy_gbps, gen) -> Row:
+    from tinyvllm.ops.layers_cuda import rms_norm_cuda
+    x = torch.randn(tokens, hidden, generator=gen, device="cuda", dtype=DTYPE)
+    res = torch.randn_like(x)
+    w = torch.randn(hidden, generator=gen, device="cuda", dtype=DTYPE)
+    out = torch.empty_like(x)
+    us = time_us(lambda i: rms_norm_cuda(kernels, x, w, 1e-6, res, out=out))
+    eager = time_us(lambda i: rms_norm_ref(x, w, 1e-6, res))
+    gbps = 4 * x.numel() * 2 / us / 1e3  # read x, residual; write residual, out
+    return Row("rms_norm+residual", f"{tokens}x{hidden}", us, gbps, frac_copy_bw=gbps / copy_gbps,
+               baselines_us={"torch_eager": eager})
+
+
+def bench_silu(kernels, tokens, d, copy_gbps, gen) -> Row:
+    from tinyvllm.ops.layers_cuda import silu_and_mul_cuda
+    x = torch.randn(tokens, 2 * d, generator=gen, device="cuda", dtype=DTYPE)
+    out = torch.empty(tokens, d, device="cuda", dtype=DTYPE)
+    us = time_us(lambda i: silu_and_mul_cuda(kernels, x, out=out))
+    eager = time_us(lambda i: silu_and_mul_ref(x))
+    gbps = 3 * tokens * d * 2 / us / 1e3
+    return Row("silu_and_mul", f"{tokens}x{d}", us, gbps, frac_copy_bw=gbps / copy_gbps,
+               baselines_us={"torch_eager": eager})
+
+
+# ---- driver -----------------------------------------------------------------------------------
+
+def git_rev() -> str:
+    if os.environ.get("TINYVLLM_GIT_REV"):
+        return os.environ["TINYVLLM_GIT_REV"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run(quick: bool) -> tuple[float, list[Row]]:
+    from tinyvllm.ops._dispatch import cuda_ops
+    kernels = cuda_ops()
+    if kernels is None:
+        raise SystemExit("tinyvllm._cuda is not available (no GPU or module not built)")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    copy_gbps = copy_bandwidth_gbps()
+    rows = []
+    for batch in ([1, 64] if quick else [1, 8, 32, 64, 128]):
+        rows.append(bench_decode(kernels, batch, 4096, 32, 8, 128, copy_gbps, gen))
+    if not quick:
+        rows.append(bench_decode(kernels, 64, 1024, 32, 8, 128, copy_gbps, gen))
+        rows.append(bench_decode(kernels, 64, 4096, 9, 3, 64, copy_gbps, gen))
+    for seqs in ([[(4096, 4096)]] if quick else
+                 [[(4096, 4096)], [(2048, 2048)] * 4, [(512, 4096)] * 4, [(1024, 1024)] * 8]):
+        rows.append(bench_prefill(kernels, seqs, 32, 8, 128, gen))
+    rows.append(bench_rms_norm(kernels, 4096, 4096, copy_gbps, gen))
+    rows.append(bench_silu(kernels, 4096, 14336, copy_gbps, gen))
+    return copy_gbps, rows
+
+
+def print_table(copy_gbps: float, rows: list[Row]) -> None:
+    print(f"\ncopy bandwidth (d2d, read+write): {copy_gbps:.0f} GB/s")
+    print(f"{'kernel':<18} {'shape':<32} {'us':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8}  "
+          "ratios (baseline time / ours)")
+    for r in rows:
+        gbps = f"{r.gbps:.0f}" if r.gbps else "-"
+        frac = f"{100 * r.frac_copy_bw:.0f}" if r.frac_copy_bw else "-"
+        tfl = f"{r.tflops:.1f}" if r.tflops else "-"
+        ratios = " ".join(f"{k}={v:.2f}x" for k, v in r.ratios().items())
+        print(f"{r.name:<18} {r.shape:<32} {r.us:>9.1f} {gbps:>7} {frac:>6} {tfl:>8}  {ratios}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench-results/kernels.json", help="JSON record path")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    args = parser.parse_args(argv)
+    copy_gbps, rows = run(args.quick)
+    record = {
+        "benchmark": "kernels", "git_rev": git_rev(), "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+        "dtype": str(DTYPE).removeprefix("torch."), "block_size": BLOCK_SIZE,
+        "copy_bandwidth_gbps": copy_gbps,
+        "results": [dict(asdict(r), ratios=r.ratios()) for r in rows],
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=2))
+    print(f"wrote {args.out}")
+    print_table(copy_gbps, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""CUDA paged attention behind `ops.attention.paged_attention`: decode and (chunked) prefill.
+
+Decode (every sequence has one new query) runs the split-K kernel: the context is cut into
+partitions so that even a few long sequences fill the GPU, and a second kernel merges them.
+Anything else runs the flash-attention-style prefill kernel, which also serves mixed batches.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from tinyvllm.ops._dispatch import stream_handle
+from tinyvllm.ops.attention import AttentionMetadata
+from tinyvllm.ops.kv_cache import _dtype_code
+
+MAX_PARTITION = 512
+"""Most tokens per decode partition (the kernel keeps a partition's scores in shared memory)."""
+
+MIN_PARTITION = 64
+"""Fewest tokens per decode partition: below this the merge costs more than it saves."""
+
+CTAS_PER_SM = 2
+"""Decode launches at least this many CTAs per multiprocessor when partitions allow it."""
+
+
+def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float,
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention of new queries over their sequences' paged K/V.
+
+    Args:
+        kernel: the `tinyvllm._cuda` module.
+        query: [num_tokens, num_heads, head_dim], last dim contiguous.
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous, query's dtype.
+        meta: block tables, seq_lens and query_start_loc as int32 device tensors.
+        scale: softmax scale.
+        out: optional contiguous output buffer shaped like query (static buffers, tests).
+    Returns:
+        [num_tokens, num_heads, head_dim]; on pure decode only the first num_seqs rows are written.
+    """
+    _check_inputs(query, kv_cache, meta)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    elif out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous {query.dtype} {tuple(query.shape)} tensor")
+    if meta.max_query_len == 1:
+        _decode(kernel, out, query, kv_cache, meta, scale)
+    else:
+        _prefill(kernel, out, query, kv_cache, meta, scale)
+    return out
+
+
+def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    if query.dim() != 3 or query.stride(-1) != 1:
+        raise ValueError(f"query: expected [num_tokens, num_heads, head_dim] with a contiguous "
+                         f"last dim, got shape {tuple(query.shape)} strides {query.stride()}")
+    if kv_cache.dim() != 5 or not kv_cache.is_contiguous() or kv_cache.dtype != query.dtype:
+        raise ValueError(f"kv_cache: expected a contiguous {query.dtype} tensor "
+                         f"[2, num_blocks, block_size, num_kv_heads, head_dim], got "
+                         f"{kv_cache.dtype} {tuple(kv_cache.shape)}")
+    for name in ("block_tables", "seq_lens", "query_start_loc"):
+        t = getattr(meta, name)
+        if t.dtype != torch.int32 or not t.is_contiguous() or t.device != query.device:
+            raise ValueError(f"meta.{name}: expected a contiguous int32 tensor on "
+                             f"{query.device}, got {t.dtype} on {t.device}")
+
+
+def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float) -> None:
+    num_seqs = meta.num_seqs
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    partition, num_splits = decode_partition(num_seqs, num_heads, num_kv_heads, meta.max_seq_len,
+                                             _sm_count(query.device))
+    split_out = split_max = split_sum = None
+    if num_splits > 1:
+        split_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
+                                device=query.device)
+        stats = torch.empty((2, num_seqs, num_heads, num_splits), dtype=torch.float32,
+                            device=query.device)
+        split_max, split_sum = stats[0], stats[1]
+    kernel.paged_attention_decode(
+        out.data_ptr(), query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), _ptr(split_out), _ptr(split_max),
+        _ptr(split_sum), num_seqs, num_heads, num_kv_heads, head_dim, kv_cache.shape[2],
+        query.stride(0), query.stride(1), meta.block_tables.shape[1], num_splits, partition,
+        scale, _dtype_code(query.dtype), stream_handle(query.device))
+
+
+def _prefill(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float) -> None:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    kernel.paged_attention(
+        out.data_ptr(), query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(),
+        meta.num_seqs, num_heads, kv_cache.shape[3], head_dim, kv_cache.shape[2],
+        query.stride(0), query.stride(1), meta.block_tables.shape[1], meta.max_query_len, scale,
+        _dtype_code(query.dtype), stream_handle(query.device))
+
+
+def decode_partition(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int,
+                     sm_count: int) -> tuple[int, int]:
+    """(tokens per partition, number of partitions) for a decode launch.
+
+    The largest partition that still gives CTAS_PER_SM CTAs per multiprocessor: long contexts of
+    a small batch split finely, a large batch keeps whole 512-token partitions.
+    """
+    group = num_heads // num_kv_heads
+    head_chunks = 1 if group <= 4 else -(-group // 8)  # mirrors the launcher's MAX_G choice
+    ctas = num_seqs * num_kv_heads * head_chunks
+    partition = MAX_PARTITION
+    while partition > MIN_PARTITION and ctas * -(-max_seq_len // partition) < CTAS_PER_SM * sm_count:
+        partition //= 2
+    return partition, max(1, -(-max_seq_len // partition))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()

@@ -1,0 +1,107 @@
+"""CUDA RMSNorm(+residual), SiLU-and-mul and rotary embedding behind `ops.layers`."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from tinyvllm.ops._dispatch import stream_handle
+from tinyvllm.ops.kv_cache import _dtype_code
+
+
+def rms_norm_cuda(kernel, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  residual: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None):
+    """RMSNorm, fused with the residual add when `residual` is given.
+
+    Shape: x, residual: [num_tokens, hidden] (last dim contiguous); weight: [hidden], x's dtype.
+    Returns: normed x (a new tensor), or (normed(x + residual), x + residual) where the second is
+    `residual` itself, updated in place (the next layer's residual, as in vLLM). `out` is an
+    optional [num_tokens, hidden] buffer with contiguous rows for the normed result.
+    """
+    hidden = x.shape[-1]
+    _check_rows("x", x)
+    if weight.dtype != x.dtype or weight.shape != (hidden,) or not weight.is_contiguous():
+        raise ValueError(f"weight: expected a contiguous [{hidden}] {x.dtype} tensor, got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    if residual is not None:
+        _check_rows("residual", residual)
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"residual: expected {x.dtype} {tuple(x.shape)}, got "
+                             f"{residual.dtype} {tuple(residual.shape)}")
+    out = _output(out, x.shape, x)
+    kernel.rms_norm(
+        out.data_ptr(), x.data_ptr(), 0 if residual is None else residual.data_ptr(),
+        weight.data_ptr(), x.shape[0], hidden, x.stride(0),
+        0 if residual is None else residual.stride(0), out.stride(0), eps,
+        _dtype_code(x.dtype), stream_handle(x.device))
+    return out if residual is None else (out, residual)
+
+
+def silu_and_mul_cuda(kernel, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SwiGLU. Shape: x [num_tokens, 2 * d] (gate | up, rows contiguous) -> [num_tokens, d].
+
+    `out` is an optional [num_tokens, d] buffer with contiguous rows.
+    """
+    _check_rows("x", x)
+    if x.shape[-1] % 2:
+        raise ValueError(f"x: last dim must be even (gate | up), got {x.shape[-1]}")
+    d = x.shape[-1] // 2
+    out = _output(out, (x.shape[0], d), x)
+    kernel.silu_and_mul(out.data_ptr(), x.data_ptr(), x.shape[0], d, x.stride(0), out.stride(0),
+                        _dtype_code(x.dtype), stream_handle(x.device))
+    return out
+
+
+def rotary_embedding_cuda(kernel, positions: torch.Tensor, query: torch.Tensor,
+                          key: torch.Tensor, cos_sin_cache: torch.Tensor, head_dim: int):
+    """Rotate q and k in place (GPT-NeoX half split).
+
+    Shape:
+        positions: [num_tokens] int64
+        query: [num_tokens, num_heads * head_dim]; key: [num_tokens, num_kv_heads * head_dim]
+            (each row contiguous; rows may be strided, e.g. views into a fused qkv output)
+        cos_sin_cache: [max_position, head_dim] float32, contiguous, on the same device
+    Returns: (query, key), the same tensors, rotated.
+    """
+    _check_rows("query", query, dims=(2, 3))
+    _check_rows("key", key, dims=(2, 3))
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        raise ValueError(f"positions: expected contiguous int64, got {positions.dtype}")
+    if (cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous()
+            or cos_sin_cache.shape[-1] != head_dim or cos_sin_cache.device != query.device):
+        raise ValueError(f"cos_sin_cache: expected contiguous float32 [max_position, {head_dim}] "
+                         f"on {query.device}, got {cos_sin_cache.dtype} "
+                         f"{tuple(cos_sin_cache.shape)} on {cos_sin_cache.device}")
+    if key.dtype != query.dtype:
+        raise ValueError(f"key: dtype {key.dtype} differs from query's {query.dtype}")
+    num_tokens = query.shape[0]
+    kernel.rotary_embedding(
+        positions.data_ptr(), query.data_ptr(), key.data_ptr(), cos_sin_cache.data_ptr(),
+        num_tokens, _row_numel(query) // head_dim, _row_numel(key) // head_dim, head_dim,
+        query.stride(0), key.stride(0), _dtype_code(query.dtype), stream_handle(query.device))
+    return query, key
+
+
+def _output(out: Optional[torch.Tensor], shape, like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or out.device != like.device:
+        raise ValueError(f"out: expected {like.dtype} {tuple(shape)} on {like.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    _check_rows("out", out)
+    return out
+
+
+def _row_numel(t: torch.Tensor) -> int:
+    return math.prod(t.shape[1:])
+
+
+def _check_rows(name: str, t: torch.Tensor, dims: tuple[int, ...] = (2,)) -> None:
+    """t is [num_tokens, ...] and each row (everything after dim 0) is one contiguous run."""
+    row_ok = t.shape[0] == 0 or t[0].is_contiguous()
+    if t.dim() not in dims or not row_ok:
+        raise ValueError(f"{name}: expected [num_tokens, ...] ({' or '.join(map(str, dims))} "
+                         f"dims) with contiguous rows, got shape {tuple(t.shape)} strides "
+                         f"{t.stride()}")

@@ -1,0 +1,138 @@
+"""CUDA paged attention (decode split-K and chunked prefill) against the torch reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tinyvllm.ops._dispatch import cuda_ops
+from tinyvllm.ops.attention import AttentionMetadata, paged_attention, paged_attention_ref
+from tinyvllm.ops.kv_cache import reshape_and_cache_ref
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+BLOCK_SIZE = 16
+POISON = 1.0e4  # finite garbage in unused cache slots: a wrong mask shows up as a huge error
+REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3}
+HEADS = [(9, 3), (32, 8), (12, 1), (4, 4), (20, 2)]  # GQA 3, 4, 12 (two CTAs), MHA, 10
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = cuda_ops()
+    assert module is not None and hasattr(module, "paged_attention"), "tinyvllm._cuda not built"
+    return module
+
+
+def make_batch(seqs, num_heads, num_kv_heads, head_dim, dtype, seed):
+    """Random paged batch on the GPU. seqs: list of (q_len, seq_len); blocks shuffled."""
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-seq_len // BLOCK_SIZE) for _, seq_len in seqs]
+    num_blocks = sum(blocks_per_seq) + 5  # null block 0 and spares
+    cache = torch.full((2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim), POISON, dtype=dtype)
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(len(seqs), max(blocks_per_seq) + 3, dtype=torch.int32)
+    all_slots, new_slots = [], []
+    for i, ((q_len, seq_len), nb) in enumerate(zip(seqs, blocks_per_seq)):
+        tables[i, :nb] = torch.tensor([free.pop() for _ in range(nb)], dtype=torch.int32)
+        slots = [int(tables[i, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+                 for p in range(seq_len)]
+        all_slots += slots
+        new_slots += slots[seq_len - q_len:]
+    total = len(all_slots)
+    k = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
+    reshape_and_cache_ref(k, v, cache, torch.tensor(all_slots))
+    q_lens = [q for q, _ in seqs]
+    seq_lens = [s for _, s in seqs]
+    cu = [0] + torch.tensor(q_lens).cumsum(0).tolist()
+    meta = AttentionMetadata(
+        num_tokens=cu[-1], slot_mapping=torch.tensor(new_slots, device=dev),
+        query_start_loc=torch.tensor(cu, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        block_tables=tables.to(dev), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=cu, seq_lens_cpu=seq_lens)
+    query = torch.randn(cu[-1], num_heads, head_dim, generator=gen).to(dtype)
+    return query.to(dev), cache.to(dev), meta
+
+
+def check_against_reference(kernels, seqs, heads, head_dim, dtype, seed):
+    from tinyvllm.ops.attention_cuda import paged_attention_cuda
+    num_heads, num_kv_heads = heads
+    query, cache, meta = make_batch(seqs, num_heads, num_kv_heads, head_dim, dtype, seed)
+    scale = 1 / math.sqrt(head_dim)
+    out = torch.full_like(query, float("nan"))  # poison: every row must be written
+    paged_attention_cuda(kernels, query, cache, meta, scale, out=out)
+    ref = paged_attention_ref(query.float(), cache.float(), meta, scale)
+    rows = meta.num_seqs if meta.max_query_len == 1 else meta.num_tokens
+    out, ref = out[:rows].float(), ref[:rows]
+    assert torch.isfinite(out).all(), "unwritten or non-finite output rows"
+    rel = ((out - ref).norm() / ref.norm()).item()
+    assert rel <= REL_TOL[dtype], f"relative error {rel:.2e}"
+    return out
+
+
+DECODE_CASES = {
+    "ragged": [(1, 5), (1, 48), (1, 1), (1, 30), (1, 17)],
+    "one_long": [(1, 2049)],  # small batch: many short partitions, merged by the reduce kernel
+    "many_mixed": [(1, n) for n in (600, 33, 1, 511, 512, 513, 1000, 77) * 5],
+    "many_short": [(1, 1 + (7 * i) % 300) for i in range(40)],  # one partition per sequence
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_matches_reference(kernels, case, heads, head_dim, dtype):
+    seed = hash((case, heads, head_dim, str(dtype))) % 2**31
+    check_against_reference(kernels, DECODE_CASES[case], heads, head_dim, dtype, seed)
+
+
+PREFILL_CASES = {
+    # prefill, chunked prefill over a cached prefix, a decode row, a q tile boundary
+    "ragged": [(7, 7), (3, 41), (1, 17), (20, 33), (65, 65), (70, 200)],
+    "long": [(300, 1000), (129, 129)],
+    "one_row_tiles": [(2, 2), (2, 64), (2, 65)],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+def test_prefill_matches_reference(kernels, case, heads, head_dim, dtype):
+    seed = hash((case, heads, head_dim, str(dtype), "prefill")) % 2**31
+    check_against_reference(kernels, PREFILL_CASES[case], heads, head_dim, dtype, seed)
+
+
+def test_public_op_dispatches_to_kernel(kernels):
+    query, cache, meta = make_batch([(5, 40), (1, 9)], 8, 2, 128, torch.bfloat16, seed=3)
+    from tinyvllm.ops.attention_cuda import paged_attention_cuda
+    direct = paged_attention_cuda(kernels, query, cache, meta, 0.1)
+    torch.testing.assert_close(paged_attention(query, cache, meta, 0.1), direct, rtol=0, atol=0)
+
+
+def test_strided_query_from_fused_qkv(kernels):
+    """q as a view into a [num_tokens, (h + 2 h_kv) * d] projection output."""
+    query, cache, meta = make_batch([(9, 50), (4, 4)], 8, 2, 64, torch.float16, seed=5)
+    qkv = torch.randn(query.shape[0], (8 + 4) * 64, device="cuda", dtype=torch.float16)
+    qkv[:, :8 * 64] = query.reshape(query.shape[0], -1)
+    strided = qkv[:, :8 * 64].view(query.shape[0], 8, 64)
+    from tinyvllm.ops.attention_cuda import paged_attention_cuda
+    torch.testing.assert_close(paged_attention_cuda(kernels, strided, cache, meta, 0.125),
+                               paged_attention_cuda(kernels, query, cache, meta, 0.125),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_unsupported_head_dim_raises(kernels, decode):
+    seqs = [(1, 20)] if decode else [(4, 20)]
+    query, cache, meta = make_batch(seqs, 4, 2, 96, torch.bfloat16, seed=1)
+    from tinyvllm.ops.attention_cuda import paged_attention_cuda
+    with pytest.raises(ValueError, match="head_dim=96"):
+        paged_attention_cuda(kernels, query, cache, meta, 0.1)

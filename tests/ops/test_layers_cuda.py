@@ -1,0 +1,89 @@
+"""CUDA RMSNorm(+residual), SiLU-and-mul and rotary embedding against the torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinyvllm.ops._dispatch import cuda_ops
+from tinyvllm.ops.layers import (build_cos_sin_cache, rms_norm_ref, rotary_embedding,
+                                 rotary_embedding_ref, silu_and_mul_ref)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+REL_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = cuda_ops()
+    assert module is not None and hasattr(module, "rms_norm"), "tinyvllm._cuda not built"
+    return module
+
+
+def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    rel = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert rel <= REL_TOL[dtype], f"relative error {rel:.2e}"
+
+
+def rand(*shape, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 576), (37, 4096), (5, 4099), (3, 8192)])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm(kernels, dtype, num_tokens, hidden, with_residual):
+    from tinyvllm.ops.layers_cuda import rms_norm_cuda
+    x = rand(num_tokens, hidden, dtype=dtype, seed=hidden)
+    weight = rand(hidden, dtype=dtype, seed=1)
+    residual = rand(num_tokens, hidden, dtype=dtype, seed=2) if with_residual else None
+    expected = rms_norm_ref(x, weight, 1e-6, residual)
+    out = torch.full_like(x, float("nan"))
+    got = rms_norm_cuda(kernels, x, weight, 1e-6,
+                        None if residual is None else residual.clone(), out=out)
+    if with_residual:
+        assert got[0] is out
+        torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)  # same rounding
+        assert_rel_close(out, expected[0], dtype)
+    else:
+        assert got is out
+        assert_rel_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,d", [(1, 1536), (37, 7168), (9, 4099), (2, 7)])
+def test_silu_and_mul(kernels, dtype, num_tokens, d):
+    from tinyvllm.ops.layers_cuda import silu_and_mul_cuda
+    wide = rand(num_tokens, 2 * d + 16, dtype=dtype, seed=d)
+    x = wide[:, 8:8 + 2 * d]  # strided rows, offset start: exercises the narrow path too
+    out = torch.full((num_tokens, d), float("nan"), dtype=dtype, device="cuda")
+    silu_and_mul_cuda(kernels, x, out=out)
+    assert_rel_close(out, silu_and_mul_ref(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (32, 8)])
+def test_rotary_embedding_in_place(kernels, dtype, head_dim, num_heads, num_kv_heads):
+    num_tokens, max_position = 41, 8192
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    cache = build_cos_sin_cache(head_dim, max_position, 500000.0, scaling, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(head_dim)
+    positions = torch.randint(0, max_position, (num_tokens,), generator=gen, device="cuda")
+    q_width, k_width = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = rand(num_tokens, q_width + 2 * k_width, dtype=dtype, seed=7)
+    query, key = qkv[:, :q_width], qkv[:, q_width:q_width + k_width]  # strided views
+    expected_q, expected_k = rotary_embedding_ref(positions, query.clone(), key.clone(), cache,
+                                                  head_dim)
+    value_before = qkv[:, q_width + k_width:].clone()
+    got_q, got_k = rotary_embedding(positions, query, key, cache, head_dim)
+    assert got_q.data_ptr() == query.data_ptr() and got_k.data_ptr() == key.data_ptr()
+    assert_rel_close(query, expected_q, dtype)
+    assert_rel_close(key, expected_k, dtype)
+    torch.testing.assert_close(qkv[:, q_width + k_width:], value_before, rtol=0, atol=0)
