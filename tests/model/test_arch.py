@@ -32,3 +32,14 @@ def test_unsupported_architecture_is_named():
         LlamaArch.from_hf_config({**BASE, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="'gemma'"):
         LlamaArch.from_gguf_metadata({"general.architecture": "gemma"}, set(), 10)
+
+
+def test_sliding_window_caps_context():
+    mistral = {**BASE, "architectures": ["MistralForCausalLM"], "max_position_embeddings": 32768}
+    assert LlamaArch.from_hf_config({**mistral, "sliding_window": 4096}).max_position_embeddings \
+        == 4096
+    assert LlamaArch.from_hf_config({**mistral, "sliding_window": None}).max_position_embeddings \
+        == 32768
+    qwen = {**BASE, "architectures": ["Qwen2ForCausalLM"], "max_position_embeddings": 32768,
+            "sliding_window": 4096, "use_sliding_window": False}
+    assert LlamaArch.from_hf_config(qwen).max_position_embeddings == 32768

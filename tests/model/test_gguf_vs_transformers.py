@@ -9,8 +9,9 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n",
            "1 2 3 4 5 6 7 8 9 10 11 12 13"]
-TRICKY = ["x = [\n    1,", "for i in range(10):\n\tprint(i**2)  # 2024-01-31", "東京は日本の首都です。",
-          "emoji 🤗🚀 and ümlaut", "  leading spaces and trailing  ", "<|im_start|>user\nhi<|im_end|>"]
+TRICKY = ["x = [\n    1,", "for i in range(10):\n\tprint(i**2)  # 2024-01-31",
+          "東京は日本の首都です。", "emoji 🤗🚀 and ümlaut", "  leading spaces and trailing  ",
+          "<|im_start|>user\nhi<|im_end|>"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"},
             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2=?"}]
 

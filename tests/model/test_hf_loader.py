@@ -12,7 +12,8 @@ from tinyvllm.model import load_model, load_tokenizer
 
 VOCAB_SIZE = 384
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
-                 "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+                 "{{ eos_token }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 TEXT = "Hello world! The quick brown fox jumps over 13 lazy dogs.\n    x = [1, 2]"
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                "low_freq_factor": 1.0, "high_freq_factor": 4.0,

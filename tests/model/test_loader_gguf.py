@@ -39,7 +39,8 @@ def _hf_state(model) -> dict[str, np.ndarray]:
             f"blk.{i}.ffn_norm.weight": layer.post_attention_layernorm,
             f"blk.{i}.attn_q.weight": _llama_cpp_permute(q.numpy(), a.num_heads),
             f"blk.{i}.attn_k.weight": _llama_cpp_permute(k.numpy(), a.num_kv_heads),
-            f"blk.{i}.attn_v.weight": v, f"blk.{i}.attn_output.weight": layer.self_attn.o_proj.weight,
+            f"blk.{i}.attn_v.weight": v,
+            f"blk.{i}.attn_output.weight": layer.self_attn.o_proj.weight,
             f"blk.{i}.ffn_gate.weight": gate, f"blk.{i}.ffn_up.weight": up,
             f"blk.{i}.ffn_down.weight": layer.mlp.down_proj.weight})
     return {n: np.ascontiguousarray(np.asarray(t, dtype=np.float32)) for n, t in out.items()}

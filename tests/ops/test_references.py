@@ -28,7 +28,7 @@ def _dense_causal_attention(q, k, v, scale):
 
 
 def _build_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, gen):
-    """Random paged batch. seqs: list of (q_len, seq_len). Returns (query, cache, meta, dense kv)."""
+    """Random paged batch; seqs: [(q_len, seq_len)]. Returns (query, cache, meta, dense kv)."""
     blocks_per_seq = [-(-seq_len // block_size) for _, seq_len in seqs]
     num_blocks = sum(blocks_per_seq) + 3  # + null block and spares
     cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), POISON)

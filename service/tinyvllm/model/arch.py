@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -77,7 +76,7 @@ class LlamaArch:
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
-            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            max_position_embeddings=_max_positions(config, arch),
             name=name or config.get("_name_or_path") or arch,
         )
 
@@ -88,7 +87,8 @@ class LlamaArch:
 
         Args:
             meta: metadata key -> python value.
-            tensor_names: names of the file's tensors (tied embeddings when `output.weight` is absent).
+            tensor_names: names of the file's tensors (embeddings are tied when
+                `output.weight` is absent).
             vocab_size: rows of the token embedding.
             rope_freq_factors: the `rope_freqs.weight` tensor (Llama 3.1 rope scaling), or None.
         """
@@ -121,14 +121,23 @@ class LlamaArch:
         )
 
 
+def _max_positions(config: Mapping[str, Any], arch: str) -> int:
+    """Context length. Sliding-window attention is not implemented, so a model that uses it is
+    capped at its window, where full attention gives the same result."""
+    limit = config.get("max_position_embeddings", 4096)
+    window = config.get("sliding_window")
+    uses_window = config.get("use_sliding_window", arch == "MistralForCausalLM")
+    return min(limit, window) if window and uses_window else limit
+
+
 def _hf_rope(config: Mapping[str, Any]) -> tuple[float, Optional[dict]]:
-    """(rope_theta, rope_scaling) from either the classic keys or transformers 5 `rope_parameters`."""
+    """(rope_theta, rope_scaling) from the classic keys or transformers 5 `rope_parameters`."""
     params = config.get("rope_parameters")
     if params:
         theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
         kind = params.get("rope_type", params.get("type", "default"))
-        scaling = None if kind == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
-        return float(theta), scaling
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        return float(theta), None if kind == "default" else scaling
     scaling = config.get("rope_scaling")
     if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
@@ -151,8 +160,8 @@ def _gguf_rope_scaling(meta: Mapping[str, Any], arch: str, head_dim: int, base: 
 def rope_scaling_from_freq_factors(factors, head_dim: int, base: float) -> dict:
     """Recover the Llama 3 rope_scaling dict that produced a GGUF `rope_freqs` tensor.
 
-    llama.cpp stores per-frequency divisors; the largest is `factor`. We rebuild the HF dict with the
-    standard Llama 3.1 constants and check that it reproduces every divisor.
+    llama.cpp stores per-frequency divisors; the largest is `factor`. We rebuild the HF dict with
+    the standard Llama 3.1 constants and check that it reproduces every divisor.
     """
     import torch
 
@@ -167,5 +176,4 @@ def rope_scaling_from_freq_factors(factors, head_dim: int, base: float) -> dict:
     expected = inv_freq / _scale_inv_freq(inv_freq, scaling)
     if expected.shape != factors.shape or not torch.allclose(expected, factors, rtol=1e-3):
         raise ValueError("GGUF rope_freqs tensor does not match Llama 3 rope scaling; unsupported")
-    assert math.isfinite(scaling["factor"])
     return scaling

@@ -217,7 +217,8 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_empty_model(arch: LlamaArch, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def build_empty_model(arch: LlamaArch, dtype: torch.dtype,
+                      device: torch.device) -> LlamaForCausalLM:
     """An uninitialised model allocated directly in `dtype` on `device` (no CPU float32 copy)."""
     with _default_dtype(dtype), torch.device("meta"):
         model = LlamaForCausalLM(arch)

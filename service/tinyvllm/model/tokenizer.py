@@ -15,7 +15,7 @@ from tinyvllm.model.paths import is_gguf, read_gguf, resolve_model_path
 
 
 class Tokenizer:
-    """Wraps a `tokenizers.Tokenizer` (`backend`) with the model's special tokens and chat template."""
+    """A `tokenizers.Tokenizer` (`backend`) with the model's special tokens and chat template."""
 
     def __init__(self, backend: BackendTokenizer, *, name: str, vocab_size: int,
                  bos_token_id: Optional[int], eos_token_ids: Sequence[int],
@@ -130,7 +130,7 @@ def _compile_template(source: str) -> jinja2.Template:
 # --- loading -----------------------------------------------------------------------------------
 
 def load_tokenizer(model: Optional[str]) -> Tokenizer:
-    """Load only the tokenizer of `model` (a .gguf file, a HF directory, or None for the default)."""
+    """Load only the tokenizer of `model` (a .gguf file, a HF directory, None: the default)."""
     path = resolve_model_path(model)
     if is_gguf(path):
         _, meta = read_gguf(path)
@@ -163,7 +163,8 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], vocab_size: Optional[i
 def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
     """From tokenizer.json, tokenizer_config.json, config.json and generation_config.json."""
     if not (path / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{path.name}: no tokenizer.json (slow tokenizers are not supported)")
+        raise FileNotFoundError(f"{path.name}: no tokenizer.json (slow tokenizers are not "
+                                "supported)")
     backend = BackendTokenizer.from_file(str(path / "tokenizer.json"))
     tok_config = _read_json(path / "tokenizer_config.json")
     config = _read_json(path / "config.json")
