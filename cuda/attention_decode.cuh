@@ -95,10 +95,17 @@ struct DecodeCta {
     }
   }
 
+  // Each warp walks blocks warp, warp + kDecodeWarps, ...; the next block's loads are issued
+  // before the current block's math so that two blocks per warp are in flight.
   __device__ __forceinline__ void scores(const float (&q)[MAX_G][kVec]) const {
+    const T* cache = static_cast<const T*>(p.key_cache);
+    uint4 next[kLoadsPerBlock];
+    if (warp < num_blocks) load_block(cache, warp, next);
     for (int b = warp; b < num_blocks; b += kDecodeWarps) {
       uint4 k[kLoadsPerBlock];
-      load_block(static_cast<const T*>(p.key_cache), b, k);
+#pragma unroll
+      for (int i = 0; i < kLoadsPerBlock; ++i) k[i] = next[i];
+      if (b + kDecodeWarps < num_blocks) load_block(cache, b + kDecodeWarps, next);
 #pragma unroll
       for (int i = 0; i < kLoadsPerBlock; ++i) {
         float kf[kVec];
@@ -142,9 +149,14 @@ struct DecodeCta {
   }
 
   __device__ __forceinline__ void weighted_values(float (&acc)[MAX_G][kVec]) const {
+    const T* cache = static_cast<const T*>(p.value_cache);
+    uint4 next[kLoadsPerBlock];
+    if (warp < num_blocks) load_block(cache, warp, next);
     for (int b = warp; b < num_blocks; b += kDecodeWarps) {
       uint4 v[kLoadsPerBlock];
-      load_block(static_cast<const T*>(p.value_cache), b, v);
+#pragma unroll
+      for (int i = 0; i < kLoadsPerBlock; ++i) v[i] = next[i];
+      if (b + kDecodeWarps < num_blocks) load_block(cache, b + kDecodeWarps, next);
 #pragma unroll
       for (int i = 0; i < kLoadsPerBlock; ++i) {
         const int t = token_of(b, i);

@@ -136,3 +136,22 @@ def test_unsupported_head_dim_raises(kernels, decode):
     from tinyvllm.ops.attention_cuda import paged_attention_cuda
     with pytest.raises(ValueError, match="head_dim=96"):
         paged_attention_cuda(kernels, query, cache, meta, 0.1)
+
+
+@pytest.mark.parametrize("seqs", [[(1, 700), (1, 33)], [(6, 90), (1, 12)]], ids=["decode", "mixed"])
+def test_cuda_graph_replay_sees_new_inputs(kernels, seqs):
+    """Captured once, replayed after the query changes in place (how the model runner uses it)."""
+    from tinyvllm.ops.attention_cuda import paged_attention_cuda
+    query, cache, meta = make_batch(seqs, 8, 2, 128, torch.bfloat16, seed=11)
+    out = torch.empty_like(query)
+    paged_attention_cuda(kernels, query, cache, meta, 0.1, out=out)  # warm-up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention_cuda(kernels, query, cache, meta, 0.1, out=out)
+    query.copy_(torch.randn_like(query))
+    out.fill_(float("nan"))
+    graph.replay()
+    expected = paged_attention_cuda(kernels, query, cache, meta, 0.1)
+    rows = meta.num_seqs if meta.max_query_len == 1 else meta.num_tokens
+    torch.testing.assert_close(out[:rows], expected[:rows], rtol=0, atol=0)
