@@ -84,7 +84,7 @@ def _greedy_reference(prompts: list[str], max_tokens: int) -> list[str]:
 
 async def test_32_concurrent_mixed_streams(client):
     """32 streams with mixed parameters all finish; the greedy ones match LLM.generate."""
-    max_tokens = 12
+    max_tokens = 8
     kinds = []
     for i in range(32):
         prompt = PROMPTS[i % len(PROMPTS)]
@@ -220,19 +220,20 @@ async def test_metrics_parse_and_counters_move(server, client):
 
 
 async def test_soak_with_random_cancels(server, client):
-    """A few hundred short requests, a third cancelled at random points: nothing leaks."""
+    """A couple of hundred short requests, a third cancelled at random points: nothing leaks."""
     rng = random.Random(0)
-    sem = asyncio.Semaphore(24)
+    num_requests = 200
+    sem = asyncio.Semaphore(32)
     outcomes = {"finished": 0, "cancelled": 0}
 
     async def one(i: int) -> None:
         async with sem:
-            kwargs = dict(prompt=f"{PROMPTS[i % len(PROMPTS)]} {i}", max_tokens=rng.randint(1, 4),
+            kwargs = dict(prompt=f"{PROMPTS[i % len(PROMPTS)]} {i}", max_tokens=rng.randint(1, 3),
                           temperature=rng.choice([0.0, 1.0]), seed=i)
             prompt = kwargs.pop("prompt")
             task = asyncio.ensure_future(client.complete(prompt, **kwargs))
             if rng.random() < 0.33:
-                await asyncio.sleep(rng.uniform(0.0, 0.3))
+                await asyncio.sleep(rng.uniform(0.0, 0.5))
                 task.cancel()
             try:
                 r = await task
@@ -241,8 +242,8 @@ async def test_soak_with_random_cancels(server, client):
             except asyncio.CancelledError:
                 outcomes["cancelled"] += 1
 
-    await asyncio.gather(*(one(i) for i in range(300)))
-    assert outcomes["finished"] + outcomes["cancelled"] == 300 and outcomes["cancelled"] > 10
+    await asyncio.gather(*(one(i) for i in range(num_requests)))
+    assert outcomes["finished"] + outcomes["cancelled"] == num_requests and outcomes["cancelled"] > 10
     wait_for_metrics(server, IDLE, timeout_s=10.0)
 
 

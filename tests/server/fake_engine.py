@@ -1,0 +1,67 @@
+"""A model-free stand-in for `EngineCore` (same interface), for frontend tests of the IPC path.
+
+Each step emits one token per request: the request's last prompt token + 1. A prompt containing
+`FAIL_TOKEN` makes `step()` raise, which must take the engine process down cleanly.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tinyvllm.config import EngineConfig, RuntimeInfo
+from tinyvllm.engine.request import EngineCoreOutput, EngineCoreRequest
+from tinyvllm.engine.validation import validate_request
+
+FAIL_TOKEN = 13
+
+
+class FakeStats(msgspec.Struct):
+    num_running: int
+    num_waiting: int = 0
+    num_kv_blocks: int = 100
+    num_free_kv_blocks: int = 100
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_scheduled_tokens: int = 0
+
+
+class FakeEngineCore:
+    def __init__(self, config: EngineConfig):
+        self.runtime_info = RuntimeInfo(
+            num_kv_blocks=100, block_size=16, max_model_len=256, vocab_size=49152,
+            eos_token_ids=(2,), model_name="fake", device="cpu", dtype="float32")
+        self.requests: dict[str, tuple[EngineCoreRequest, list[int]]] = {}
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        validate_request(req, self.runtime_info)
+        self.requests[req.request_id] = (req, [])
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[EngineCoreOutput]:
+        outputs = []
+        for request_id, (req, out) in list(self.requests.items()):
+            if FAIL_TOKEN in req.prompt_token_ids:
+                raise RuntimeError("injected engine fault")
+            out.append(req.prompt_token_ids[-1] + 1 + len(out))
+            done = len(out) >= req.sampling_params.max_tokens
+            outputs.append(EngineCoreOutput(request_id=request_id, new_token_ids=[out[-1]],
+                                            finish_reason="length" if done else None))
+            if done:
+                del self.requests[request_id]
+        return outputs
+
+    def get_stats(self) -> FakeStats:
+        return FakeStats(num_running=len(self.requests), kv_cache_usage=0.01 * len(self.requests))
+
+    def shutdown(self) -> None:
+        self.requests.clear()
