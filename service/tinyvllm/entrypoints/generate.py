@@ -17,7 +17,8 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 disables.")
     g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None, help="Per-request sampling seed.")
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="Per-request sampling seed (--seed is the engine's).")
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
@@ -30,7 +31,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+        top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens, stop=args.stop,
         ignore_eos=args.ignore_eos, logprobs=args.logprobs)
