@@ -228,9 +228,10 @@ class AsyncEngineClient:
         del self._states[request_id]
         if state.waiting:
             self._num_waiting -= 1
-        if not state.finished:
+        if not state.finished:  # cancelled, deadline, or failed: the engine may still run it
             self._processor.abort_request(request_id)
             self.abort(request_id)
+            self.observer.on_finished("abort", time.monotonic() - state.arrival_time)
         self._pool.release(state)
 
     def timing(self, request_id: str) -> Optional[tuple[float, float, float]]:
@@ -357,6 +358,10 @@ class AsyncEngineClient:
             self._ready.set_result(None)
         if self.on_dead is not None:
             self.on_dead(reason)
+
+    def abort_all(self, reason: str) -> None:
+        """End every in-flight stream with EngineUnavailableError (e.g. at the drain timeout)."""
+        self._fail_all(reason, EngineUnavailableError)
 
     def _fail_all(self, reason: str, error_type: type) -> None:
         for state in self._states.values():

@@ -149,7 +149,10 @@ class Server:
                 return
             await asyncio.sleep(DRAIN_POLL_S)
         if self.engine.num_in_flight:
-            logger.warning("drain timeout: cancelling %d streams", self.engine.num_in_flight)
+            logger.warning("drain timeout: ending %d streams", self.engine.num_in_flight)
+            # They end with UNAVAILABLE (retry elsewhere) rather than a bare CANCELLED.
+            self.engine.abort_all(f"server shut down after a {self.config.drain_timeout_s:.0f}s "
+                                  "drain before the request finished")
 
     def _on_engine_dead(self, reason: str) -> None:
         self._request_exit(ExitReason.ENGINE_DEAD)
