@@ -1,0 +1,51 @@
+"""`tinyvllm bench latency|throughput|prefix|kernels|serve` (see BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+
+from tinyvllm.bench import args as bench_args
+
+# name -> (module with run(args), flags, help). The modules import torch, so they load only to run.
+_ENGINE_BENCHMARKS = {
+    "latency": ("tinyvllm.bench.latency", bench_args.add_latency_arguments,
+                "Batch-1 TTFT, TPOT, tokens/s against transformers."),
+    "throughput": ("tinyvllm.bench.throughput", bench_args.add_throughput_arguments,
+                   "All requests at once: output tokens/s and requests/s against transformers."),
+    "prefix": ("tinyvllm.bench.prefix", bench_args.add_prefix_arguments,
+               "Requests sharing a long prefix, prefix caching on vs off."),
+}
+_DELEGATED = {  # modules with their own argument parser: the rest of the command line goes there
+    "kernels": ("tinyvllm.bench.kernels", "GPU kernels against torch / cuBLAS baselines."),
+    "serve": ("tinyvllm.bench.serve", "The gRPC service against LLM.generate."),
+}
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="Run a benchmark (BENCHMARKS.md).",
+                                   description=__doc__)
+    sub = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    for name, (module, add_arguments, help_text) in _ENGINE_BENCHMARKS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_arguments(p)
+        p.set_defaults(func=_engine_runner(module))
+    for name, (module, help_text) in _DELEGATED.items():
+        if importlib.util.find_spec(module) is None:
+            continue
+        # Its own parser reads every flag, --help included: with no prefix characters of its own
+        # this one takes them all as positionals (REMAINDER would stop at a leading flag).
+        p = sub.add_parser(name, help=help_text, add_help=False, prefix_chars="\0")
+        p.add_argument("rest", nargs="*")
+        p.set_defaults(func=_delegate(module))
+
+
+def _engine_runner(module: str):
+    return lambda args: importlib.import_module(module).run(args)
+
+
+def _delegate(module: str):
+    def run(args: argparse.Namespace) -> int:
+        return int(importlib.import_module(module).main(args.rest) or 0)
+    return run

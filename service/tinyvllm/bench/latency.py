@@ -1,0 +1,116 @@
+"""`tinyvllm bench latency`: one request at a time (batch 1), greedy, every token forced.
+
+TTFT is the time from submission to the first token (prefill + first sample); TPOT the time
+between consecutive tokens (median and p99 over every decode step of every timed request).
+On GPU the median decode step is also set against the memory-bandwidth floor: the bytes a step
+must read (all weights + the KV cache of the context at the median step) over the copy
+bandwidth measured at the start of this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any, Optional, Sequence
+
+from tinyvllm.bench import baseline as hf
+from tinyvllm.bench.common import (copy_bandwidth_gbps, default_for,
+                                   engine_config, environment, model_fields, prepare,
+                                   print_table, random_prompts, ratio, summary_ms, write_record)
+from tinyvllm.bench.engine_runs import (build_engine, free_memory, kv_bytes_per_token, run_batch,
+                                        weight_bytes)
+
+NAME = "latency"
+CPU_WARMUP_TOKENS = 16  # CPU has nothing to compile or capture; a short request warms caches
+
+
+def numbers(token_times: Sequence[Sequence[float]]) -> dict[str, Any]:
+    """TTFT, TPOT and tokens/s from per-request token timestamps (seconds since submission)."""
+    ttft = [t[0] for t in token_times]
+    itl = [b - a for t in token_times for a, b in zip(t, t[1:])]
+    tpot = summary_ms(itl)
+    return {"ttft": summary_ms(ttft), "tpot": tpot,
+            "decode_tokens_per_s": 1e3 / tpot["median_ms"],
+            "e2e_tokens_per_s": statistics.median(len(t) / t[-1] for t in token_times)}
+
+
+def roofline(engine, input_len: int, output_len: int, tpot_ms: float,
+             copy_gbps: Optional[float]) -> Optional[dict[str, Any]]:
+    """Fraction of the bandwidth floor achieved by the median decode step (GPU only)."""
+    if copy_gbps is None:
+        return None
+    weights = weight_bytes(engine)
+    kv = kv_bytes_per_token(engine) * (input_len + output_len // 2)  # context of the median step
+    floor_ms = (weights + kv) / (copy_gbps * 1e9) * 1e3
+    return {"copy_bandwidth_gbps": copy_gbps, "weight_bytes": weights, "kv_bytes_median_step": kv,
+            "floor_ms": floor_ms, "fraction_of_floor": floor_ms / tpot_ms,
+            "achieved_gbps": (weights + kv) / (tpot_ms * 1e-3) / 1e9}
+
+
+def run(args: argparse.Namespace) -> int:
+    device, sync = prepare(args)
+    copy_gbps = copy_bandwidth_gbps(device)  # before the engine claims the GPU's memory
+    config = engine_config(args)
+    engine = build_engine(config)
+    num_iters = args.num_iters or default_for(device, 10, 3)
+    prompts = random_prompts([args.input_len] * (num_iters + 1), engine.runtime_info.vocab_size,
+                             config.model.seed)
+    warmup_len = default_for(device, args.output_len, min(args.output_len, CPU_WARMUP_TOKENS))
+    run_batch(engine, prompts[:1], [warmup_len], sync)
+    times = [run_batch(engine, [p], [args.output_len], sync).requests[0].token_times_s
+             for p in prompts[1:]]
+    ours = numbers(times)
+    ours["bandwidth"] = roofline(engine, args.input_len, args.output_len,
+                                 ours["tpot"]["median_ms"], copy_gbps)
+    record = {**environment(args, device), **model_fields(engine, config),
+              "workload": {"batch_size": 1, "input_len": args.input_len,
+                           "output_len": args.output_len, "num_iters": num_iters,
+                           "sampling": "greedy, ignore_eos"},
+              "results": {"tinyvllm": ours}}
+    spec = hf.ModelSpec.of(engine)
+    engine.shutdown()
+    engine = None
+    free_memory()
+    if args.baseline:
+        record["baseline"], record["results"]["transformers"] = run_baseline(
+            spec, prompts, args, sync)
+        record["ratios"] = ratios(ours, record["results"]["transformers"])
+    path = write_record(NAME, record, args.out)
+    print(f"wrote {path}")
+    table(record)
+    return 0
+
+
+def run_baseline(spec, prompts, args, sync) -> tuple[dict, dict]:
+    b = hf.load_baseline(spec, compile=args.baseline_compile)
+    hf.warm_up_single(b, prompts[0], args.output_len, sync)
+    times = [hf.time_single(b, p, args.output_len, sync) for p in prompts[1:]]
+    described = b.describe()
+    b.model = None
+    free_memory()
+    return described, numbers(times)
+
+
+def ratios(ours: dict, base: dict) -> dict[str, Optional[float]]:
+    """ours / transformers for rates; transformers / ours for times: > 1 means we are faster."""
+    return {"decode_tokens_per_s": ratio(ours["decode_tokens_per_s"], base["decode_tokens_per_s"]),
+            "e2e_tokens_per_s": ratio(ours["e2e_tokens_per_s"], base["e2e_tokens_per_s"]),
+            "ttft_speedup": ratio(base["ttft"]["median_ms"], ours["ttft"]["median_ms"])}
+
+
+def table(record: dict) -> None:
+    header = ["engine", "TTFT ms", "TTFT p99", "TPOT ms", "TPOT p99", "decode tok/s",
+              "e2e tok/s", "% BW floor"]
+    rows = []
+    for name, r in record["results"].items():
+        bw = r.get("bandwidth")
+        rows.append([name, r["ttft"]["median_ms"], r["ttft"]["p99_ms"], r["tpot"]["median_ms"],
+                     r["tpot"]["p99_ms"], r["decode_tokens_per_s"], r["e2e_tokens_per_s"],
+                     100 * bw["fraction_of_floor"] if bw else None])
+    if "ratios" in record:
+        q = record["ratios"]
+        rows.append(["ours/transformers", None, None, None, None, q["decode_tokens_per_s"],
+                     q["e2e_tokens_per_s"], None])
+    w = record["workload"]
+    print_table(f"latency: {record['model_name']} {record['dtype']} on {record['device']}, "
+                f"batch 1, {w['input_len']} in / {w['output_len']} out", header, rows)
