@@ -73,7 +73,7 @@ def summary_ms(samples_s: Sequence[float]) -> dict[str, float]:
 
 
 def copy_bandwidth_gbps(device: torch.device) -> Optional[float]:
-    """Device-to-device copy bandwidth, (read + write) / time, as the kernel benchmark measures it."""
+    """Device-to-device copy bandwidth: (read + write) / time, measured as bench/kernels.py does."""
     if device.type != "cuda":
         return None
     from tinyvllm.bench.kernels import copy_bandwidth_gbps as measure
@@ -130,11 +130,14 @@ def _cpu_model() -> str:
 
 def environment(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Who, where and what: the fields BENCHMARKS.md asks of every record."""
-    import transformers
-
+    try:
+        import transformers
+        transformers_version = transformers.__version__
+    except ImportError:
+        transformers_version = None
     return {
         "git_rev": git_rev(), "device": device_name(device), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "transformers": transformers.__version__,
+        "cuda": torch.version.cuda, "transformers": transformers_version,
         "python": platform.python_version(), "threads": torch.get_num_threads(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -20,7 +21,9 @@ from tinyvllm.engine.engine_core import EngineCore
 from tinyvllm.engine.request import EngineCoreRequest
 from tinyvllm.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 _request_ids = itertools.count()
+LEFTOVER_WARNING_BYTES = 1 << 30
 
 
 @dataclass
@@ -113,6 +116,9 @@ def free_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        left = torch.cuda.memory_allocated()
+        if left > LEFTOVER_WARNING_BYTES:  # something still holds the engine: the baseline may OOM
+            logger.warning("%.1f GiB of GPU memory still allocated after release", left / 2**30)
 
 
 def weight_bytes(engine: EngineCore) -> int:

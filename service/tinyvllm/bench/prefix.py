@@ -32,7 +32,8 @@ def workload(args: argparse.Namespace, device, vocab_size: int, seed: int
     suffixes = random_prompts([suffix_len] * n, vocab_size, seed + 1)
     prompts = [prefix + s for s in suffixes]
     described = {"num_prompts": n, "prefix_len": prefix_len, "suffix_len": suffix_len,
-                 "output_len": output_len, "shared_fraction": prefix_len / (prefix_len + suffix_len),
+                 "output_len": output_len,
+                 "shared_fraction": prefix_len / (prefix_len + suffix_len),
                  "sampling": "greedy, ignore_eos", "seed": seed}
     return prompts, [output_len] * n, described
 

@@ -35,7 +35,8 @@ def workload(args: argparse.Namespace, device, vocab_size: int, seed: int
         in_lens, out_lens = [input_len] * n, [output_len] * n
     described = {"name": args.workload, "num_prompts": n, "input_len": input_len,
                  "output_len": output_len, "total_prompt_tokens": sum(in_lens),
-                 "total_output_tokens": sum(out_lens), "sampling": "greedy, ignore_eos", "seed": seed}
+                 "total_output_tokens": sum(out_lens), "sampling": "greedy, ignore_eos",
+                 "seed": seed}
     return random_prompts(in_lens, vocab_size, seed), out_lens, described
 
 
