@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from tinyvllm.model.arch import LlamaArch
 from tinyvllm.model.llama import LlamaForCausalLM, build_empty_model
 from tinyvllm.model.paths import is_gguf, read_gguf, resolve_model_path
+from tinyvllm.model.synthetic import SYNTHETIC_MODELS, make_random_model, synthetic_tokenizer
 from tinyvllm.model.tokenizer import (Tokenizer, model_name, tokenizer_from_gguf_metadata,
                                       tokenizer_from_hf_dir)
 
@@ -47,13 +48,19 @@ class LoadedModel:
     """The model's context length (`arch.max_position_embeddings`)."""
 
 
-def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device,
+               seed: int = 0) -> LoadedModel:
     """Load weights, architecture and tokenizer of a .gguf file or a HF directory (None: default).
+
+    A name in `synthetic.SYNTHETIC_MODELS` (`llama3-8b-shape`) builds that shape with random
+    weights made on `device` from `seed`, and a byte-level stand-in tokenizer; no file is read.
 
     Raises:
         FileNotFoundError: missing path or default package (see resolve_model_path).
         ValueError: unsupported architecture or weight type, or missing/mis-shaped weights.
     """
+    if model in SYNTHETIC_MODELS:
+        return _load_synthetic(model, dtype, torch.device(device), seed)
     path = resolve_model_path(model)
     device = torch.device(device)
     if is_gguf(path):
@@ -68,6 +75,13 @@ def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device) -
         raise ValueError(f"{path.name}: missing weights {sorted(missing)[:8]}")
     return LoadedModel(model=net, arch=arch, tokenizer=tokenizer, name=model_name(path), path=path,
                        max_model_len=arch.max_position_embeddings)
+
+
+def _load_synthetic(name: str, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
+    arch = SYNTHETIC_MODELS[name]
+    net = make_random_model(arch, seed, dtype, device)
+    return LoadedModel(model=net, arch=arch, tokenizer=synthetic_tokenizer(arch.vocab_size, name),
+                       name=name, path=Path(name), max_model_len=arch.max_position_embeddings)
 
 
 # --- Hugging Face directory ----------------------------------------------------------------------

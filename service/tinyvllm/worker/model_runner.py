@@ -1,8 +1,10 @@
 """ModelRunner: turns a SchedulerOutput into flat tensors, runs the model, samples.
 
 It makes no policy decisions: which tokens to compute was decided by the scheduler. It owns the
-model, the paged KV cache (one tensor per layer, layout `ops.KV_CACHE_LAYOUT`), and per-request
-sampling state (seeded generators) for as long as a request runs.
+model, the paged KV cache (one tensor per layer, layout `ops.KV_CACHE_LAYOUT`), the persistent
+input buffers (`input_buffers.py`), the decode CUDA graphs (`cuda_graph.py`), and per-request
+sampling state (seeded generators) for as long as a request runs. The same code runs on the CPU,
+where the "device" buffers are the host arrays themselves and no graph is captured.
 """
 
 from __future__ import annotations
@@ -16,9 +18,14 @@ import torch
 
 from tinyvllm.config import CacheConfig, EngineConfig
 from tinyvllm.engine.request import Logprobs, Request
-from tinyvllm.engine.scheduler import SchedulerOutput
+from tinyvllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tinyvllm.model.loader import LoadedModel, load_model
 from tinyvllm.ops import AttentionMetadata, allocate_kv_caches
+from tinyvllm.ops.kv_cache import PADDING_SLOT
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_sizes,
+                                        decode_seq_len_tiers)
+from tinyvllm.worker.input_buffers import BlockTableCache, InputBuffers
 from tinyvllm.worker.sampler import Sampler, SamplingState
 
 logger = logging.getLogger(__name__)
@@ -43,34 +50,62 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 @dataclass
 class ModelInputs:
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    meta: AttentionMetadata
+    """One step's inputs, already queued for the device (views into the persistent buffers)."""
+
+    num_tokens: int
+    meta: Optional[AttentionMetadata]  # None when a CUDA graph runs the step
+    graph: Optional[GraphKey]
     logits_indices: torch.Tensor  # [num_sampled] int64: last token of each completed sequence
     sampled_requests: list[Request]
 
 
 class ModelRunner:
+    """Owns the model, the KV cache, the input buffers and (on CUDA) the decode graphs.
+
+    A step: host arrays filled from the SchedulerOutput -> non-blocking copies into the device
+    buffers -> forward (a graph replay for pure-decode batches that fit a bucket, else eager) ->
+    logits of the completed sequences -> sampler. The only host sync is the sampler's final
+    transfer of the token ids.
+    """
+
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None):
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         if config.cache.kv_cache_dtype == "fp8" and self.device.type != "cuda":
             raise ValueError("kv_cache_dtype: fp8 needs a CUDA device")
-        self.loaded = loaded or load_model(config.model.model, self.dtype, self.device)
+        self.loaded = loaded or load_model(config.model.model, self.dtype, self.device,
+                                           seed=config.model.seed)
         self.model = self.loaded.model
         self.arch = self.loaded.arch
         self.max_model_len = min(config.model.max_model_len or self.loaded.max_model_len,
                                  self.loaded.max_model_len)
         self.block_size = config.cache.block_size
+        sched = config.scheduler
+        self.max_num_tokens = sched.max_num_batched_tokens
+        self.max_num_seqs = sched.max_num_seqs
+        self.use_cuda_graphs = self.device.type == "cuda" and not config.model.enforce_eager
+        longest = max(self.max_model_len, self.max_num_tokens)  # the profile run is one sequence
+        self.buffers = InputBuffers(self.max_num_tokens, self.max_num_seqs,
+                                    -(-longest // self.block_size), self.device)
+        self.block_tables = BlockTableCache()
+        self.sampler = Sampler()
+        self.sampling_states: dict[str, SamplingState] = {}
         self.num_blocks = self._determine_num_blocks(config.cache)
         self.kv_caches = allocate_kv_caches(
             self.arch.num_layers, self.num_blocks, self.block_size, self.arch.num_kv_heads,
             self.arch.head_dim, self.dtype, self.device)
-        self.sampler = Sampler()
-        self.sampling_states: dict[str, SamplingState] = {}
-        logger.info("KV cache: %d blocks of %d tokens on %s", self.num_blocks, self.block_size,
-                    self.device)
+        self.graphs = self._capture_graphs() if self.use_cuda_graphs else None
+        logger.info("KV cache: %d blocks of %d tokens on %s (%s)", self.num_blocks,
+                    self.block_size, self.device, str(self.dtype).removeprefix("torch."))
+
+    def _capture_graphs(self) -> DecodeGraphs:
+        # A decode batch has at most max_num_seqs rows and max_num_batched_tokens tokens.
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.buffers,
+                              decode_batch_sizes(min(self.max_num_seqs, self.max_num_tokens)),
+                              decode_seq_len_tiers(self.max_model_len), self.block_size)
+        graphs.capture()
+        return graphs
 
     # --- sizing ---------------------------------------------------------------------------------
 
@@ -87,16 +122,32 @@ class ModelRunner:
         return self._profile_num_blocks(cache)
 
     def _profile_num_blocks(self, cache: CacheConfig) -> int:
-        """Run the largest batch once, then give the KV cache what the budget leaves."""
+        """Run the largest step once, then give the KV cache what the budget leaves.
+
+        budget = total * gpu_memory_utilization, spent on
+            torch's peak during the largest step (weights, activations, logits and sampler of
+                max_num_seqs rows)
+          + memory outside torch's allocator (CUDA context, cuBLAS workspaces, other libraries)
+          + the CUDA graph pool, bounded by the step's activation peak (graphs capture after the
+                KV cache exists, so they cannot reuse what the profile run freed)
+          + the KV cache: the rest.
+        """
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = self.config.scheduler.max_num_batched_tokens
-        self._dummy_forward(num_tokens)
+        resident = torch.cuda.memory_allocated(self.device)
+        self._dummy_run(self.max_num_tokens)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        _, total = torch.cuda.mem_get_info(self.device)
-        available = total * cache.gpu_memory_utilization - peak
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
+        graph_reserve = peak - resident if self.use_cuda_graphs else 0
+        torch.cuda.empty_cache()
+        available = total * cache.gpu_memory_utilization - peak - outside_torch - graph_reserve
         num_blocks = int(available) // self.kv_bytes_per_block()
+        logger.info("memory profile: peak %.2f GiB (weights and buffers %.2f), outside torch "
+                    "%.2f, graph reserve %.2f, KV cache %.2f GiB of %.1f", peak / _GIB,
+                    resident / _GIB, outside_torch / _GIB, graph_reserve / _GIB,
+                    max(0, num_blocks) * self.kv_bytes_per_block() / _GIB, total / _GIB)
         if num_blocks < 2:
             raise RuntimeError(
                 f"gpu_memory_utilization={cache.gpu_memory_utilization} leaves no room for the KV "
@@ -104,20 +155,31 @@ class ModelRunner:
         return num_blocks
 
     @torch.inference_mode()
-    def _dummy_forward(self, num_tokens: int) -> None:
-        """A single sequence of num_tokens tokens over a throwaway one-block-per-16 cache."""
-        caches = allocate_kv_caches(self.arch.num_layers, -(-num_tokens // self.block_size) + 1,
-                                    self.block_size, self.arch.num_kv_heads, self.arch.head_dim,
-                                    self.dtype, self.device)
-        num_blocks = -(-num_tokens // self.block_size)
-        meta = self._metadata(
-            slot_mapping=np.arange(self.block_size, self.block_size + num_tokens),
-            query_start_loc=[0, num_tokens], seq_lens=[num_tokens],
-            block_tables=np.arange(1, num_blocks + 1, dtype=np.int32)[None])
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, torch.arange(num_tokens, device=self.device), caches, meta)
-        self.model.compute_logits(hidden[-1:])
-        del caches
+    def _dummy_run(self, num_tokens: int) -> None:
+        """One sequence of num_tokens tokens over a throwaway cache, then logits and a top-k/top-p
+        sample of min(max_num_seqs, num_tokens) rows: the largest step's memory."""
+        bs = self.block_size
+        num_blocks = -(-num_tokens // bs)
+        caches = allocate_kv_caches(self.arch.num_layers, num_blocks + 1, bs,
+                                    self.arch.num_kv_heads, self.arch.head_dim, self.dtype,
+                                    self.device)
+        b = self.buffers
+        b.wait_until_writable()
+        b.input_ids.np[:num_tokens] = 0
+        b.positions.np[:num_tokens] = np.arange(num_tokens) % self.max_model_len
+        b.slot_mapping.np[:num_tokens] = np.arange(bs, bs + num_tokens)  # block 0 stays null
+        b.query_start_loc.np[:2] = (0, num_tokens)
+        b.seq_lens.np[0] = num_tokens
+        b.block_table_rows(1, num_blocks)[0] = np.arange(1, num_blocks + 1)
+        b.upload(num_tokens, 1, num_blocks, 0)
+        meta = b.metadata(num_tokens, 1, num_blocks, num_tokens, num_tokens)
+        hidden = self.model(b.input_ids_device(num_tokens), b.positions_device(num_tokens), caches,
+                            meta)
+        rows = min(self.max_num_seqs, num_tokens)
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
+        states = [SamplingState(params, [0], []) for _ in range(rows)]
+        self.sampler(self.model.compute_logits(hidden[-rows:]), states)
+        del caches, hidden
 
     # --- one step -------------------------------------------------------------------------------
 
@@ -125,61 +187,96 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, Optional[Logprobs]]]:
         for request_id in out.finished_request_ids:
             self.sampling_states.pop(request_id, None)
+            self.block_tables.drop(request_id)
         if out.is_empty:
             return {}
         inputs = self._prepare_inputs(out)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self._forward(inputs)
         if not inputs.sampled_requests:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         states = [self._sampling_state(r) for r in inputs.sampled_requests]
-        result = self.sampler(logits, states)
+        result = self.sampler(logits, states)  # the step's one host sync
         return {r.request_id: (tok, lp) for r, tok, lp in
                 zip(inputs.sampled_requests, result.token_ids, result.logprobs)}
 
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """[>= num_tokens, hidden_size]: graph rows past the real batch are padding."""
+        if inputs.graph is not None:
+            return self.graphs.replay(inputs.graph)
+        b = self.buffers
+        return self.model(b.input_ids_device(inputs.num_tokens),
+                          b.positions_device(inputs.num_tokens), self.kv_caches, inputs.meta)
+
     def _prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
+        scheduled = out.scheduled
+        num_seqs, num_tokens = len(scheduled), out.num_scheduled_tokens
+        if num_seqs > self.max_num_seqs or num_tokens > self.max_num_tokens:
+            raise ValueError(f"step of {num_seqs} sequences / {num_tokens} tokens exceeds "
+                             f"max_num_seqs={self.max_num_seqs} / "
+                             f"max_num_batched_tokens={self.max_num_tokens}")
+        max_seq_len = max(s.request.num_computed_tokens + s.num_new_tokens for s in scheduled)
+        graph = None
+        if self.graphs is not None and num_tokens == num_seqs:  # one new token each: pure decode
+            graph = self.graphs.pick(num_seqs, max_seq_len)
+        if graph is not None:
+            num_rows, width = graph.batch_size, graph.block_table_width
+        else:
+            num_rows, width = num_seqs, max(len(s.request.block_ids) for s in scheduled)
+        b = self.buffers
+        b.wait_until_writable()
+        sampled = self._fill_host(scheduled, b.block_table_rows(num_rows, width))
+        if num_rows > num_seqs:
+            self._fill_padding(num_seqs, num_rows)
+        b.upload(max(num_tokens, num_rows), num_rows, width, len(sampled))
+        meta = None
+        if graph is None:
+            max_query_len = max(s.num_new_tokens for s in scheduled)
+            meta = b.metadata(num_tokens, num_seqs, width, max_query_len, max_seq_len)
+        return ModelInputs(num_tokens=num_tokens, meta=meta, graph=graph,
+                           logits_indices=b.logits_indices_device(len(sampled)),
+                           sampled_requests=sampled)
+
+    def _fill_host(self, scheduled: list[ScheduledRequest], tables: np.ndarray) -> list[Request]:
+        """Write token ids, positions, slots, offsets, lengths and block tables of the batch into
+        the host buffers; returns the requests whose last position is sampled, in row order."""
         bs = self.block_size
-        ids, positions, slots, qsl, seq_lens, logits_idx, sampled = [], [], [], [0], [], [], []
-        max_blocks = max(len(s.request.block_ids) for s in out.scheduled)
-        block_tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int32)
-        for i, s in enumerate(out.scheduled):
-            r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            ids.append(_token_slice(r, start, start + n))
-            pos = np.arange(start, start + n)
-            table = np.asarray(r.block_ids, dtype=np.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            block_tables[i, :len(table)] = table
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
+        b = self.buffers
+        ids, positions, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
+        qsl, seq_lens, logits_idx = b.query_start_loc.np, b.seq_lens.np, b.logits_indices.np
+        qsl[0] = offset = 0
+        sampled: list[Request] = []
+        for i, s in enumerate(scheduled):
+            r, n = s.request, s.num_new_tokens
+            start = r.num_computed_tokens
+            table = self.block_tables.get(r.request_id, r.block_ids)
+            tables[i, :len(table)] = table
+            if n == 1:  # decode: scalar writes, no numpy temporaries
+                ids[offset] = _token_at(r, start)
+                positions[offset] = start
+                slots[offset] = int(table[start // bs]) * bs + start % bs
+            else:
+                pos = np.arange(start, start + n)
+                ids[offset:offset + n] = _token_slice(r, start, start + n)
+                positions[offset:offset + n] = pos
+                slots[offset:offset + n] = table[pos // bs].astype(np.int64) * bs + pos % bs
+            offset += n
+            qsl[i + 1] = offset
+            seq_lens[i] = start + n
             if s.completes_sequence:
-                logits_idx.append(qsl[-1] - 1)
+                logits_idx[len(sampled)] = offset - 1
                 sampled.append(r)
-        meta = self._metadata(np.concatenate(slots), qsl, seq_lens, block_tables)
-        return ModelInputs(
-            input_ids=self._to_device(np.concatenate(ids), torch.long),
-            positions=self._to_device(np.concatenate(positions), torch.long),
-            meta=meta,
-            logits_indices=self._to_device(np.asarray(logits_idx), torch.long),
-            sampled_requests=sampled)
+        return sampled
 
-    def _metadata(self, slot_mapping, query_start_loc, seq_lens, block_tables) -> AttentionMetadata:
-        q_lens = np.diff(query_start_loc)
-        return AttentionMetadata(
-            num_tokens=int(query_start_loc[-1]),
-            slot_mapping=self._to_device(slot_mapping, torch.long),
-            query_start_loc=self._to_device(np.asarray(query_start_loc), torch.int32),
-            seq_lens=self._to_device(np.asarray(seq_lens), torch.int32),
-            block_tables=self._to_device(block_tables, torch.int32),
-            max_query_len=int(q_lens.max()), max_seq_len=int(max(seq_lens)),
-            query_start_loc_cpu=list(map(int, query_start_loc)),
-            seq_lens_cpu=list(map(int, seq_lens)))
-
-    def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+    def _fill_padding(self, num_seqs: int, num_rows: int) -> None:
+        """Graph rows past the batch (pure decode: row i is token i): one token at position 0,
+        no KV write, a context of 1 token in the null block (block tables are already zero)."""
+        b = self.buffers
+        b.input_ids.np[num_seqs:num_rows] = 0
+        b.positions.np[num_seqs:num_rows] = 0
+        b.slot_mapping.np[num_seqs:num_rows] = PADDING_SLOT
+        b.query_start_loc.np[num_seqs + 1:num_rows + 1] = np.arange(num_seqs + 1, num_rows + 1)
+        b.seq_lens.np[num_seqs:num_rows] = 1
 
     def _sampling_state(self, request: Request) -> SamplingState:
         state = self.sampling_states.get(request.request_id)
@@ -194,6 +291,11 @@ class ModelRunner:
                                   eos_token_ids=request.eos_token_ids, generator=generator)
             self.sampling_states[request.request_id] = state
         return state
+
+
+def _token_at(request: Request, index: int) -> int:
+    p = request.num_prompt_tokens
+    return request.prompt_token_ids[index] if index < p else request.output_token_ids[index - p]
 
 
 def _token_slice(request: Request, start: int, end: int) -> np.ndarray:

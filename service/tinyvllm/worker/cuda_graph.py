@@ -1,0 +1,150 @@
+"""CUDA graphs for pure-decode steps: one graph per (batch-size bucket, context-length tier).
+
+A decode step of a small model is a few hundred short kernels; launching them one by one from
+Python costs more than running them. A graph replays the whole forward with one launch.
+
+    batch sizes   [1, 2, 4, 8] + range(16, max_bs + 1, 16), max_bs = min(max_num_seqs, 256)
+    context tiers 1024, 4096, ..., min(max_model_len, MAX_SEQ_LEN_TO_CAPTURE)
+
+A step with `num_seqs` sequences (one new token each) whose longest context is `max_seq_len`
+replays the smallest graph with batch_size >= num_seqs and tier >= max_seq_len; its rows past
+num_seqs are padding (slot -1: no KV write; block table all null block 0; context length 1). The
+tier matters because the split-K decode kernel's partition count is fixed at capture by the
+metadata's max_seq_len (cuda/NOTES.md): capturing everything at max_model_len would launch
+mostly-empty partitions for short contexts. Prefill and mixed steps, larger batches and longer
+contexts run eagerly.
+
+Graphs are captured largest first into one memory pool: a smaller graph's intermediates fit in
+what the larger ones freed. All graphs read the runner's persistent input buffers and write the
+final hidden states into one static buffer; sampling runs outside the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from tinyvllm.ops import AttentionMetadata
+from tinyvllm.ops.kv_cache import PADDING_SLOT
+from tinyvllm.worker.input_buffers import InputBuffers
+
+logger = logging.getLogger(__name__)
+
+MAX_GRAPH_BATCH_SIZE = 256
+"""Largest decode batch captured (vLLM and nano-vllm go to 512; our default max_num_seqs is 256)."""
+
+MAX_SEQ_LEN_TO_CAPTURE = 8192
+"""Longest context a decode graph serves; longer ones run eagerly (vLLM's default too)."""
+
+SEQ_LEN_TIERS = (1024, 4096)
+"""Context-length tiers below the cap: short contexts skip most of the cap's partitions."""
+
+
+@dataclass(frozen=True, order=True)
+class GraphKey:
+    batch_size: int
+    max_seq_len: int  # the tier: contexts up to this many tokens
+    block_table_width: int  # ceil(max_seq_len / block_size)
+
+
+def decode_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The batch-size buckets, ascending; max_bs itself is always one of them."""
+    max_bs = min(max_num_seqs, MAX_GRAPH_BATCH_SIZE)
+    sizes = [b for b in [1, 2, 4, 8] + list(range(16, max_bs + 1, 16)) if b <= max_bs]
+    return sizes if sizes[-1] == max_bs else sizes + [max_bs]
+
+
+def decode_seq_len_tiers(max_model_len: int) -> list[int]:
+    """The context-length tiers, ascending, ending at min(max_model_len, MAX_SEQ_LEN_TO_CAPTURE)."""
+    cap = min(max_model_len, MAX_SEQ_LEN_TO_CAPTURE)
+    return [t for t in SEQ_LEN_TIERS if t < cap] + [cap]
+
+
+class DecodeGraphs:
+    """Captures and replays the decode graphs of one model over one set of input buffers."""
+
+    def __init__(self, model, kv_caches: list[torch.Tensor], buffers: InputBuffers,
+                 batch_sizes: list[int], seq_len_tiers: list[int], block_size: int):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.buffers = buffers
+        self.batch_sizes = sorted(batch_sizes)
+        self.seq_len_tiers = sorted(seq_len_tiers)
+        self.block_size = block_size
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.hidden: Optional[torch.Tensor] = None  # [max_bs, hidden_size], written by every graph
+
+    def key(self, batch_size: int, max_seq_len: int) -> GraphKey:
+        return GraphKey(batch_size, max_seq_len, -(-max_seq_len // self.block_size))
+
+    def pick(self, num_seqs: int, max_seq_len: int) -> Optional[GraphKey]:
+        """The graph for a pure-decode step, or None when it must run eagerly."""
+        bs = next((b for b in self.batch_sizes if b >= num_seqs), None)
+        tier = next((t for t in self.seq_len_tiers if t >= max_seq_len), None)
+        if bs is None or tier is None:
+            return None
+        return self.key(bs, tier)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every (batch size, tier), largest first, into one memory pool."""
+        start = time.perf_counter()
+        before = torch.cuda.memory_reserved()
+        device = self.kv_caches[0].device
+        hidden_size = self.model.arch.hidden_size
+        dtype = self.kv_caches[0].dtype
+        self.hidden = torch.empty(self.batch_sizes[-1], hidden_size, dtype=dtype, device=device)
+        self._fill_padding()
+        keys = sorted((self.key(b, t) for b in self.batch_sizes for t in self.seq_len_tiers),
+                      reverse=True)
+        for bs in reversed(self.batch_sizes):  # warm-up: cuBLAS handles, lazy module loads
+            self._forward(self.key(bs, self.seq_len_tiers[-1]))
+        torch.cuda.synchronize()
+        pool = None
+        for key in keys:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(key)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[key] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch sizes %s, context tiers %s) in %.1f s, "
+                    "%.0f MiB", len(keys), self.batch_sizes, self.seq_len_tiers,
+                    time.perf_counter() - start, (torch.cuda.memory_reserved() - before) / 2**20)
+
+    def replay(self, key: GraphKey) -> torch.Tensor:
+        """Run the graph on whatever the input buffers hold. Returns [batch_size, hidden_size]."""
+        self.graphs[key].replay()
+        return self.hidden[:key.batch_size]
+
+    def _forward(self, key: GraphKey) -> None:
+        bs = key.batch_size
+        b = self.buffers
+        self.hidden[:bs] = self.model(b.input_ids_device(bs), b.positions_device(bs),
+                                      self.kv_caches, self._metadata(key))
+
+    def _metadata(self, key: GraphKey) -> AttentionMetadata:
+        """Capture-time metadata: max_seq_len is the tier, so the kernel's partitioning covers it."""
+        bs, width = key.batch_size, key.block_table_width
+        b = self.buffers
+        return AttentionMetadata(
+            num_tokens=bs, slot_mapping=b.slot_mapping.device[:bs],
+            query_start_loc=b.query_start_loc.device[:bs + 1], seq_lens=b.seq_lens.device[:bs],
+            block_tables=b.block_tables.device[:bs * width].view(bs, width),
+            max_query_len=1, max_seq_len=key.max_seq_len,
+            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[key.max_seq_len] * bs)
+
+    def _fill_padding(self) -> None:
+        """Warm-up and capture run on padding rows only: nothing is written to the KV cache."""
+        b = self.buffers
+        b.input_ids.device.zero_()
+        b.positions.device.zero_()
+        b.slot_mapping.device.fill_(PADDING_SLOT)
+        b.seq_lens.device.fill_(1)
+        b.block_tables.device.zero_()
+        qsl = b.query_start_loc.device
+        qsl.copy_(torch.arange(qsl.numel(), dtype=qsl.dtype))

@@ -1,0 +1,198 @@
+"""ModelRunner on the CPU: the flat inputs it builds, graph padding, and the tokens it produces.
+
+The CUDA-only parts (graph capture and replay, memory profiling) are in tests/gpu; here the
+decode-graph padding is checked through `_prepare_inputs` with a graph table that was never
+captured, which is all host-side arithmetic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tinyvllm.config import EngineConfig
+from tinyvllm.engine.engine_core import EngineCore
+from tinyvllm.engine.request import EngineCoreRequest, Request
+from tinyvllm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tinyvllm.model.loader import LoadedModel
+from tinyvllm.model.synthetic import make_random_model, synthetic_tokenizer, tiny_arch
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_sizes,
+                                        decode_seq_len_tiers)
+from tinyvllm.worker.input_buffers import BlockTableCache
+from tinyvllm.worker.model_runner import ModelRunner
+
+BLOCK_SIZE = 4
+PROMPTS = [[5, 17, 99, 3, 250, 8, 8, 41, 7, 199, 12], [9, 8, 7, 6, 5], [100, 200, 150, 10, 11, 12,
+                                                                       13, 14, 15, 16, 17, 18, 19]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    arch = tiny_arch(vocab_size=512)
+    model = make_random_model(arch, seed=3, dtype=torch.float32, device=torch.device("cpu"))
+    return LoadedModel(model=model, arch=arch, tokenizer=synthetic_tokenizer(512, "tiny"),
+                       name="tiny", path=None, max_model_len=arch.max_position_embeddings)
+
+
+def make_runner(loaded, **kwargs) -> ModelRunner:
+    config = EngineConfig.from_kwargs(device="cpu", dtype="float32", block_size=BLOCK_SIZE,
+                                      num_kv_blocks=64, **kwargs)
+    return ModelRunner(config, loaded=loaded)
+
+
+def request(request_id: str, prompt: list[int], output: list[int], num_computed: int,
+            block_ids: list[int]) -> Request:
+    r = Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=GREEDY)
+    r.output_token_ids = list(output)
+    r.num_computed_tokens = num_computed
+    r.block_ids = list(block_ids)
+    return r
+
+
+def make_engine(loaded, **kwargs) -> EngineCore:
+    runner = make_runner(loaded, **kwargs)
+    return EngineCore(runner.config, runner)
+
+
+def generate(engine: EngineCore, prompts: list[list[int]], params=GREEDY) -> list[list[int]]:
+    outputs: dict[str, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        engine.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=ids,
+                                             sampling_params=params))
+        outputs[str(i)] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    return [outputs[str(i)] for i in range(len(prompts))]
+
+
+# --- buckets -------------------------------------------------------------------------------------
+
+def test_decode_batch_sizes():
+    assert decode_batch_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 16))
+    assert decode_batch_sizes(1000) == decode_batch_sizes(256)
+    assert decode_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert decode_batch_sizes(6) == [1, 2, 4, 6]
+
+
+def test_decode_seq_len_tiers():
+    assert decode_seq_len_tiers(131072) == [1024, 4096, 8192]
+    assert decode_seq_len_tiers(8192) == [1024, 4096, 8192]
+    assert decode_seq_len_tiers(2048) == [1024, 2048]
+    assert decode_seq_len_tiers(300) == [300]
+
+
+def test_pick_smallest_graph_that_fits():
+    graphs = DecodeGraphs(None, [], None, [1, 2, 4, 8], [64, 200], block_size=16)
+    assert graphs.pick(3, 10) == GraphKey(4, 64, 4)
+    assert graphs.pick(8, 65) == GraphKey(8, 200, 13)
+    assert graphs.pick(9, 10) is None  # batch above the largest bucket: eager
+    assert graphs.pick(1, 201) is None  # context above the largest tier: eager
+
+
+def test_block_table_cache_grows_and_rebuilds():
+    cache = BlockTableCache()
+    ids = list(range(1, 21))
+    assert cache.get("a", ids[:3]).tolist() == [1, 2, 3]
+    assert cache.get("a", ids).tolist() == ids  # grown past the first capacity
+    assert cache.get("a", [7, 8]).tolist() == [7, 8]  # replaced list (preempted, refilled)
+    cache.drop("a")
+    assert cache.get("a", [9]).tolist() == [9]
+
+
+# --- inputs --------------------------------------------------------------------------------------
+
+def test_mixed_batch_inputs(loaded):
+    runner = make_runner(loaded)
+    # a: decode at position 11 (prompt 11 + 1 output); b: 3-token chunk 2..4 of a 5-token prompt
+    # that completes it; c: first chunk of 6 tokens of a 13-token prompt (not sampled).
+    a = request("a", PROMPTS[0], [42], 11, [3, 9, 5])
+    b = request("b", PROMPTS[1], [], 2, [7, 2])
+    c = request("c", PROMPTS[2], [], 0, [4, 6])
+    out = SchedulerOutput([ScheduledRequest(a, 1), ScheduledRequest(b, 3), ScheduledRequest(c, 6)])
+    inputs = runner._prepare_inputs(out)
+    meta = inputs.meta
+    buf = runner.buffers
+    assert inputs.graph is None and inputs.num_tokens == 10
+    assert buf.input_ids.np[:10].tolist() == [42, 7, 6, 5] + PROMPTS[2][:6]
+    assert buf.positions.np[:10].tolist() == [11, 2, 3, 4, 0, 1, 2, 3, 4, 5]
+    # slot = block_ids[pos // 4] * 4 + pos % 4
+    assert meta.slot_mapping.tolist() == [5 * 4 + 3, 7 * 4 + 2, 7 * 4 + 3, 2 * 4 + 0,
+                                          16, 17, 18, 19, 24, 25]
+    assert meta.query_start_loc.tolist() == [0, 1, 4, 10]
+    assert meta.seq_lens.tolist() == [12, 5, 6]
+    assert meta.block_tables.tolist() == [[3, 9, 5], [7, 2, 0], [4, 6, 0]]
+    assert (meta.max_query_len, meta.max_seq_len) == (6, 12)
+    assert inputs.logits_indices.tolist() == [0, 3]
+    assert [r.request_id for r in inputs.sampled_requests] == ["a", "b"]
+
+
+def test_decode_padded_to_graph_bucket(loaded):
+    runner = make_runner(loaded)
+    runner.graphs = DecodeGraphs(None, [], runner.buffers, [1, 2, 4], [16, 32], BLOCK_SIZE)
+    reqs = [request("a", PROMPTS[0], [42, 43], 12, [3, 9, 5, 8]),
+            request("b", PROMPTS[1], [1], 5, [7, 2]),
+            request("c", [1, 2, 3], [], 2, [6])]  # the last prompt token: also one new token
+    inputs = runner._prepare_inputs(SchedulerOutput([ScheduledRequest(r, 1) for r in reqs]))
+    buf = runner.buffers
+    assert inputs.graph == GraphKey(4, 16, 4) and inputs.meta is None
+    assert buf.input_ids.np[:4].tolist() == [43, 1, 3, 0]
+    assert buf.positions.np[:4].tolist() == [12, 5, 2, 0]
+    assert buf.slot_mapping.np[:4].tolist() == [8 * 4 + 0, 2 * 4 + 1, 6 * 4 + 2, -1]  # -1: no write
+    assert buf.query_start_loc.np[:5].tolist() == [0, 1, 2, 3, 4]
+    assert buf.seq_lens.np[:4].tolist() == [13, 6, 3, 1]
+    assert buf.block_tables.np[:16].reshape(4, 4).tolist() == [
+        [3, 9, 5, 8], [7, 2, 0, 0], [6, 0, 0, 0], [0, 0, 0, 0]]  # padding row: null block
+    assert inputs.logits_indices.tolist() == [0, 1, 2]
+
+
+def test_step_too_large_is_refused(loaded):
+    runner = make_runner(loaded, max_num_batched_tokens=8)
+    r = request("a", PROMPTS[2], [], 0, [4, 6, 1, 2])
+    with pytest.raises(ValueError, match="max_num_batched_tokens=8"):
+        runner._prepare_inputs(SchedulerOutput([ScheduledRequest(r, 13)]))
+
+
+# --- tokens --------------------------------------------------------------------------------------
+
+def test_greedy_decode_equals_full_recompute(loaded):
+    """Token k of a greedy run is what a fresh prefill of prompt + tokens[:k] picks."""
+    engine = make_engine(loaded)
+    outputs = generate(engine, PROMPTS)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for prompt, tokens in zip(PROMPTS, outputs):
+        assert len(tokens) == GREEDY.max_tokens
+        for k in (1, len(tokens) - 1):
+            fresh = make_engine(loaded)
+            assert generate(fresh, [prompt + tokens[:k]], one)[0] == [tokens[k]]
+
+
+@pytest.mark.parametrize("kwargs", [{"max_num_batched_tokens": 5}, {"max_num_seqs": 1},
+                                    {"enable_prefix_caching": False}])
+def test_batching_and_chunking_do_not_change_tokens(loaded, kwargs):
+    alone = [generate(make_engine(loaded), [p])[0]
+             for p in PROMPTS]
+    engine = make_engine(loaded, **kwargs)
+    assert generate(engine, PROMPTS) == alone
+    stats = engine.get_stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_block_tables_dropped_when_requests_finish(loaded):
+    runner = make_runner(loaded)
+    engine = EngineCore(runner.config, runner)
+    generate(engine, PROMPTS)
+    # Finished ids reach the runner with the next schedule, i.e. during the next run.
+    generate(engine, PROMPTS[:1])
+    assert set(runner.block_tables._tables) <= {"0"}
+
+
+def test_cpu_buffers_are_the_device_buffers(loaded):
+    runner = make_runner(loaded)
+    assert runner.graphs is None
+    assert runner.buffers.input_ids.device is runner.buffers.input_ids.host
+    assert np.shares_memory(runner.buffers.block_tables.np,
+                            runner.buffers.block_tables.device.numpy())
