@@ -80,7 +80,7 @@ def test_each_prompt_alone_matches_transformers(smollm2, prompts, hf_greedy):
     pytest.param({}, id="batched"),
     pytest.param({"max_num_batched_tokens": 32}, id="chunked-prefill-32"),
     pytest.param({"enable_prefix_caching": False}, id="no-prefix-caching"),
-    pytest.param({"num_kv_blocks": 40}, id="preemption"),
+    pytest.param({"num_kv_blocks": 48}, id="preemption"),
 ])
 def test_batched_variants_match_transformers(smollm2, prompts, hf_greedy, engine_kwargs):
     engine = make_engine(smollm2, **engine_kwargs)
@@ -128,3 +128,15 @@ def test_aborted_requests_free_their_blocks(smollm2, prompts):
 def _request(request_id, ids):
     from tinyvllm.engine.request import EngineCoreRequest
     return EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=GREEDY)
+
+
+def test_context_length_is_capped_to_what_the_cache_holds(smollm2):
+    engine = make_engine(smollm2, num_kv_blocks=9)  # 8 usable blocks of 16 tokens
+    assert engine.runtime_info.max_model_len == 128
+    from tinyvllm.engine.validation import RequestValidationError
+    with pytest.raises(RequestValidationError, match="^prompt: is 128 tokens"):
+        engine.add_request(_request("too-long", list(range(100, 228))))
+    out = run_to_completion(engine, [list(range(100, 220))],
+                            SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    assert len(out[0]) == 8  # up to the capped context length, then "length"
+    assert_all_blocks_free(engine)

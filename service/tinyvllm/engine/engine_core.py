@@ -45,20 +45,30 @@ class EngineCore:
         self.runner = model_runner or ModelRunner(config)
         loaded = self.runner.loaded
         self.tokenizer = loaded.tokenizer
+        self.max_model_len = self._fit_max_model_len()
         self.runtime_info = RuntimeInfo(
             num_kv_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
-            max_model_len=self.runner.max_model_len, vocab_size=loaded.arch.vocab_size,
+            max_model_len=self.max_model_len, vocab_size=loaded.arch.vocab_size,
             eos_token_ids=tuple(self.tokenizer.eos_token_ids), model_name=loaded.name,
             device=str(self.runner.device), dtype=str(self.runner.dtype).removeprefix("torch."))
         seed = config.cache.prefix_cache_seed
         kv = KVCacheManager(self.runner.num_blocks, self.runner.block_size,
                             config.cache.enable_prefix_caching,
                             seed if seed is not None else secrets.randbits(63))
-        self.scheduler = Scheduler(config.scheduler, kv, self.runner.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
         self._eos = frozenset(self.tokenizer.eos_token_ids)
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_scheduled_tokens = 0
+
+    def _fit_max_model_len(self) -> int:
+        """The context length, capped so that one request alone always fits in the KV cache
+        (otherwise preemption could never make room for it)."""
+        capacity = (self.runner.num_blocks - 1) * self.runner.block_size
+        if capacity < self.runner.max_model_len:
+            logger.warning("max_model_len %d capped to %d tokens: the KV cache holds no more",
+                           self.runner.max_model_len, capacity)
+        return min(self.runner.max_model_len, capacity)
 
     @property
     def kv(self) -> KVCacheManager:
@@ -69,7 +79,7 @@ class EngineCore:
         validate_request(req, self.runtime_info)
         if req.request_id in self.scheduler.requests:
             raise RequestValidationError("request_id", f"{req.request_id!r} is already in use")
-        request = Request.from_engine_core_request(req, self._eos, self.runner.max_model_len)
+        request = Request.from_engine_core_request(req, self._eos, self.max_model_len)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

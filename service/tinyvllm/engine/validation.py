@@ -35,8 +35,3 @@ def validate_request(req: EngineCoreRequest, info: RuntimeInfo) -> None:
     if bad_stop is not None:
         raise RequestValidationError(
             "stop_token_ids", f"token id {bad_stop} is outside the vocabulary [0, {info.vocab_size})")
-    max_blocks_needed = -(-info.max_model_len // info.block_size)
-    if max_blocks_needed > info.num_kv_blocks - 1 and \
-            -(-(len(ids) + 1) // info.block_size) > info.num_kv_blocks - 1:
-        raise RequestValidationError(
-            "prompt", f"needs more KV blocks than the cache holds ({info.num_kv_blocks - 1})")
