@@ -55,25 +55,29 @@ def run(args: argparse.Namespace) -> int:
     num_iters = args.num_iters or default_for(device, 10, 3)
     prompts = random_prompts([args.input_len] * (num_iters + 1), engine.runtime_info.vocab_size,
                              config.model.seed)
-    warmup_len = default_for(device, args.output_len, min(args.output_len, CPU_WARMUP_TOKENS))
-    run_batch(engine, prompts[:1], [warmup_len], sync)
-    times = [run_batch(engine, [p], [args.output_len], sync).requests[0].token_times_s
-             for p in prompts[1:]]
-    ours = numbers(times)
+    spec = hf.ModelSpec.of(engine)
+    # On CPU both models fit: alternate their requests so that drift in a shared machine's load
+    # hits both alike. On GPU one engine claims most of the memory, so the baseline runs after.
+    interleave = args.baseline and device.type == "cpu"
+    b = hf.load_baseline(spec, compile=args.baseline_compile) if interleave else None
+    ours_times, base_times = time_requests(engine, b, prompts, args.output_len, device, sync)
+    ours = numbers(ours_times)
     ours["bandwidth"] = roofline(engine, args.input_len, args.output_len,
                                  ours["tpot"]["median_ms"], copy_gbps)
     record = {**environment(args, device), **model_fields(engine, config),
               "workload": {"batch_size": 1, "input_len": args.input_len,
                            "output_len": args.output_len, "num_iters": num_iters,
-                           "sampling": "greedy, ignore_eos"},
+                           "sampling": "greedy, ignore_eos", "interleaved": interleave},
               "results": {"tinyvllm": ours}}
-    spec = hf.ModelSpec.of(engine)
     engine.shutdown()
     engine = None
     free_memory()
     if args.baseline:
-        record["baseline"], record["results"]["transformers"] = run_baseline(
-            spec, prompts, args, sync)
+        if b is None:
+            b = hf.load_baseline(spec, compile=args.baseline_compile)
+            _, base_times = time_requests(None, b, prompts, args.output_len, device, sync)
+        record["baseline"] = b.describe()
+        record["results"]["transformers"] = numbers(base_times)
         record["ratios"] = ratios(ours, record["results"]["transformers"])
     path = write_record(NAME, record, args.out)
     print(f"wrote {path}")
@@ -81,14 +85,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_baseline(spec, prompts, args, sync) -> tuple[dict, dict]:
-    b = hf.load_baseline(spec, compile=args.baseline_compile)
-    hf.warm_up_single(b, prompts[0], args.output_len, sync)
-    times = [hf.time_single(b, p, args.output_len, sync) for p in prompts[1:]]
-    described = b.describe()
-    b.model = None
-    free_memory()
-    return described, numbers(times)
+def time_requests(engine, b: Optional[hf.HFBaseline], prompts, output_len: int, device, sync
+                  ) -> tuple[list[list[float]], list[list[float]]]:
+    """Warm up, then each timed prompt through the engine and/or the baseline, alternating."""
+    warmup_len = default_for(device, output_len, min(output_len, CPU_WARMUP_TOKENS))
+    if engine is not None:
+        run_batch(engine, prompts[:1], [warmup_len], sync)
+    if b is not None:
+        hf.warm_up_single(b, prompts[0], output_len, sync)
+    ours, base = [], []
+    for p in prompts[1:]:
+        if engine is not None:
+            ours.append(run_batch(engine, [p], [output_len], sync).requests[0].token_times_s)
+        if b is not None:
+            base.append(hf.time_single(b, p, output_len, sync))
+    return ours, base
 
 
 def ratios(ours: dict, base: dict) -> dict[str, Optional[float]]:
