@@ -47,4 +47,11 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("key"), py::arg("cos_sin_cache"), py::arg("num_tokens"), py::arg("num_heads"),
         py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("query_stride"),
         py::arg("key_stride"), py::arg("dtype"), py::arg("stream"));
+
+  m.def("rotary_embedding_and_cache", &tinyvllm::rotary_embedding_and_cache,
+        py::arg("positions"), py::arg("query"), py::arg("key"), py::arg("value"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
+        py::arg("cos_sin_cache"), py::arg("num_tokens"), py::arg("num_heads"),
+        py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("query_stride"),
+        py::arg("key_stride"), py::arg("value_stride"), py::arg("dtype"), py::arg("stream"));
 }

@@ -42,5 +42,12 @@ void silu_and_mul(ptr_t out, ptr_t x, int64_t num_tokens, int d, int64_t x_strid
 void rotary_embedding(ptr_t positions, ptr_t query, ptr_t key, ptr_t cos_sin_cache,
                       int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim,
                       int64_t query_stride, int64_t key_stride, int dtype, stream_t stream);
+// Rotary on q and k (in place) fused with writing k and v into the paged cache (one launch).
+void rotary_embedding_and_cache(ptr_t positions, ptr_t query, ptr_t key, ptr_t value,
+                                ptr_t key_cache, ptr_t value_cache, ptr_t slot_mapping,
+                                ptr_t cos_sin_cache, int64_t num_tokens, int num_heads,
+                                int num_kv_heads, int head_dim, int64_t query_stride,
+                                int64_t key_stride, int64_t value_stride, int dtype,
+                                stream_t stream);
 
 }  // namespace tinyvllm

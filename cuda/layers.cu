@@ -107,4 +107,36 @@ void rotary_embedding(ptr_t positions,      // [num_tokens] int64
   check_launch("rotary_embedding_kernel");
 }
 
+void rotary_embedding_and_cache(
+    ptr_t positions,      // [num_tokens] int64
+    ptr_t query,          // [num_tokens, num_heads * head_dim], row stride query_stride
+    ptr_t key,            // [num_tokens, num_kv_heads * head_dim], row stride key_stride
+    ptr_t value,          // [num_tokens, num_kv_heads * head_dim], row stride value_stride
+    ptr_t key_cache,      // [num_blocks, block_size, num_kv_heads, head_dim]
+    ptr_t value_cache,    // [num_blocks, block_size, num_kv_heads, head_dim]
+    ptr_t slot_mapping,   // [num_tokens] int64, -1 = padding
+    ptr_t cos_sin_cache,  // [max_position, head_dim] float32
+    int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim, int64_t query_stride,
+    int64_t key_stride, int64_t value_stride, int dtype, stream_t stream) {
+  require(head_dim > 0 && head_dim % 2 == 0, "rotary_embedding_and_cache: head_dim=" +
+                                                 std::to_string(head_dim) + " must be even and positive");
+  require(num_heads >= 0 && num_kv_heads > 0,
+          "rotary_embedding_and_cache: num_heads must not be negative, num_kv_heads positive");
+  require(num_tokens >= 0 && num_tokens <= INT32_MAX,
+          "rotary_embedding_and_cache: num_tokens=" + std::to_string(num_tokens) + " out of range");
+  if (num_tokens == 0) return;
+  const cudaStream_t s = as_stream(stream);
+  const int64_t pairs = int64_t(num_heads + num_kv_heads) * head_dim / 2;
+  TINYVLLM_DISPATCH_FLOAT(dtype, "rotary_embedding_and_cache", {
+    rotary_embedding_and_cache_kernel<scalar_t><<<unsigned(num_tokens), row_threads(pairs), 0, s>>>(
+        reinterpret_cast<const int64_t*>(positions), reinterpret_cast<scalar_t*>(query),
+        reinterpret_cast<scalar_t*>(key), reinterpret_cast<const scalar_t*>(value),
+        reinterpret_cast<scalar_t*>(key_cache), reinterpret_cast<scalar_t*>(value_cache),
+        reinterpret_cast<const int64_t*>(slot_mapping),
+        reinterpret_cast<const float*>(cos_sin_cache), num_heads, num_kv_heads, head_dim,
+        query_stride, key_stride, value_stride);
+  });
+  check_launch("rotary_embedding_and_cache_kernel");
+}
+
 }  // namespace tinyvllm

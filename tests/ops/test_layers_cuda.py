@@ -87,3 +87,40 @@ def test_rotary_embedding_in_place(kernels, dtype, head_dim, num_heads, num_kv_h
     assert_rel_close(query, expected_q, dtype)
     assert_rel_close(key, expected_k, dtype)
     torch.testing.assert_close(qkv[:, q_width + k_width:], value_before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("num_tokens,heads,head_dim", [(1, (9, 3), 64), (37, (32, 8), 128),
+                                                       (5, (12, 1), 128), (130, (4, 4), 64)])
+def test_rotary_embedding_and_cache(kernels, dtype, num_tokens, heads, head_dim):
+    """Fused rotary + KV write on strided views of a qkv output, padding slots skipped, against
+    rotary_embedding_ref + reshape_and_cache_ref; untouched cache slots keep their poison."""
+    from tinyvllm.ops.layers import rotary_embedding_and_cache, rotary_embedding_and_cache_ref
+    num_heads, num_kv_heads = heads
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = rand(num_tokens, q_size + 2 * kv_size, dtype=dtype, seed=num_tokens)
+    num_blocks, block = 3 + (num_tokens * 2) // 16, 16
+    gen = torch.Generator().manual_seed(num_tokens)
+    slots = torch.randperm(num_blocks * block, generator=gen)[:num_tokens]
+    slots[::4] = -1  # padding
+    slots = slots.to("cuda")
+    positions = torch.randint(0, 4000, (num_tokens,), generator=gen).to("cuda")
+    cos_sin = build_cos_sin_cache(head_dim, 4096, 500000.0,
+                                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192}, device="cuda")
+    poison = torch.full((2, num_blocks, block, num_kv_heads, head_dim), 1234.0, dtype=dtype,
+                        device="cuda")
+    ref_cache = poison.clone()
+    q, k, v = qkv.clone().split([q_size, kv_size, kv_size], dim=-1)
+    ref_q, ref_k = rotary_embedding_and_cache_ref(positions, q, k, v, cos_sin, head_dim,
+                                                  ref_cache, slots)
+    cache = poison.clone()
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)  # strided views
+    got_q, got_k = rotary_embedding_and_cache(positions, q, k, v, cos_sin, head_dim, cache, slots)
+    assert got_q.data_ptr() == qkv.data_ptr()  # in place
+    assert_rel_close(got_q, ref_q, dtype)
+    assert_rel_close(got_k, ref_k, dtype)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(cache, ref_cache, rtol=tol, atol=tol)
+    assert (cache == 1234.0).any(), "some slots must stay untouched"

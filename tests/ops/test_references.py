@@ -162,3 +162,27 @@ def test_rms_norm_with_residual(dtype):
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
     plain = rms_norm_ref(x, weight, eps)
     assert isinstance(plain, torch.Tensor) and plain.shape == x.shape
+
+
+def test_rotary_embedding_and_cache_ref_equals_separate_ops():
+    """The fused op's reference is rotary_embedding_ref then reshape_and_cache_ref (CPU)."""
+    from tinyvllm.ops.kv_cache import reshape_and_cache_ref
+    from tinyvllm.ops.layers import (build_cos_sin_cache, rotary_embedding_and_cache,
+                                     rotary_embedding_ref)
+    torch.manual_seed(0)
+    t, h, hkv, d = 7, 6, 2, 16
+    qkv = torch.randn(t, (h + 2 * hkv) * d)
+    q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    positions = torch.randint(0, 100, (t,))
+    slots = torch.tensor([3, -1, 0, 17, 9, -1, 30])
+    cos_sin = build_cos_sin_cache(d, 128, 10000.0, None)
+    cache = torch.full((2, 2, 16, hkv, d), 7.0)
+    got_q, got_k = rotary_embedding_and_cache(positions, q, k, v, cos_sin, d, cache, slots)
+    ref_cache = torch.full_like(cache, 7.0)
+    ref_q, ref_k = rotary_embedding_ref(positions, q, k, cos_sin, d)
+    keep = slots >= 0
+    reshape_and_cache_ref(ref_k.view(t, hkv, d)[keep], v.reshape(t, hkv, d)[keep], ref_cache,
+                          slots[keep])
+    torch.testing.assert_close(got_q, ref_q)
+    torch.testing.assert_close(got_k, ref_k)
+    torch.testing.assert_close(cache, ref_cache)

@@ -8,6 +8,7 @@ kernels plug in without touching this file. Projections are merged (`qkv_proj`, 
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterable, Iterator, Optional
 
 import torch
@@ -16,6 +17,10 @@ from torch import nn
 
 from tinyvllm import ops
 from tinyvllm.model.arch import LlamaArch
+
+_FUSED_ROTARY_CACHE = os.environ.get("TINYVLLM_FUSED_ROTARY_CACHE", "1") != "0"
+"""One op for rotary + KV-cache write on the qkv views (no copies); 0 restores the separate ops
+with contiguous copies (for A/B timing)."""
 
 # HF projection name -> (merged parameter name, shard index). Shard order is the row order.
 _STACKED = {
@@ -42,12 +47,17 @@ class LlamaAttention(nn.Module):
         a = self.arch
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q, k = ops.rotary_embedding(positions, q.contiguous(), k.contiguous(), cos_sin_cache,
-                                    a.head_dim)
         num_tokens = hidden.shape[0]
-        k = k.view(num_tokens, a.num_kv_heads, a.head_dim)
-        v = v.contiguous().view(num_tokens, a.num_kv_heads, a.head_dim)
-        ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        if _FUSED_ROTARY_CACHE:
+            # Strided views into qkv: rotary in place, rotated K and V straight into the cache.
+            q, _ = ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, a.head_dim,
+                                                  kv_cache, meta.slot_mapping)
+        else:
+            q, k = ops.rotary_embedding(positions, q.contiguous(), k.contiguous(), cos_sin_cache,
+                                        a.head_dim)
+            k = k.view(num_tokens, a.num_kv_heads, a.head_dim)
+            v = v.contiguous().view(num_tokens, a.num_kv_heads, a.head_dim)
+            ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
         out = ops.paged_attention(q.view(num_tokens, a.num_heads, a.head_dim), kv_cache, meta,
                                   self.scale)
         return self.o_proj(out.reshape(num_tokens, a.q_size))

@@ -130,7 +130,12 @@ def _compile_template(source: str) -> jinja2.Template:
 # --- loading -----------------------------------------------------------------------------------
 
 def load_tokenizer(model: Optional[str]) -> Tokenizer:
-    """Load only the tokenizer of `model` (a .gguf file, a HF directory, None: the default)."""
+    """Load only the tokenizer of `model` (a .gguf file, a HF directory, None: the default, or a
+    synthetic model name such as `llama3-8b-shape`: the byte-level tokenizer its engine uses)."""
+    if model is not None:
+        from tinyvllm.model.synthetic import SYNTHETIC_MODELS, synthetic_tokenizer
+        if model in SYNTHETIC_MODELS:
+            return synthetic_tokenizer(SYNTHETIC_MODELS[model].vocab_size, model)
     path = resolve_model_path(model)
     if is_gguf(path):
         _, meta = read_gguf(path)

@@ -7,10 +7,12 @@ path). On CUDA an unsupported input raises rather than silently falling back.
 
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention, paged_attention_ref
 from tinyvllm.ops.kv_cache import KV_CACHE_LAYOUT, allocate_kv_caches, reshape_and_cache
-from tinyvllm.ops.layers import rms_norm, rotary_embedding, silu_and_mul, build_cos_sin_cache
+from tinyvllm.ops.layers import (build_cos_sin_cache, rms_norm, rotary_embedding,
+                                 rotary_embedding_and_cache, silu_and_mul)
 
 __all__ = [
     "AttentionMetadata", "paged_attention", "paged_attention_ref", "KV_CACHE_LAYOUT",
-    "allocate_kv_caches", "reshape_and_cache", "rms_norm", "rotary_embedding", "silu_and_mul",
+    "allocate_kv_caches", "reshape_and_cache", "rms_norm", "rotary_embedding",
+    "rotary_embedding_and_cache", "silu_and_mul",
     "build_cos_sin_cache",
 ]

@@ -114,3 +114,35 @@ def rotary_embedding_ref(positions, query, key, cos_sin_cache, head_dim):
         return (x * cos + rotated * sin).view(shape)
 
     return rotate(query).to(query.dtype), rotate(key).to(key.dtype)
+
+
+def rotary_embedding_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                               value: torch.Tensor, cos_sin_cache: torch.Tensor, head_dim: int,
+                               kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    """`rotary_embedding` then `reshape_and_cache` of the rotated key and value (one launch on CUDA).
+
+    Shape:
+        positions, slot_mapping: [num_tokens] int64 (negative slots: padding, not written)
+        query: [num_tokens, num_heads * head_dim]; key, value: [num_tokens, num_kv_heads * head_dim]
+            (rows may be strided views into a fused qkv output)
+        kv_cache: KV_CACHE_LAYOUT
+    Returns: (query, key) rotated (in place on CUDA).
+    """
+    kernel = use_kernel(positions, query, key, value, kv_cache, slot_mapping)
+    if kernel is not None and hasattr(kernel, "rotary_embedding_and_cache"):
+        from tinyvllm.ops.layers_cuda import rotary_embedding_and_cache_cuda
+        return rotary_embedding_and_cache_cuda(kernel, positions, query, key, value,
+                                               cos_sin_cache, head_dim, kv_cache, slot_mapping)
+    return rotary_embedding_and_cache_ref(positions, query, key, value, cos_sin_cache, head_dim,
+                                          kv_cache, slot_mapping)
+
+
+def rotary_embedding_and_cache_ref(positions, query, key, value, cos_sin_cache, head_dim,
+                                   kv_cache, slot_mapping):
+    from tinyvllm.ops.kv_cache import reshape_and_cache_ref
+    query, key = rotary_embedding_ref(positions, query, key, cos_sin_cache, head_dim)
+    num_tokens, num_kv_heads = key.shape[0], kv_cache.shape[3]
+    reshape_and_cache_ref(key.reshape(num_tokens, num_kv_heads, head_dim),
+                          value.reshape(num_tokens, num_kv_heads, head_dim), kv_cache,
+                          slot_mapping)
+    return query, key

@@ -84,6 +84,48 @@ def rotary_embedding_cuda(kernel, positions: torch.Tensor, query: torch.Tensor,
     return query, key
 
 
+def rotary_embedding_and_cache_cuda(kernel, positions: torch.Tensor, query: torch.Tensor,
+                                    key: torch.Tensor, value: torch.Tensor,
+                                    cos_sin_cache: torch.Tensor, head_dim: int,
+                                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    """Rotary on q and k in place, then rotated k and v written to their cache slots, in one launch.
+
+    Shape: as rotary_embedding_cuda; value like key; kv_cache KV_CACHE_LAYOUT of query's dtype;
+    slot_mapping [num_tokens] int64 (negative: padding, not written).
+    Returns: (query, key), the same tensors, rotated.
+    """
+    _check_rows("query", query, dims=(2, 3))
+    _check_rows("key", key, dims=(2, 3))
+    _check_rows("value", value, dims=(2, 3))
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        raise ValueError(f"positions: expected contiguous int64, got {positions.dtype}")
+    if (cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous()
+            or cos_sin_cache.shape[-1] != head_dim or cos_sin_cache.device != query.device):
+        raise ValueError(f"cos_sin_cache: expected contiguous float32 [max_position, {head_dim}] "
+                         f"on {query.device}, got {cos_sin_cache.dtype} "
+                         f"{tuple(cos_sin_cache.shape)} on {cos_sin_cache.device}")
+    if key.dtype != query.dtype or value.dtype != query.dtype or kv_cache.dtype != query.dtype:
+        raise ValueError(f"key, value, kv_cache: expected {query.dtype}, got {key.dtype}, "
+                         f"{value.dtype}, {kv_cache.dtype}")
+    num_kv_heads = _row_numel(key) // head_dim
+    if (kv_cache.dim() != 5 or not kv_cache.is_contiguous()
+            or kv_cache.shape[3] * kv_cache.shape[4] != num_kv_heads * head_dim
+            or _row_numel(value) != _row_numel(key)):
+        raise ValueError(f"kv_cache: expected a contiguous [2, num_blocks, block_size, "
+                         f"{num_kv_heads}, {head_dim}] cache, got {tuple(kv_cache.shape)}")
+    if (slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
+            or slot_mapping.shape[0] != query.shape[0]):
+        raise ValueError(f"slot_mapping: expected contiguous int64 [{query.shape[0]}], got "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    kernel.rotary_embedding_and_cache(
+        positions.data_ptr(), query.data_ptr(), key.data_ptr(), value.data_ptr(),
+        kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), slot_mapping.data_ptr(),
+        cos_sin_cache.data_ptr(), query.shape[0], _row_numel(query) // head_dim, num_kv_heads,
+        head_dim, query.stride(0), key.stride(0), value.stride(0), _dtype_code(query.dtype),
+        stream_handle(query.device))
+    return query, key
+
+
 def _output(out: Optional[torch.Tensor], shape, like: torch.Tensor) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
