@@ -66,7 +66,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
 def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                         scale: float) -> torch.Tensor:
     """Torch reference: gather each sequence's K/V from its blocks, then attend."""
-    if meta.is_pure_decode and meta.num_seqs > 1:
+    if meta.is_pure_decode:
         return _decode_batched_ref(query, kv_cache, meta, scale)
     out = torch.empty_like(query)
     qsl = meta.query_start_loc_cpu
@@ -102,20 +102,31 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 def _decode_batched_ref(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                         scale: float) -> torch.Tensor:
-    """All sequences have one query: gather every context padded to the longest, mask the rest."""
+    """All sequences have one query: gather every context padded to the longest, mask the rest.
+
+    Written as two batched matmuls with the query heads grouped by KV head, rather than SDPA:
+    for one query per sequence on a CPU this is several times cheaper, and K/V are never
+    repeated per query head.
+    """
     block_size = kv_cache.shape[2]
     num_blocks = -(-meta.max_seq_len // block_size)
-    tables = meta.block_tables[:, :num_blocks].long()  # [b, nb]
+    b = meta.num_seqs
+    tables = meta.block_tables[:b, :num_blocks].long()  # [b, nb]
     kv = kv_cache[:, tables]  # [2, b, nb, bs, hkv, d]
-    b = tables.shape[0]
-    kv = kv.reshape(2, b, num_blocks * block_size, *kv_cache.shape[3:])
-    k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [b, hkv, ctx, d]
-    positions = torch.arange(num_blocks * block_size, device=query.device)
-    mask = (positions.unsqueeze(0) < meta.seq_lens[:b].unsqueeze(1).to(query.device))  # [b, ctx]
-    q = query[:b].unsqueeze(2)  # [b, h, 1, d]
-    out = F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1])
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    kv = kv.reshape(2, b, num_blocks * block_size, num_kv_heads, head_dim).to(query.dtype)
+    k = kv[0].permute(0, 2, 3, 1)  # [b, hkv, d, ctx]
+    v = kv[1].transpose(1, 2)  # [b, hkv, ctx, d]
+    group = query.shape[1] // num_kv_heads
+    q = query[:b].reshape(b, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, k).mul_(scale).float()  # [b, hkv, group, ctx]
+    ctx_len = scores.shape[-1]
+    if b > 1 or meta.seq_lens_cpu[0] != ctx_len:
+        positions = torch.arange(ctx_len, device=query.device)
+        pad = positions.unsqueeze(0) >= meta.seq_lens[:b].unsqueeze(1).to(query.device)
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    out = torch.matmul(probs, v)  # [b, hkv, group, d]
     result = torch.empty_like(query)
-    result[:b] = out.squeeze(2)
+    result[:b] = out.reshape(b, num_kv_heads * group, head_dim)
     return result
