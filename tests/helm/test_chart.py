@@ -10,7 +10,6 @@ there, so its fields are checked by hand.
 """
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 import subprocess

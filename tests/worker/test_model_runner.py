@@ -13,7 +13,7 @@ import torch
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
-from tinyvllm.engine.request import EngineCoreRequest, Request
+from tinyvllm.engine.request import Request
 from tinyvllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tinyvllm.model.loader import LoadedModel
 from tinyvllm.model.synthetic import make_random_model, synthetic_tokenizer, tiny_arch
@@ -22,6 +22,8 @@ from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_siz
                                         decode_seq_len_tiers)
 from tinyvllm.worker.input_buffers import BlockTableCache
 from tinyvllm.worker.model_runner import ModelRunner
+
+from tests.engine.conftest import run_to_completion
 
 BLOCK_SIZE = 4
 PROMPTS = [[5, 17, 99, 3, 250, 8, 8, 41, 7, 199, 12], [9, 8, 7, 6, 5], [100, 200, 150, 10, 11, 12,
@@ -58,15 +60,7 @@ def make_engine(loaded, **kwargs) -> EngineCore:
 
 
 def generate(engine: EngineCore, prompts: list[list[int]], params=GREEDY) -> list[list[int]]:
-    outputs: dict[str, list[int]] = {}
-    for i, ids in enumerate(prompts):
-        engine.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=ids,
-                                             sampling_params=params))
-        outputs[str(i)] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[out.request_id].extend(out.new_token_ids)
-    return [outputs[str(i)] for i in range(len(prompts))]
+    return run_to_completion(engine, prompts, params)
 
 
 # --- buckets -------------------------------------------------------------------------------------
