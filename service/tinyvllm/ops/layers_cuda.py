@@ -67,13 +67,7 @@ def rotary_embedding_cuda(kernel, positions: torch.Tensor, query: torch.Tensor,
     """
     _check_rows("query", query, dims=(2, 3))
     _check_rows("key", key, dims=(2, 3))
-    if positions.dtype != torch.int64 or not positions.is_contiguous():
-        raise ValueError(f"positions: expected contiguous int64, got {positions.dtype}")
-    if (cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous()
-            or cos_sin_cache.shape[-1] != head_dim or cos_sin_cache.device != query.device):
-        raise ValueError(f"cos_sin_cache: expected contiguous float32 [max_position, {head_dim}] "
-                         f"on {query.device}, got {cos_sin_cache.dtype} "
-                         f"{tuple(cos_sin_cache.shape)} on {cos_sin_cache.device}")
+    _check_rotary_tables(positions, cos_sin_cache, head_dim, query.device)
     if key.dtype != query.dtype:
         raise ValueError(f"key: dtype {key.dtype} differs from query's {query.dtype}")
     num_tokens = query.shape[0]
@@ -97,13 +91,7 @@ def rotary_embedding_and_cache_cuda(kernel, positions: torch.Tensor, query: torc
     _check_rows("query", query, dims=(2, 3))
     _check_rows("key", key, dims=(2, 3))
     _check_rows("value", value, dims=(2, 3))
-    if positions.dtype != torch.int64 or not positions.is_contiguous():
-        raise ValueError(f"positions: expected contiguous int64, got {positions.dtype}")
-    if (cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous()
-            or cos_sin_cache.shape[-1] != head_dim or cos_sin_cache.device != query.device):
-        raise ValueError(f"cos_sin_cache: expected contiguous float32 [max_position, {head_dim}] "
-                         f"on {query.device}, got {cos_sin_cache.dtype} "
-                         f"{tuple(cos_sin_cache.shape)} on {cos_sin_cache.device}")
+    _check_rotary_tables(positions, cos_sin_cache, head_dim, query.device)
     if key.dtype != query.dtype or value.dtype != query.dtype or kv_cache.dtype != query.dtype:
         raise ValueError(f"key, value, kv_cache: expected {query.dtype}, got {key.dtype}, "
                          f"{value.dtype}, {kv_cache.dtype}")
@@ -147,3 +135,15 @@ def _check_rows(name: str, t: torch.Tensor, dims: tuple[int, ...] = (2,)) -> Non
         raise ValueError(f"{name}: expected [num_tokens, ...] ({' or '.join(map(str, dims))} "
                          f"dims) with contiguous rows, got shape {tuple(t.shape)} strides "
                          f"{t.stride()}")
+
+
+def _check_rotary_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor, head_dim: int,
+                         device: torch.device) -> None:
+    """positions: contiguous int64; cos_sin_cache: contiguous float32 [max_position, head_dim]."""
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        raise ValueError(f"positions: expected contiguous int64, got {positions.dtype}")
+    if (cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous()
+            or cos_sin_cache.shape[-1] != head_dim or cos_sin_cache.device != device):
+        raise ValueError(f"cos_sin_cache: expected contiguous float32 [max_position, {head_dim}] "
+                         f"on {device}, got {cos_sin_cache.dtype} "
+                         f"{tuple(cos_sin_cache.shape)} on {cos_sin_cache.device}")
