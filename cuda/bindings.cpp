@@ -54,4 +54,9 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("cos_sin_cache"), py::arg("num_tokens"), py::arg("num_heads"),
         py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("query_stride"),
         py::arg("key_stride"), py::arg("value_stride"), py::arg("dtype"), py::arg("stream"));
+
+  m.def("gemv", &tinyvllm::gemv, py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias"),
+        py::arg("residual"), py::arg("norm_weight"), py::arg("m"), py::arg("n"), py::arg("k"),
+        py::arg("x_stride"), py::arg("out_stride"), py::arg("residual_stride"), py::arg("eps"),
+        py::arg("prologue"), py::arg("dtype"), py::arg("stream"));
 }

@@ -50,4 +50,10 @@ void rotary_embedding_and_cache(ptr_t positions, ptr_t query, ptr_t key, ptr_t v
                                 int64_t key_stride, int64_t value_stride, int dtype,
                                 stream_t stream);
 
+// gemv.cu: out[m, n] = act(x) . weight^T (+ bias) (+ residual, in place) for m <= 8 (decode);
+// prologue 0 none, 1 rmsnorm(x) * norm_weight, 2 silu(x[:, :k]) * x[:, k:].
+void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t norm_weight,
+          int64_t m, int64_t n, int64_t k, int64_t x_stride, int64_t out_stride,
+          int64_t residual_stride, float eps, int prologue, int dtype, stream_t stream);
+
 }  // namespace tinyvllm

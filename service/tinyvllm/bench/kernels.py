@@ -199,6 +199,70 @@ def bench_silu(kernels, tokens, d, copy_gbps, gen) -> Row:
                baselines_us={"torch_eager": eager})
 
 
+# ---- decode projections -----------------------------------------------------------------------
+
+GEMV_SHAPES = {  # name: (n, k, prologue, residual) of each decoder projection at batch <= 8
+    "llama3-8b": [("qkv+norm", 6144, 4096, "rms_norm", False), ("o+add", 4096, 4096, None, True),
+                  ("gate_up+norm", 28672, 4096, "rms_norm", False),
+                  ("down+silu+add", 4096, 14336, "silu_mul", True),
+                  ("lm_head", 128256, 4096, None, False)],
+    "smollm2": [("qkv+norm", 960, 576, "rms_norm", False), ("o+add", 576, 576, None, True),
+                ("gate_up+norm", 3072, 576, "rms_norm", False),
+                ("down+silu+add", 576, 1536, "silu_mul", True), ("lm_head", 49152, 576, None, False)],
+}
+
+
+def bench_gemv(model, name, m, n, k, prologue, residual, copy_gbps, gen) -> Row:
+    """The fused GEMV against cuBLAS (F.linear alone, and with the unfused ops around it), all
+    timed as CUDA-graph replays over weight copies that L2 cannot hold."""
+    from tinyvllm.ops.layers_cuda import rms_norm_cuda, silu_and_mul_cuda
+    from tinyvllm.ops.linear import fused_linear
+    kernels = cuda_ops_or_exit()
+    weight_bytes = n * k * 2
+    copies = max(1, -(-ROTATE_BYTES // weight_bytes))
+    weights = [torch.randn(n, k, generator=gen, device="cuda", dtype=DTYPE) * k ** -0.5
+               for _ in range(copies)]
+    x = torch.randn(m, 2 * k if prologue == "silu_mul" else k, generator=gen, device="cuda",
+                    dtype=DTYPE)
+    norm_w = torch.randn(k, generator=gen, device="cuda", dtype=DTYPE)
+    res = torch.zeros(m, n, device="cuda", dtype=DTYPE) if residual else None
+    out = torch.empty(m, n, device="cuda", dtype=DTYPE)
+    act = torch.empty(m, k, device="cuda", dtype=DTYPE)
+    kwargs = dict(norm_weight=norm_w if prologue == "rms_norm" else None,
+                  silu_mul=prologue == "silu_mul")
+
+    def ours(i):
+        fused_linear(x, weights[i % copies], residual=res, out=None if residual else out,
+                     **kwargs)
+
+    def cublas(i):
+        torch.matmul(act, weights[i % copies].t(), out=out)
+
+    def unfused(i):
+        a = x
+        if prologue == "rms_norm":
+            a = rms_norm_cuda(kernels, x, norm_w, 1e-5, out=act)
+        elif prologue == "silu_mul":
+            a = silu_and_mul_cuda(kernels, x, out=act)
+        torch.matmul(a, weights[i % copies].t(), out=out)
+        if residual:
+            res.add_(out)
+
+    us = time_graph_us(ours, calls=copies)
+    gbps = weight_bytes / us / 1e3
+    return Row(f"gemv {model}", f"m{m} {name} {n}x{k}", us, gbps, frac_copy_bw=gbps / copy_gbps,
+               baselines_us={"cublas": time_graph_us(cublas, calls=copies),
+                             "cublas+ops": time_graph_us(unfused, calls=copies)})
+
+
+def cuda_ops_or_exit():
+    from tinyvllm.ops._dispatch import cuda_ops
+    kernels = cuda_ops()
+    if kernels is None:
+        raise SystemExit("tinyvllm._cuda is not available (no GPU or module not built)")
+    return kernels
+
+
 # ---- driver -----------------------------------------------------------------------------------
 
 def git_rev() -> str:
@@ -212,10 +276,7 @@ def git_rev() -> str:
 
 
 def run(quick: bool) -> tuple[float, list[Row]]:
-    from tinyvllm.ops._dispatch import cuda_ops
-    kernels = cuda_ops()
-    if kernels is None:
-        raise SystemExit("tinyvllm._cuda is not available (no GPU or module not built)")
+    kernels = cuda_ops_or_exit()
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_gbps = copy_bandwidth_gbps()
     rows = []
@@ -229,6 +290,10 @@ def run(quick: bool) -> tuple[float, list[Row]]:
         rows.append(bench_prefill(kernels, seqs, 32, 8, 128, gen))
     rows.append(bench_rms_norm(kernels, 4096, 4096, copy_gbps, gen))
     rows.append(bench_silu(kernels, 4096, 14336, copy_gbps, gen))
+    for model, shapes in GEMV_SHAPES.items():
+        for m in ([1] if quick else [1, 8]):
+            for name, n, k, prologue, residual in shapes:
+                rows.append(bench_gemv(model, name, m, n, k, prologue, residual, copy_gbps, gen))
     return copy_gbps, rows
 
 

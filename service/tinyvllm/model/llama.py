@@ -22,6 +22,10 @@ _FUSED_ROTARY_CACHE = os.environ.get("TINYVLLM_FUSED_ROTARY_CACHE", "1") != "0"
 """One op for rotary + KV-cache write on the qkv views (no copies); 0 restores the separate ops
 with contiguous copies (for A/B timing)."""
 
+_FUSED_GEMV = os.environ.get("TINYVLLM_FUSED_GEMV", "1") != "0"
+"""Decode-sized CUDA batches (<= ops.GEMV_MAX_ROWS tokens) run each projection with its norm /
+SwiGLU / residual add as one GEMV launch; 0 restores cuBLAS plus separate ops (for A/B timing)."""
+
 # HF projection name -> (merged parameter name, shard index). Shard order is the row order.
 _STACKED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -44,10 +48,16 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 meta: ops.AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
         """hidden: [num_tokens, hidden] -> [num_tokens, hidden]; writes this step's K/V first."""
-        a = self.arch
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        return self.o_proj(self.attend(positions, qkv, kv_cache, meta, cos_sin_cache))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor,
+               meta: ops.AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        """Rotary, K/V cache write and attention of the projected qkv [T, q_size + 2 * kv_size];
+        returns the attention output [T, q_size], before o_proj."""
+        a = self.arch
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        num_tokens = hidden.shape[0]
+        num_tokens = qkv.shape[0]
         if _FUSED_ROTARY_CACHE:
             # Strided views into qkv: rotary in place, rotated K and V straight into the cache.
             q, _ = ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, a.head_dim,
@@ -60,7 +70,7 @@ class LlamaAttention(nn.Module):
             ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
         out = ops.paged_attention(q.view(num_tokens, a.num_heads, a.head_dim), kv_cache, meta,
                                   self.scale)
-        return self.o_proj(out.reshape(num_tokens, a.q_size))
+        return out.reshape(num_tokens, a.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -97,6 +107,20 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin_cache)
         hidden, residual = ops.rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
         return self.mlp(hidden), residual
+
+    def forward_fused(self, positions, residual: torch.Tensor, kv_cache, meta,
+                      cos_sin_cache) -> None:
+        """The same block for decode-sized batches: four fused projections (norm -> qkv,
+        o_proj + add, norm -> gate_up, SwiGLU -> down_proj + add) update the residual stream
+        [T, hidden] in place; no separate norm, activation or add launches."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv = ops.fused_linear(residual, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                               norm_weight=self.input_layernorm, eps=self.eps)
+        out = attn.attend(positions, qkv, kv_cache, meta, cos_sin_cache)
+        ops.fused_linear(out, attn.o_proj.weight, residual=residual)
+        gate_up = ops.fused_linear(residual, mlp.gate_up_proj.weight,
+                                   norm_weight=self.post_attention_layernorm, eps=self.eps)
+        ops.fused_linear(gate_up, mlp.down_proj.weight, silu_mul=True, residual=residual)
 
 
 class LlamaModel(nn.Module):
@@ -147,6 +171,10 @@ class LlamaForCausalLM(nn.Module):
             returns: [num_tokens, hidden_size] after the final norm
         """
         hidden = self.model.embed_tokens(input_ids)
+        if self._use_fused_decode(hidden):
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                layer.forward_fused(positions, hidden, kv_cache, meta, self.cos_sin_cache)
+            return ops.rms_norm(hidden, self.model.norm, self.arch.rms_norm_eps)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta,
@@ -154,12 +182,23 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = ops.rms_norm(hidden, self.model.norm, self.arch.rms_norm_eps, residual)
         return hidden
 
+    def _use_fused_decode(self, hidden: torch.Tensor) -> bool:
+        """Decode-sized CUDA batches run each projection as one fused GEMV launch."""
+        if not _FUSED_GEMV:
+            return False
+        layer = self.model.layers[0]
+        return ops.fused_linear_supported(
+            hidden, layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
+            layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Shape: hidden [num_seqs, hidden_size] -> [num_seqs, vocab_size] float32."""
+        if _FUSED_GEMV and ops.fused_linear_supported(hidden, self.lm_head_weight):
+            return ops.fused_linear(hidden, self.lm_head_weight).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
     @torch.no_grad()

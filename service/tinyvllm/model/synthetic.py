@@ -23,6 +23,11 @@ LLAMA3_8B_SHAPE = LlamaArch(
     rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072,
     name="llama3-8b-random")
 
+SMOLLM2_135M_SHAPE = LlamaArch(
+    hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+    intermediate_size=1536, vocab_size=49152, rope_theta=100000.0, rms_norm_eps=1e-5,
+    tie_word_embeddings=True, max_position_embeddings=8192, name="smollm2-135m-random")
+
 
 def tiny_arch(**overrides: Any) -> LlamaArch:
     """A two-layer GQA model small enough for CPU tests; override any field."""
@@ -49,7 +54,7 @@ def make_random_model(arch: LlamaArch, seed: int, dtype: torch.dtype,
 
 # --- named synthetic models (`--model llama3-8b-shape`) ------------------------------------------
 
-SYNTHETIC_MODELS = {"llama3-8b-shape": LLAMA3_8B_SHAPE}
+SYNTHETIC_MODELS = {"llama3-8b-shape": LLAMA3_8B_SHAPE, "smollm2-135m-shape": SMOLLM2_135M_SHAPE}
 """Names that `load_model` builds from a seed instead of reading a file (timing at real shapes)."""
 
 BOS_TOKEN = "<|begin_of_text|>"

@@ -9,10 +9,11 @@ from tinyvllm.ops.attention import AttentionMetadata, paged_attention, paged_att
 from tinyvllm.ops.kv_cache import KV_CACHE_LAYOUT, allocate_kv_caches, reshape_and_cache
 from tinyvllm.ops.layers import (build_cos_sin_cache, rms_norm, rotary_embedding,
                                  rotary_embedding_and_cache, silu_and_mul)
+from tinyvllm.ops.linear import GEMV_MAX_ROWS, fused_linear, fused_linear_supported
 
 __all__ = [
     "AttentionMetadata", "paged_attention", "paged_attention_ref", "KV_CACHE_LAYOUT",
     "allocate_kv_caches", "reshape_and_cache", "rms_norm", "rotary_embedding",
     "rotary_embedding_and_cache", "silu_and_mul",
-    "build_cos_sin_cache",
+    "build_cos_sin_cache", "GEMV_MAX_ROWS", "fused_linear", "fused_linear_supported",
 ]

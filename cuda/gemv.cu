@@ -1,0 +1,124 @@
+// Launcher of the skinny (decode) linear layer: checks sizes, picks M and the prologue, sizes the
+// grid so that every warp is resident at once.
+//
+// Instantiations: {float16, bfloat16} x M {1, 2, 4, 8} (m is rounded up; padded rows are zero and
+// never written) x prologue {none, rmsnorm, silu_mul}.
+#include <algorithm>
+#include <mutex>
+#include <string>
+
+#include "gemv.cuh"
+#include "launchers.h"
+
+namespace tinyvllm {
+namespace {
+
+constexpr int kGemvMaxM = 8;
+constexpr int kGemvSmemBytes = 64 * 1024;  // staged activations; larger k is staged in chunks
+
+int num_sms() {
+  static const int value = [] {
+    int device = 0, sms = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "sm count");
+    return sms;
+  }();
+  return value;
+}
+
+// CTAs of one instantiation resident per SM with `smem` bytes of staging (set up once per kernel).
+template <typename T, int M, int P>
+int resident_ctas(int smem) {
+  auto kernel = gemv_kernel<T, M, P>;
+  static std::once_flag once;
+  std::call_once(once, [&] {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    kGemvSmemBytes),
+               "gemv: cudaFuncSetAttribute");
+  });
+  int ctas = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kGemvWarps * 32, smem),
+             "gemv: occupancy");
+  return std::max(1, ctas);
+}
+
+template <typename T, int M, int P>
+void launch(T* out, const T* x, const T* weight, const T* bias, const T* residual,
+            const T* norm_weight, int m, int n, int k, int64_t x_stride, int64_t out_stride,
+            int64_t residual_stride, float eps, cudaStream_t stream) {
+  // Chunk of k staged at once: all of it when it fits, else a multiple of 256 columns.
+  const int fit = kGemvSmemBytes / (M * int(sizeof(T)));
+  const int k_chunk = k <= fit ? k : fit / 256 * 256;
+  const int smem = M * k_chunk * int(sizeof(T));
+  // At least one row per warp; at most what is resident at once.
+  const int64_t wanted = (int64_t(n) + kGemvWarps - 1) / kGemvWarps;
+  const int grid = int(std::min<int64_t>(wanted, int64_t(num_sms()) * resident_ctas<T, M, P>(smem)));
+  gemv_kernel<T, M, P><<<grid, kGemvWarps * 32, smem, stream>>>(
+      out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride, residual_stride,
+      eps, k_chunk);
+}
+
+template <typename T, int P>
+void launch_m(int m, T* out, const T* x, const T* weight, const T* bias, const T* residual,
+              const T* norm_weight, int n, int k, int64_t x_stride, int64_t out_stride,
+              int64_t residual_stride, float eps, cudaStream_t s) {
+  if (m == 1) {
+    launch<T, 1, P>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
+                    residual_stride, eps, s);
+  } else if (m == 2) {
+    launch<T, 2, P>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
+                    residual_stride, eps, s);
+  } else if (m <= 4) {
+    launch<T, 4, P>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
+                    residual_stride, eps, s);
+  } else {
+    launch<T, 8, P>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
+                    residual_stride, eps, s);
+  }
+}
+
+}  // namespace
+
+void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t norm_weight,
+          int64_t m, int64_t n, int64_t k, int64_t x_stride, int64_t out_stride,
+          int64_t residual_stride, float eps, int prologue, int dtype, stream_t stream) {
+  const std::string where = "gemv: ";
+  require(m >= 0 && m <= kGemvMaxM, where + "m=" + std::to_string(m) + " rows; at most " +
+                                        std::to_string(kGemvMaxM) + " are served");
+  require(n > 0 && n <= INT32_MAX, where + "n=" + std::to_string(n) + " out of range");
+  require(k > 0 && k % 8 == 0 && k <= INT32_MAX / 2,
+          where + "k=" + std::to_string(k) + " must be a positive multiple of 8");
+  require(prologue >= kGemvNone && prologue <= kGemvSiluMul,
+          where + "prologue=" + std::to_string(prologue) + " unknown");
+  require(x_stride % 8 == 0, where + "x_stride=" + std::to_string(x_stride) +
+                                 " must be a multiple of 8 elements (16-byte rows)");
+  require(prologue != kGemvRmsNorm || norm_weight != 0, where + "rmsnorm needs norm_weight");
+  for (ptr_t p : {x, weight, norm_weight}) {
+    require(p == 0 || aligned16(reinterpret_cast<void*>(p)),
+            where + "x, weight and norm_weight must be 16-byte aligned");
+  }
+  if (m == 0) return;
+  const cudaStream_t s = as_stream(stream);
+  TINYVLLM_DISPATCH_HALF(dtype, "gemv", {
+    auto* o = reinterpret_cast<scalar_t*>(out);
+    auto* xi = reinterpret_cast<const scalar_t*>(x);
+    auto* w = reinterpret_cast<const scalar_t*>(weight);
+    auto* b = reinterpret_cast<const scalar_t*>(bias);
+    auto* r = reinterpret_cast<const scalar_t*>(residual);
+    auto* nw = reinterpret_cast<const scalar_t*>(norm_weight);
+    const int mi = int(m), ni = int(n), ki = int(k);
+    if (prologue == kGemvNone) {
+      launch_m<scalar_t, kGemvNone>(mi, o, xi, w, b, r, nw, ni, ki, x_stride, out_stride,
+                                    residual_stride, eps, s);
+    } else if (prologue == kGemvRmsNorm) {
+      launch_m<scalar_t, kGemvRmsNorm>(mi, o, xi, w, b, r, nw, ni, ki, x_stride, out_stride,
+                                       residual_stride, eps, s);
+    } else {
+      launch_m<scalar_t, kGemvSiluMul>(mi, o, xi, w, b, r, nw, ni, ki, x_stride, out_stride,
+                                       residual_stride, eps, s);
+    }
+  });
+  check_launch("gemv_kernel");
+}
+
+}  // namespace tinyvllm

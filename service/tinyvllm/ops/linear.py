@@ -1,0 +1,111 @@
+"""Linear layers with what surrounds them in the decoder folded in (decode-sized batches).
+
+`fused_linear` is one projection plus, optionally, the RMSNorm or SwiGLU that feeds it and the
+residual add that consumes it:
+
+    act = rmsnorm(x) * norm_weight      (norm_weight given: the norm before qkv_proj / gate_up_proj)
+        | silu(x[:, :k]) * x[:, k:]     (silu_mul: SwiGLU before down_proj)
+        | x
+    y = act @ weight.T + bias
+    residual += y  (in place, returned)  when residual is given, else y
+
+On CUDA with at most `GEMV_MAX_ROWS` rows of float16 / bfloat16 it is one launch of the GEMV kernel
+(cuda/gemv.cuh), which streams the weight once; `fused_linear_supported` says when that applies.
+Elsewhere the torch reference runs: the unfused ops in the same order and with the same roundings.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from tinyvllm.ops._dispatch import cuda_ops, stream_handle
+from tinyvllm.ops.kv_cache import _dtype_code
+from tinyvllm.ops.layers import rms_norm_ref, silu_and_mul_ref
+
+GEMV_MAX_ROWS = 8
+_PROLOGUE = {None: 0, "rms_norm": 1, "silu_mul": 2}
+
+
+def fused_linear_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `fused_linear` runs as the GEMV kernel for activations like x and these weights."""
+    if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if x.shape[0] > GEMV_MAX_ROWS or cuda_ops() is None or not hasattr(cuda_ops(), "gemv"):
+        return False
+    return all(w.shape[-1] % 8 == 0 and w.is_contiguous() for w in weights)
+
+
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                 norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                 silu_mul: bool = False, residual: Optional[torch.Tensor] = None,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One projection with its prologue and epilogue (see the module docstring).
+
+    Shape:
+        x: [m, k], or [m, 2k] with silu_mul (gate | up); rows contiguous
+        weight: [n, k] contiguous; bias: [n]; norm_weight: [k]; residual: [m, n]
+    Returns: [m, n]: `residual` itself (updated) when given, else `out` (an optional [m, n]
+    buffer with contiguous rows) or a new tensor.
+    """
+    if norm_weight is not None and silu_mul:
+        raise ValueError("fused_linear: norm_weight and silu_mul exclude each other")
+    if fused_linear_supported(x, weight):
+        return _fused_linear_cuda(x, weight, bias, norm_weight, eps, silu_mul, residual, out)
+    y = fused_linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
+                         residual=residual)
+    return y if out is None or residual is not None else out.copy_(y)
+
+
+def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                     *, norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                     silu_mul: bool = False,
+                     residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, eps)
+    elif silu_mul:
+        x = silu_and_mul_ref(x)
+    y = F.linear(x, weight, bias)
+    if residual is None:
+        return y
+    residual.copy_(residual + y)
+    return residual
+
+
+def _fused_linear_cuda(x, weight, bias, norm_weight, eps, silu_mul, residual,
+                       out) -> torch.Tensor:
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    want_cols = 2 * k if silu_mul else k
+    if x.dim() != 2 or x.shape[1] != want_cols or (m and not x[0].is_contiguous()):
+        raise ValueError(f"x: expected [m, {want_cols}] with contiguous rows for weight "
+                         f"{tuple(weight.shape)}{' and silu_mul' if silu_mul else ''}, got "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    for name, t, shape in (("weight", weight, (n, k)), ("bias", bias, (n,)),
+                           ("norm_weight", norm_weight, (k,))):
+        if t is not None and (tuple(t.shape) != shape or t.dtype != x.dtype
+                              or not t.is_contiguous() or t.device != x.device):
+            raise ValueError(f"{name}: expected a contiguous {x.dtype} {shape} tensor on "
+                             f"{x.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if residual is not None:
+        if (tuple(residual.shape) != (m, n) or residual.dtype != x.dtype
+                or residual.stride(-1) != 1 or residual.device != x.device):
+            raise ValueError(f"residual: expected {x.dtype} ({m}, {n}) with contiguous rows, got "
+                             f"{residual.dtype} {tuple(residual.shape)}")
+        out = residual
+    elif out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif (tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(-1) != 1
+          or out.device != x.device):
+        raise ValueError(f"out: expected {x.dtype} ({m}, {n}) with contiguous rows, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    cuda_ops().gemv(
+        out.data_ptr(), x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+        0 if residual is None else residual.data_ptr(),
+        0 if norm_weight is None else norm_weight.data_ptr(), m, n, k,
+        x.stride(0) if m > 1 else want_cols, out.stride(0) if m > 1 else n,
+        out.stride(0) if m > 1 else n, eps,
+        _PROLOGUE["rms_norm" if norm_weight is not None else "silu_mul" if silu_mul else None],
+        _dtype_code(x.dtype), stream_handle(x.device))
+    return out

@@ -1,0 +1,118 @@
+"""The fused decode GEMV (cuda/gemv.cuh) against its torch reference, and the decoder that uses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinyvllm import ops
+from tinyvllm.ops.linear import fused_linear, fused_linear_ref, fused_linear_supported
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+REL_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def rand(*shape, dtype, seed, scale=1.0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dtype)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("n,k", [(7, 8), (1001, 584), (576, 1536), (4104, 4096), (96, 14336)])
+@pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
+@pytest.mark.parametrize("epilogue", ["plain", "bias", "residual"])
+def test_fused_linear_matches_reference(dtype, m, n, k, prologue, epilogue):
+    seed = m * 7919 + n * 31 + k
+    x = rand(m, 2 * k if prologue == "silu_mul" else k, dtype=dtype, seed=seed)
+    weight = rand(n, k, dtype=dtype, seed=seed + 1, scale=k ** -0.5)
+    bias = rand(n, dtype=dtype, seed=seed + 2) if epilogue == "bias" else None
+    norm_weight = rand(k, dtype=dtype, seed=seed + 3) if prologue == "rms_norm" else None
+    residual = rand(m, n, dtype=dtype, seed=seed + 4) if epilogue == "residual" else None
+    kwargs = dict(norm_weight=norm_weight, eps=1e-5, silu_mul=prologue == "silu_mul")
+    assert fused_linear_supported(x, weight)
+
+    expected = fused_linear_ref(x, weight, bias,
+                                residual=None if residual is None else residual.clone(), **kwargs)
+    if residual is None:
+        out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+        got = fused_linear(x, weight, bias, out=out, **kwargs)
+        assert got is out
+    else:
+        got = fused_linear(x, weight, bias, residual=residual, **kwargs)
+        assert got is residual
+    assert rel_err(got, expected) <= REL_TOL[dtype]
+
+
+def test_fused_linear_strided_rows_and_large_vocab():
+    """Rows picked out of a wider buffer (qkv views), and an lm_head-sized weight."""
+    dtype = torch.bfloat16
+    wide = rand(4, 1024, dtype=dtype, seed=5)
+    x = wide[:, :576]  # row stride 1024
+    weight = rand(49152, 576, dtype=dtype, seed=6, scale=576 ** -0.5)
+    assert rel_err(fused_linear(x, weight), fused_linear_ref(x, weight)) <= REL_TOL[dtype]
+
+
+def test_fused_linear_rejects_what_it_cannot_serve():
+    from tinyvllm.ops._dispatch import cuda_ops
+    x = rand(2, 12, dtype=torch.bfloat16, seed=7)
+    weight = rand(5, 12, dtype=torch.bfloat16, seed=8)
+    assert not fused_linear_supported(x, weight)  # k % 8 != 0: the caller keeps cuBLAS
+    assert not fused_linear_supported(rand(9, 16, dtype=torch.bfloat16, seed=9),
+                                      rand(5, 16, dtype=torch.bfloat16, seed=10))
+    with pytest.raises(ValueError, match="k=12"):
+        cuda_ops().gemv(0, x.data_ptr(), weight.data_ptr(), 0, 0, 0, 2, 5, 12, 12, 5, 5, 1e-5, 0,
+                        2, 0)
+    with pytest.raises(ValueError, match="m=9"):
+        cuda_ops().gemv(0, x.data_ptr(), weight.data_ptr(), 0, 0, 0, 9, 5, 16, 16, 5, 5, 1e-5, 0,
+                        2, 0)
+    x16, w16 = rand(2, 16, dtype=torch.bfloat16, seed=11), rand(5, 16, dtype=torch.bfloat16, seed=12)
+    with pytest.raises(ValueError, match="norm_weight"):
+        fused_linear(x16, w16, norm_weight=rand(8, dtype=torch.bfloat16, seed=13))
+    with pytest.raises(ValueError, match="x: expected"):
+        fused_linear(x16, w16, silu_mul=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_decoder_fused_path_matches_unfused(monkeypatch, dtype, batch):
+    """A decode step through the fused projections gives the logits of the cuBLAS + ops path."""
+    import tinyvllm.model.llama as llama
+    from tinyvllm.model.synthetic import make_random_model, tiny_arch
+
+    arch = tiny_arch(hidden_size=256, intermediate_size=640, num_heads=4, num_kv_heads=2,
+                     head_dim=64, vocab_size=1000, num_layers=3, attention_bias=True)
+    model = make_random_model(arch, seed=3, dtype=dtype, device=torch.device("cuda"))
+    block_size, context = 16, 37
+    num_blocks = batch * 3 + 1
+    positions = torch.full((batch,), context, dtype=torch.int64, device="cuda")
+    ids = torch.randint(0, arch.vocab_size, (batch,), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(1))
+    tables = torch.arange(1, num_blocks, dtype=torch.int32, device="cuda").view(batch, 3)
+    slots = (tables[:, context // block_size].long() * block_size + context % block_size)
+    meta = ops.AttentionMetadata(
+        num_tokens=batch, slot_mapping=slots,
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.full((batch,), context + 1, dtype=torch.int32, device="cuda"),
+        block_tables=tables, max_query_len=1, max_seq_len=context + 1,
+        query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[context + 1] * batch)
+
+    def step(fused: bool) -> torch.Tensor:
+        monkeypatch.setattr(llama, "_FUSED_GEMV", fused)
+        caches = ops.allocate_kv_caches(arch.num_layers, num_blocks, block_size,
+                                        arch.num_kv_heads, arch.head_dim, dtype, "cuda")
+        for c in caches:  # the same random context for both runs
+            c.copy_(rand(*c.shape, dtype=dtype, seed=c.numel() % 1000))
+        assert model._use_fused_decode(model.model.embed_tokens(ids)) == fused
+        return model.compute_logits(model(ids, positions, caches, meta))
+
+    fused, unfused = step(True), step(False)
+    assert rel_err(fused, unfused) <= REL_TOL[dtype]
+    assert torch.equal(fused.argmax(-1), unfused.argmax(-1))
