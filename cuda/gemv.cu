@@ -1,8 +1,8 @@
 // Launcher of the skinny (decode) linear layer: checks sizes, picks M and the prologue, sizes the
-// grid so that every warp is resident at once.
+// grid so that every warp is resident at once, and launches with programmatic dependent launch so
+// that the weight prefetch overlaps the previous kernel's tail.
 //
-// Instantiations: {float16, bfloat16} x M {1, 2, 4, 8} (m is rounded up; padded rows are zero and
-// never written) x prologue {none, rmsnorm, silu_mul}.
+// Instantiations: {float16, bfloat16} x M {1, 2} x prologue {none, rmsnorm, silu_mul}.
 #include <algorithm>
 #include <mutex>
 #include <string>
@@ -13,8 +13,8 @@
 namespace tinyvllm {
 namespace {
 
-constexpr int kGemvMaxM = 8;
-constexpr int kGemvSmemBytes = 64 * 1024;  // staged activations; larger k is staged in chunks
+constexpr int kGemvMaxM = 2;
+constexpr int kGemvSmemBytes = 64 * 1024;  // the staged activations, M x k
 
 int num_sms() {
   static const int value = [] {
@@ -46,16 +46,23 @@ template <typename T, int M, int P>
 void launch(T* out, const T* x, const T* weight, const T* bias, const T* residual,
             const T* norm_weight, int m, int n, int k, int64_t x_stride, int64_t out_stride,
             int64_t residual_stride, float eps, cudaStream_t stream) {
-  // Chunk of k staged at once: all of it when it fits, else a multiple of 256 columns.
-  const int fit = kGemvSmemBytes / (M * int(sizeof(T)));
-  const int k_chunk = k <= fit ? k : fit / 256 * 256;
-  const int smem = M * k_chunk * int(sizeof(T));
+  const int smem = M * k * int(sizeof(T));
   // At least one row per warp; at most what is resident at once.
   const int64_t wanted = (int64_t(n) + kGemvWarps - 1) / kGemvWarps;
   const int grid = int(std::min<int64_t>(wanted, int64_t(num_sms()) * resident_ctas<T, M, P>(smem)));
-  gemv_kernel<T, M, P><<<grid, kGemvWarps * 32, smem, stream>>>(
-      out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride, residual_stride,
-      eps, k_chunk);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(kGemvWarps * 32);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute pdl[1];
+  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = pdl;
+  config.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&config, gemv_kernel<T, M, P>, out, x, weight, bias, residual,
+                                norm_weight, m, n, k, x_stride, out_stride, residual_stride, eps),
+             "gemv_kernel");
 }
 
 template <typename T, int P>
@@ -65,14 +72,8 @@ void launch_m(int m, T* out, const T* x, const T* weight, const T* bias, const T
   if (m == 1) {
     launch<T, 1, P>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
                     residual_stride, eps, s);
-  } else if (m == 2) {
-    launch<T, 2, P>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
-                    residual_stride, eps, s);
-  } else if (m <= 4) {
-    launch<T, 4, P>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
-                    residual_stride, eps, s);
   } else {
-    launch<T, 8, P>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
+    launch<T, 2, P>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
                     residual_stride, eps, s);
   }
 }
@@ -93,6 +94,9 @@ void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t no
   require(x_stride % 8 == 0, where + "x_stride=" + std::to_string(x_stride) +
                                  " must be a multiple of 8 elements (16-byte rows)");
   require(prologue != kGemvRmsNorm || norm_weight != 0, where + "rmsnorm needs norm_weight");
+  require(m * k * 2 <= kGemvSmemBytes, where + "m * k = " + std::to_string(m * k) +
+                                           " activations exceed the staging buffer (" +
+                                           std::to_string(kGemvSmemBytes / 2) + ")");
   for (ptr_t p : {x, weight, norm_weight}) {
     require(p == 0 || aligned16(reinterpret_cast<void*>(p)),
             where + "x, weight and norm_weight must be 16-byte aligned");
@@ -118,7 +122,6 @@ void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t no
                                        residual_stride, eps, s);
     }
   });
-  check_launch("gemv_kernel");
 }
 
 }  // namespace tinyvllm

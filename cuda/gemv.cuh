@@ -1,4 +1,4 @@
-// Skinny linear layer for decode: out[m, n] = act(x)[m, :k] . weight[n, :k] + bias, m <= 8.
+// Skinny linear layer for decode: out[m, n] = act(x)[m, :k] . weight[n, :k] + bias, m <= 2.
 //
 // At decode batch sizes the product is a matrix-vector product bound by reading the weight once,
 // so the kernel streams every weight row exactly once, 16 bytes per lane per load, with several
@@ -80,126 +80,159 @@ __device__ __forceinline__ void gemv_stage(uint4* act, int len8, const T* x, int
   }
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched with the PDL attribute may start while
+// the previous kernel in the stream drains; it waits here before touching what that kernel wrote.
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next PDL-launched kernel start its launch and weight prefetch.
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+template <int R, int U>
+__device__ __forceinline__ void gemv_load(uint4 (&w)[R][U], const uint4* const (&rows)[R],
+                                          const bool (&live)[R], int v0, int k8) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int v = v0 + u * 32;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      w[r][u] = (live[r] && v < k8) ? load_streaming(rows[r] + v) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
 template <typename T, int M, int P>
 __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(
-    T* out,                           // [m, out_stride], n columns written
-    const T* __restrict__ x,          // [m, x_stride]: k columns (2k for kSiluMul)
-    const T* __restrict__ weight,     // [n, k], rows contiguous
-    const T* __restrict__ bias,       // [n] or null
-    const T* residual,                // [m, residual_stride] or null; may be `out` itself
+    T* out,                             // [m, out_stride], n columns written
+    const T* __restrict__ x,            // [m, x_stride]: k columns (2k for kSiluMul)
+    const T* __restrict__ weight,       // [n, k], rows contiguous
+    const T* __restrict__ bias,         // [n] or null
+    const T* residual,                  // [m, residual_stride] or null; may be `out` itself
     const T* __restrict__ norm_weight,  // [k] (kRmsNorm)
     int m, int n, int k, int64_t x_stride, int64_t out_stride, int64_t residual_stride,
-    float eps, int k_chunk) {
-  extern __shared__ uint4 act[];  // [M][k_chunk / 8]
+    float eps) {
+  constexpr int R = kGemvRows, U = kGemvUnroll;
+  extern __shared__ uint4 act[];  // [M][k / 8]: act(x), the rows every warp multiplies
   __shared__ float inv_rms[M];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int k8 = k / 8;
+  const int iters = (k8 + 32 * U - 1) / (32 * U);  // per group of R rows
+
+  // This warp's rows, R at a time: `groups` passes of `iters` iterations, flattened so that the
+  // loads of iteration j + 1 are in flight while iteration j is multiplied.
+  const int64_t num_warps = int64_t(gridDim.x) * kGemvWarps;
+  const int64_t global_warp = int64_t(blockIdx.x) * kGemvWarps + warp;
+  const int row_begin = int(n * global_warp / num_warps);
+  const int row_end = int(n * (global_warp + 1) / num_warps);
+  const int groups = (row_end - row_begin + R - 1) / R;
+  const int total = groups * iters;
+
+  const uint4* rows[R];
+  bool live[R];
+  auto point_at = [&](int group) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int row = row_begin + group * R + r;
+      live[r] = row < row_end;
+      rows[r] = reinterpret_cast<const uint4*>(weight + int64_t(live[r] ? row : 0) * k);
+    }
+  };
+  point_at(0);
+  uint4 w[R][U];
+  // The weights do not depend on the previous kernel: start streaming them before waiting on it.
+  gemv_load<R, U>(w, rows, live, lane, total > 0 ? k8 : 0);
+  wait_for_previous_grid();
 
   if constexpr (P == kGemvRmsNorm) {
     __shared__ float partial[kGemvWarps][M];
     float sum_sq[M];
 #pragma unroll
-    for (int r = 0; r < M; ++r) sum_sq[r] = 0.f;
-    for (int v = threadIdx.x; v < k / 8; v += blockDim.x) {
+    for (int i = 0; i < M; ++i) sum_sq[i] = 0.f;
+    for (int v = threadIdx.x; v < k8; v += blockDim.x) {
 #pragma unroll
-      for (int r = 0; r < M; ++r) {
-        if (r < m) {
+      for (int i = 0; i < M; ++i) {
+        if (i < m) {
           float xf[8];
-          unpack8<T>(*reinterpret_cast<const uint4*>(x + r * x_stride + v * 8), xf);
+          unpack8<T>(*reinterpret_cast<const uint4*>(x + i * x_stride + v * 8), xf);
 #pragma unroll
-          for (int j = 0; j < 8; ++j) sum_sq[r] = fmaf(xf[j], xf[j], sum_sq[r]);
+          for (int j = 0; j < 8; ++j) sum_sq[i] = fmaf(xf[j], xf[j], sum_sq[i]);
         }
       }
     }
 #pragma unroll
-    for (int r = 0; r < M; ++r) {
-      const float s = warp_sum(sum_sq[r]);
-      if (lane == 0) partial[warp][r] = s;
+    for (int i = 0; i < M; ++i) {
+      const float s = warp_sum(sum_sq[i]);
+      if (lane == 0) partial[warp][i] = s;
     }
     __syncthreads();
     if (threadIdx.x < M) {
       float s = 0.f;
 #pragma unroll
-      for (int w = 0; w < kGemvWarps; ++w) s += partial[w][threadIdx.x];
+      for (int wi = 0; wi < kGemvWarps; ++wi) s += partial[wi][threadIdx.x];
       inv_rms[threadIdx.x] = rsqrtf(s / k + eps);
     }
     __syncthreads();
   }
+  gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m, k, 0);
+  __syncthreads();
+  allow_next_grid();  // every CTA of this grid is resident: the next one may launch and prefetch
 
-  // This warp's rows; the pass count is uniform over the CTA (chunked staging synchronises).
-  const int64_t num_warps = int64_t(gridDim.x) * kGemvWarps;
-  const int64_t global_warp = int64_t(blockIdx.x) * kGemvWarps + warp;
-  const int row_begin = int(n * global_warp / num_warps);
-  const int row_end = int(n * (global_warp + 1) / num_warps);
-  const int max_rows = int((n + num_warps - 1) / num_warps);
-  const int passes = (max_rows + kGemvRows - 1) / kGemvRows;
-  const bool single_chunk = k_chunk >= k;
-  const int chunk8 = k_chunk / 8;
-  if (single_chunk) {
-    gemv_stage<T, M, P>(act, k / 8, x, x_stride, norm_weight, inv_rms, m, k, 0);
-    __syncthreads();
-  }
+  float acc[R][M];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int i = 0; i < M; ++i) acc[r][i] = 0.f;
 
-  for (int pass = 0; pass < passes; ++pass) {
-    const int row0 = row_begin + pass * kGemvRows;
-    float acc[kGemvRows][M];
+  for (int j = 0; j < total; ++j) {
+    const int group = j / iters, it = j - group * iters;
+    const int v0 = lane + it * 32 * U;
+    uint4 cur[R][U];
 #pragma unroll
-    for (int r = 0; r < kGemvRows; ++r)
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int i = 0; i < M; ++i) acc[r][i] = 0.f;
-    const uint4* wrow[kGemvRows];
-    bool live[kGemvRows];
+      for (int u = 0; u < U; ++u) cur[r][u] = w[r][u];
+    const bool group_done = it == iters - 1;
+    bool cur_live[R];
 #pragma unroll
-    for (int r = 0; r < kGemvRows; ++r) {
-      live[r] = row0 + r < row_end;
-      wrow[r] = reinterpret_cast<const uint4*>(weight + int64_t(live[r] ? row0 + r : 0) * k);
+    for (int r = 0; r < R; ++r) cur_live[r] = live[r];
+    if (j + 1 < total) {  // next iteration's loads, possibly of the next group of rows
+      if (group_done) point_at(group + 1);
+      gemv_load<R, U>(w, rows, live, group_done ? lane : v0 + 32 * U, k8);
     }
-
-    for (int c0 = 0; c0 < k; c0 += k_chunk) {
-      const int len8 = min(k_chunk, k - c0) / 8;
-      const int stride8 = single_chunk ? k / 8 : chunk8;
-      if (!single_chunk) {
-        __syncthreads();
-        gemv_stage<T, M, P>(act, stride8, x, x_stride, norm_weight, inv_rms, m, k, c0);
-        __syncthreads();
-      }
-      const uint4* wchunk[kGemvRows];
 #pragma unroll
-      for (int r = 0; r < kGemvRows; ++r) wchunk[r] = wrow[r] + c0 / 8;
-      for (int v0 = lane; v0 < len8; v0 += 32 * kGemvUnroll) {
-        uint4 w[kGemvRows][kGemvUnroll];
+    for (int u = 0; u < U; ++u) {
+      const int v = v0 + u * 32;
+      if (v < k8) {
 #pragma unroll
-        for (int u = 0; u < kGemvUnroll; ++u) {
-          const int v = v0 + u * 32;
+        for (int i = 0; i < M; ++i) {
+          float a[8];
+          unpack8<T>(act[i * k8 + v], a);
 #pragma unroll
-          for (int r = 0; r < kGemvRows; ++r) {
-            w[r][u] = (live[r] && v < len8) ? load_streaming(wchunk[r] + v) : make_uint4(0, 0, 0, 0);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kGemvUnroll; ++u) {
-          const int v = v0 + u * 32;
-          if (v >= len8) break;
-#pragma unroll
-          for (int i = 0; i < M; ++i) {
-            float a[8];
-            unpack8<T>(act[i * stride8 + v], a);
-#pragma unroll
-            for (int r = 0; r < kGemvRows; ++r) acc[r][i] += dot8<T>(w[r][u], a);
-          }
+          for (int r = 0; r < R; ++r) acc[r][i] += dot8<T>(cur[r][u], a);
         }
       }
     }
-
+    if (group_done) {
+      const int row0 = row_begin + group * R;
 #pragma unroll
-    for (int r = 0; r < kGemvRows; ++r) {
+      for (int r = 0; r < R; ++r) {
 #pragma unroll
-      for (int i = 0; i < M; ++i) {
-        const float s = warp_sum(acc[r][i]);
-        const int row = row0 + r;
-        if (lane == (r * M + i) % 32 && live[r] && i < m) {
-          float y = s + (bias ? to_float(bias[row]) : 0.f);
-          if (residual) y = to_float(residual[i * residual_stride + row]) + round_to<T>(y);
-          out[i * out_stride + row] = from_float<T>(y);
+        for (int i = 0; i < M; ++i) {
+          const float s = warp_sum(acc[r][i]);
+          acc[r][i] = 0.f;
+          const int row = row0 + r;
+          if (lane == (r * M + i) % 32 && cur_live[r] && i < m) {
+            float y = s + (bias ? to_float(bias[row]) : 0.f);
+            if (residual) y = to_float(residual[i * residual_stride + row]) + round_to<T>(y);
+            out[i * out_stride + row] = from_float<T>(y);
+          }
         }
       }
     }

@@ -1,4 +1,4 @@
-"""The fused decode GEMV (cuda/gemv.cuh) against its torch reference, and the decoder that uses it."""
+"""The fused decode GEMV (cuda/gemv.cuh) against its torch reference, and the decoder using it."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("n,k", [(7, 8), (1001, 584), (576, 1536), (4104, 4096), (96, 14336)])
 @pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
 @pytest.mark.parametrize("epilogue", ["plain", "bias", "residual"])
@@ -54,7 +54,7 @@ def test_fused_linear_matches_reference(dtype, m, n, k, prologue, epilogue):
 def test_fused_linear_strided_rows_and_large_vocab():
     """Rows picked out of a wider buffer (qkv views), and an lm_head-sized weight."""
     dtype = torch.bfloat16
-    wide = rand(4, 1024, dtype=dtype, seed=5)
+    wide = rand(2, 1024, dtype=dtype, seed=5)
     x = wide[:, :576]  # row stride 1024
     weight = rand(49152, 576, dtype=dtype, seed=6, scale=576 ** -0.5)
     assert rel_err(fused_linear(x, weight), fused_linear_ref(x, weight)) <= REL_TOL[dtype]
@@ -65,13 +65,13 @@ def test_fused_linear_rejects_what_it_cannot_serve():
     x = rand(2, 12, dtype=torch.bfloat16, seed=7)
     weight = rand(5, 12, dtype=torch.bfloat16, seed=8)
     assert not fused_linear_supported(x, weight)  # k % 8 != 0: the caller keeps cuBLAS
-    assert not fused_linear_supported(rand(9, 16, dtype=torch.bfloat16, seed=9),
+    assert not fused_linear_supported(rand(3, 16, dtype=torch.bfloat16, seed=9),
                                       rand(5, 16, dtype=torch.bfloat16, seed=10))
     with pytest.raises(ValueError, match="k=12"):
         cuda_ops().gemv(0, x.data_ptr(), weight.data_ptr(), 0, 0, 0, 2, 5, 12, 12, 5, 5, 1e-5, 0,
                         2, 0)
-    with pytest.raises(ValueError, match="m=9"):
-        cuda_ops().gemv(0, x.data_ptr(), weight.data_ptr(), 0, 0, 0, 9, 5, 16, 16, 5, 5, 1e-5, 0,
+    with pytest.raises(ValueError, match="m=3"):
+        cuda_ops().gemv(0, x.data_ptr(), weight.data_ptr(), 0, 0, 0, 3, 5, 16, 16, 5, 5, 1e-5, 0,
                         2, 0)
     x16, w16 = rand(2, 16, dtype=torch.bfloat16, seed=11), rand(5, 16, dtype=torch.bfloat16, seed=12)
     with pytest.raises(ValueError, match="norm_weight"):
@@ -81,7 +81,7 @@ def test_fused_linear_rejects_what_it_cannot_serve():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("batch", [1, 2])
 def test_decoder_fused_path_matches_unfused(monkeypatch, dtype, batch):
     """A decode step through the fused projections gives the logits of the cuBLAS + ops path."""
     import tinyvllm.model.llama as llama
@@ -116,3 +116,40 @@ def test_decoder_fused_path_matches_unfused(monkeypatch, dtype, batch):
     fused, unfused = step(True), step(False)
     assert rel_err(fused, unfused) <= REL_TOL[dtype]
     assert torch.equal(fused.argmax(-1), unfused.argmax(-1))
+
+
+def test_dependent_chain_in_a_cuda_graph():
+    """Back-to-back launches (each may start before the previous ends) read what it wrote, also
+    when captured in a CUDA graph and replayed."""
+    dtype = torch.bfloat16
+    h = rand(1, 512, dtype=dtype, seed=20)
+    w_up = rand(2048, 512, dtype=dtype, seed=21, scale=512 ** -0.5)
+    w_down = rand(512, 1024, dtype=dtype, seed=22, scale=1024 ** -0.5)
+    norm_w = rand(512, dtype=dtype, seed=23)
+
+    def chain(stream_h):
+        for _ in range(4):
+            up = fused_linear(stream_h, w_up, norm_weight=norm_w, eps=1e-5)
+            fused_linear(up, w_down, silu_mul=True, residual=stream_h)
+        return stream_h
+
+    expected = h.clone()
+    for _ in range(4):
+        up = fused_linear_ref(expected, w_up, norm_weight=norm_w, eps=1e-5)
+        fused_linear_ref(up, w_down, silu_mul=True, residual=expected)
+    eager = chain(h.clone())
+    assert rel_err(eager, expected) <= REL_TOL[dtype]
+
+    static = h.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain(static.clone())  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(static)
+    static.copy_(h)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, eager)

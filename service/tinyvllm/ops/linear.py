@@ -25,7 +25,8 @@ from tinyvllm.ops._dispatch import cuda_ops, stream_handle
 from tinyvllm.ops.kv_cache import _dtype_code
 from tinyvllm.ops.layers import rms_norm_ref, silu_and_mul_ref
 
-GEMV_MAX_ROWS = 8
+GEMV_MAX_ROWS = 2
+_GEMV_STAGING_BYTES = 64 * 1024  # cuda/gemv.cu: the m x k activations staged per CTA
 _PROLOGUE = {None: 0, "rms_norm": 1, "silu_mul": 2}
 
 
@@ -35,7 +36,9 @@ def fused_linear_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         return False
     if x.shape[0] > GEMV_MAX_ROWS or cuda_ops() is None or not hasattr(cuda_ops(), "gemv"):
         return False
-    return all(w.shape[-1] % 8 == 0 and w.is_contiguous() for w in weights)
+    return all(w.shape[-1] % 8 == 0 and w.is_contiguous()
+               and x.shape[0] * w.shape[-1] * x.element_size() <= _GEMV_STAGING_BYTES
+               for w in weights)
 
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
