@@ -46,38 +46,96 @@ __device__ __forceinline__ float dot8(const uint4& w, const float (&a)[8]) {
   return s;
 }
 
-// Writes act(x)[:, c0 : c0 + len] of the M staged rows into act (row stride `len8` vectors); rows
-// at or past m are zero.
+constexpr int kStageBatch = 4;  // vectors a thread loads before using any (latency hiding)
+
+// Writes act(x) of the M staged rows into act ([M][k8] vectors); rows at or past m are zero.
+// kRmsNorm: inv_rms must hold each row's 1 / rms (see gemv_row_scale).
 template <typename T, int M, int P>
-__device__ __forceinline__ void gemv_stage(uint4* act, int len8, const T* x, int64_t x_stride,
-                                           const T* norm_weight, const float* inv_rms, int m,
-                                           int k, int c0) {
-  for (int idx = threadIdx.x; idx < M * len8; idx += blockDim.x) {
-    const int row = idx / len8, v = idx - row * len8;
-    uint4 out = make_uint4(0, 0, 0, 0);
-    if (row < m) {
-      const T* xr = x + row * x_stride + c0 + v * 8;
-      const uint4 xv = *reinterpret_cast<const uint4*>(xr);
-      if constexpr (P == kGemvNone) {
-        out = xv;
-      } else if constexpr (P == kGemvRmsNorm) {
-        float xf[8], wf[8], of[8];
-        unpack8<T>(xv, xf);
-        unpack8<T>(*reinterpret_cast<const uint4*>(norm_weight + c0 + v * 8), wf);
+__device__ __forceinline__ void gemv_stage(uint4* act, int k8, const T* x, int64_t x_stride,
+                                           const T* norm_weight, const float* inv_rms, int m) {
+  const int total = M * k8;
+  for (int base = threadIdx.x; base < total; base += kStageBatch * blockDim.x) {
+    uint4 a[kStageBatch], b[kStageBatch];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) of[j] = round_to<T>(xf[j] * inv_rms[row]) * wf[j];
-        out = pack8<T>(of);
-      } else {
-        float gf[8], uf[8], of[8];
-        unpack8<T>(xv, gf);
-        unpack8<T>(*reinterpret_cast<const uint4*>(xr + k), uf);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) of[j] = round_to<T>(gf[j] / (1.f + __expf(-gf[j]))) * uf[j];
-        out = pack8<T>(of);
+    for (int j = 0; j < kStageBatch; ++j) {  // all loads first
+      const int idx = base + j * blockDim.x;
+      const int row = idx / k8, v = idx - row * k8;
+      a[j] = b[j] = make_uint4(0, 0, 0, 0);
+      if (idx < total && row < m) {
+        const uint4* xr = reinterpret_cast<const uint4*>(x + row * x_stride) + v;
+        a[j] = *xr;
+        if constexpr (P == kGemvRmsNorm) b[j] = reinterpret_cast<const uint4*>(norm_weight)[v];
+        if constexpr (P == kGemvSiluMul) b[j] = xr[k8];  // up, k columns to the right
       }
     }
-    act[idx] = out;
+#pragma unroll
+    for (int j = 0; j < kStageBatch; ++j) {
+      const int idx = base + j * blockDim.x;
+      if (idx >= total) break;
+      const int row = idx / k8;
+      if constexpr (P == kGemvNone) {
+        act[idx] = a[j];
+      } else if constexpr (P == kGemvRmsNorm) {
+        float xf[8], wf[8], of[8];
+        unpack8<T>(a[j], xf);
+        unpack8<T>(b[j], wf);
+        const float scale = row < m ? inv_rms[row] : 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) of[e] = round_to<T>(xf[e] * scale) * wf[e];
+        act[idx] = pack8<T>(of);
+      } else {
+        float gf[8], uf[8], of[8];
+        unpack8<T>(a[j], gf);
+        unpack8<T>(b[j], uf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) of[e] = round_to<T>(gf[e] / (1.f + __expf(-gf[e]))) * uf[e];
+        act[idx] = pack8<T>(of);
+      }
+    }
   }
+}
+
+// inv_rms[i] = 1 / sqrt(mean(x[i]^2) + eps) for the m rows (block-wide; loads batched).
+template <typename T, int M>
+__device__ __forceinline__ void gemv_row_scale(float* inv_rms, const T* x, int64_t x_stride,
+                                               int k8, int m, float eps) {
+  __shared__ float partial[kGemvWarps][M];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float sum_sq[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) sum_sq[i] = 0.f;
+  for (int base = threadIdx.x; base < k8; base += kStageBatch * blockDim.x) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      uint4 a[kStageBatch];
+#pragma unroll
+      for (int j = 0; j < kStageBatch; ++j) {
+        const int v = base + j * blockDim.x;
+        a[j] = (v < k8 && i < m) ? reinterpret_cast<const uint4*>(x + i * x_stride)[v]
+                                 : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int j = 0; j < kStageBatch; ++j) {
+        float xf[8];
+        unpack8<T>(a[j], xf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sum_sq[i] = fmaf(xf[e], xf[e], sum_sq[i]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    const float s = warp_sum(sum_sq[i]);
+    if (lane == 0) partial[warp][i] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x < M) {
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kGemvWarps; ++w) s += partial[w][threadIdx.x];
+    inv_rms[threadIdx.x] = rsqrtf(s / (k8 * 8) + eps);
+  }
+  __syncthreads();
 }
 
 // Programmatic dependent launch (sm_90): a kernel launched with the PDL attribute may start while
@@ -150,37 +208,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(
   gemv_load<R, U>(w, rows, live, lane, total > 0 ? k8 : 0);
   wait_for_previous_grid();
 
-  if constexpr (P == kGemvRmsNorm) {
-    __shared__ float partial[kGemvWarps][M];
-    float sum_sq[M];
-#pragma unroll
-    for (int i = 0; i < M; ++i) sum_sq[i] = 0.f;
-    for (int v = threadIdx.x; v < k8; v += blockDim.x) {
-#pragma unroll
-      for (int i = 0; i < M; ++i) {
-        if (i < m) {
-          float xf[8];
-          unpack8<T>(*reinterpret_cast<const uint4*>(x + i * x_stride + v * 8), xf);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) sum_sq[i] = fmaf(xf[j], xf[j], sum_sq[i]);
-        }
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < M; ++i) {
-      const float s = warp_sum(sum_sq[i]);
-      if (lane == 0) partial[warp][i] = s;
-    }
-    __syncthreads();
-    if (threadIdx.x < M) {
-      float s = 0.f;
-#pragma unroll
-      for (int wi = 0; wi < kGemvWarps; ++wi) s += partial[wi][threadIdx.x];
-      inv_rms[threadIdx.x] = rsqrtf(s / k + eps);
-    }
-    __syncthreads();
-  }
-  gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m, k, 0);
+  if constexpr (P == kGemvRmsNorm) gemv_row_scale<T, M>(inv_rms, x, x_stride, k8, m, eps);
+  gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m);
   __syncthreads();
   allow_next_grid();  // every CTA of this grid is resident: the next one may launch and prefetch
 
