@@ -59,4 +59,10 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("residual"), py::arg("norm_weight"), py::arg("m"), py::arg("n"), py::arg("k"),
         py::arg("x_stride"), py::arg("out_stride"), py::arg("residual_stride"), py::arg("eps"),
         py::arg("prologue"), py::arg("dtype"), py::arg("stream"));
+
+  m.def("sample", &tinyvllm::sample, py::arg("out"), py::arg("workspace"),
+        py::arg("workspace_bytes"), py::arg("logits"), py::arg("logits_stride"),
+        py::arg("num_rows"), py::arg("vocab_size"), py::arg("temperature"), py::arg("top_k"),
+        py::arg("top_p"), py::arg("min_p"), py::arg("seed"), py::arg("offset"), py::arg("noise"),
+        py::arg("noise_stride"), py::arg("stream"));
 }

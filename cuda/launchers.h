@@ -56,4 +56,12 @@ void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t no
           int64_t m, int64_t n, int64_t k, int64_t x_stride, int64_t out_stride,
           int64_t residual_stride, float eps, int prologue, int dtype, stream_t stream);
 
+// sampling.cu: one token per row after penalties (greedy, temperature, top-k, top-p, min-p, the
+// exponential race with Philox or given noise), no sort, no host sync. 0 = absent for top_k,
+// top_p, min_p; seed and offset only without noise. workspace: partials of split rows.
+void sample(ptr_t out, ptr_t workspace, int64_t workspace_bytes, ptr_t logits,
+            int64_t logits_stride, int64_t num_rows, int64_t vocab_size, ptr_t temperature,
+            ptr_t top_k, ptr_t top_p, ptr_t min_p, ptr_t seed, ptr_t offset, ptr_t noise,
+            int64_t noise_stride, stream_t stream);
+
 }  // namespace tinyvllm

@@ -1,4 +1,5 @@
-"""Kernel benchmark: paged attention (decode, prefill), RMSNorm, SiLU-and-mul against torch.
+"""Kernel benchmark: paged attention (decode, prefill), RMSNorm, SiLU-and-mul, GEMV, sampling
+against torch.
 
     python -m tinyvllm.bench.kernels [--out bench-results/kernels.json] [--quick]
 
@@ -255,6 +256,52 @@ def bench_gemv(model, name, m, n, k, prologue, residual, copy_gbps, gen) -> Row:
                              "cublas+ops": time_graph_us(unfused, calls=copies)})
 
 
+# ---- sampling ---------------------------------------------------------------------------------
+
+SAMPLE_VOCAB = 128256  # llama3
+SAMPLE_MODES = {  # name: (temperature, top_k, top_p)
+    "greedy": (0.0, 0, 1.0),
+    "top_k50+top_p0.9": (0.8, 50, 0.9),
+    "temperature": (0.8, 0, 1.0),
+    "top_p0.9": (0.8, 0, 0.9),
+}
+
+
+def bench_sample(kernels, num_rows, mode, copy_gbps, gen) -> Row:
+    """The sampling kernel (Philox noise) against the torch reference path (temperature, sort-based
+    top-k/top-p, softmax, Exp(1) noise, race; greedy: torch argmax), both as CUDA-graph replays over
+    logits copies that L2 cannot hold. Floor: one read of the logits at the copy bandwidth."""
+    from tinyvllm.ops.sampling import sample_ref
+    from tinyvllm.ops.sampling_cuda import sample_cuda
+    logits_bytes = num_rows * SAMPLE_VOCAB * 4
+    copies = max(1, -(-ROTATE_BYTES // logits_bytes))
+    logits = [torch.randn(num_rows, SAMPLE_VOCAB, generator=gen, device="cuda") * 4
+              for _ in range(copies)]
+    t, k, p = SAMPLE_MODES[mode]
+    temperature = torch.full((num_rows,), t, device="cuda")
+    top_k = torch.full((num_rows,), k, dtype=torch.int64, device="cuda") if k else None
+    top_p = torch.full((num_rows,), p, device="cuda") if p < 1 else None
+    seed = torch.arange(num_rows, dtype=torch.int64, device="cuda")
+    out = torch.empty(num_rows, dtype=torch.int64, device="cuda")
+
+    def ours(i):
+        sample_cuda(kernels, logits[i % copies], temperature, top_k, top_p, None, seed, seed, None,
+                    out=out)
+
+    def reference(i):
+        if t == 0:
+            return logits[i % copies].argmax(dim=-1)
+        x = logits[i % copies].clone()
+        return sample_ref(x, temperature, top_k, top_p, None, torch.empty_like(x).exponential_())
+
+    us = time_graph_us(ours, calls=copies)
+    gbps = logits_bytes / us / 1e3
+    baseline = "torch_argmax" if t == 0 else "torch_ref"
+    return Row("sample", f"{mode} r{num_rows} v{SAMPLE_VOCAB}", us, gbps,
+               frac_copy_bw=gbps / copy_gbps,
+               baselines_us={baseline: time_graph_us(reference, calls=min(copies, 64))})
+
+
 def cuda_ops_or_exit():
     from tinyvllm.ops._dispatch import cuda_ops
     kernels = cuda_ops()
@@ -294,6 +341,9 @@ def run(quick: bool) -> tuple[float, list[Row]]:
         for m in ([1] if quick else [1, 2]):
             for name, n, k, prologue, residual in shapes:
                 rows.append(bench_gemv(model, name, m, n, k, prologue, residual, copy_gbps, gen))
+    for mode in ("top_k50+top_p0.9", "greedy", "temperature"):
+        for num_rows in ([1, 256] if quick else [1, 64, 256]):
+            rows.append(bench_sample(kernels, num_rows, mode, copy_gbps, gen))
     return copy_gbps, rows
 
 

@@ -10,10 +10,12 @@ from tinyvllm.ops.kv_cache import KV_CACHE_LAYOUT, allocate_kv_caches, reshape_a
 from tinyvllm.ops.layers import (build_cos_sin_cache, rms_norm, rotary_embedding,
                                  rotary_embedding_and_cache, silu_and_mul)
 from tinyvllm.ops.linear import GEMV_MAX_ROWS, fused_linear, fused_linear_supported
+from tinyvllm.ops.sampling import sample, sample_ref
 
 __all__ = [
     "AttentionMetadata", "paged_attention", "paged_attention_ref", "KV_CACHE_LAYOUT",
     "allocate_kv_caches", "reshape_and_cache", "rms_norm", "rotary_embedding",
     "rotary_embedding_and_cache", "silu_and_mul",
     "build_cos_sin_cache", "GEMV_MAX_ROWS", "fused_linear", "fused_linear_supported",
+    "sample", "sample_ref",
 ]

@@ -8,12 +8,13 @@ Pipeline, in this order (vLLM's and HF's order, so that the same parameters give
         ├─ repetition penalty (CTRL): over prompt + output, positive / r, negative * r
         ├─ presence / frequency penalties (OpenAI): over output tokens
         │        └─▶ greedy rows: argmax here
-        ├─ temperature
-        ├─ top-k, top-p (one sort), min-p
-        └─ softmax, exponential race argmax(probs / Exp(1))   (gpt-fast: no host sync)
+        ├─ temperature                                       ┐ ops.sampling.sample: the CUDA
+        ├─ top-k, top-p, min-p                               │ kernel (no sort) or the torch
+        └─ softmax, exponential race argmax(probs / Exp(1))  ┘ reference (no host sync either way)
 
 Everything is vectorised over the batch: per-row parameters become [N] tensors; the only per-row
-Python loops build those tensors and draw seeded rows' noise from their own generators, so that a
+Python loops build those tensors and (reference path) draw seeded rows' noise from their own
+generators; the kernel keys its Philox noise by (seed, number of generated tokens). Either way a
 seeded sample does not depend on which other requests share the batch.
 """
 
@@ -25,6 +26,8 @@ from typing import Optional
 import torch
 
 from tinyvllm.engine.request import Logprobs
+from tinyvllm.ops.sampling import (apply_min_p, apply_top_k_top_p,  # noqa: F401 (re-exported)
+                                   as_int64, kernel_available, sample)
 from tinyvllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -193,41 +196,6 @@ def _apply_batch_penalties(logits: torch.Tensor, states: list[SamplingState]) ->
     logits[index] = sub
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
-                      top_p: Optional[torch.Tensor]) -> None:
-    """Mask, in place, the logits outside each row's top-k and outside its top-p nucleus.
-
-    The nucleus is the smallest set of most likely tokens whose mass reaches top_p; the most
-    likely token always survives.
-
-    Shape: logits [num_rows, vocab_size]; top_k [num_rows] int64 (vocab_size = off);
-    top_p [num_rows] (1.0 = off).
-    """
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if top_k is not None:
-        positions = torch.arange(logits.shape[1], device=logits.device)
-        drop |= positions.unsqueeze(0) >= top_k.unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
-    if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-        # Rows with top_p = 1 are skipped explicitly: rounding can push the running mass to 1.
-        drop |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-        drop[:, 0] = False
-    logits.scatter_(1, sorted_ids, sorted_logits.masked_fill(drop, _NEG_INF))
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
-    """Mask, in place, tokens whose probability is below min_p * the row's top probability.
-
-    Shape: logits [num_rows, vocab_size]; min_p [num_rows] (0 = off).
-    """
-    probs = logits.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    logits.masked_fill_(probs < threshold, _NEG_INF)
-
-
 # ---------------------------------------------------------------------------------------------
 # Sampling
 # ---------------------------------------------------------------------------------------------
@@ -236,47 +204,48 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
 def _sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     """Greedy rows take the argmax; the others go through temperature, filters and the race.
 
+    `ops.sampling.sample` does the work: the CUDA kernel on a GPU (Philox noise keyed by each
+    row's seed and output length, no generator, no sync), the torch reference elsewhere (noise
+    from the rows' generators).
+
     Shape: logits [num_rows, vocab_size] (penalised) -> [num_rows] int64.
     """
-    device = logits.device
-    greedy_mask = [s.params.greedy for s in states]
-    greedy_ids = logits.argmax(dim=-1)
-    if all(greedy_mask):
-        return greedy_ids
-
     params = [s.params for s in states]
-    # Greedy rows divide by 1 so that nothing becomes inf / nan; their result is discarded.
-    temperature = _to_device([1.0 if p.greedy else p.temperature for p in params],
-                             logits.dtype, device)
-    logits.div_(temperature.unsqueeze(1))
-
-    vocab_size = logits.shape[1]
-    top_k = top_p = None
-    if any(p.top_k > 0 for p in params):
-        top_k = _to_device([p.top_k if p.top_k > 0 else vocab_size for p in params],
-                           torch.int64, device)
-    if any(p.top_p < 1.0 for p in params):
-        top_p = _to_device([p.top_p for p in params], logits.dtype, device)
-    if top_k is not None or top_p is not None:
-        apply_top_k_top_p(logits, top_k, top_p)
-    if any(p.min_p > 0.0 for p in params):
-        apply_min_p(logits, _to_device([p.min_p for p in params], logits.dtype, device))
-
-    probs = logits.softmax(dim=-1)
-    sampled = (probs / _exponential_noise(probs, states)).argmax(dim=-1)
-    return torch.where(_to_device(greedy_mask, torch.bool, device), greedy_ids, sampled)
+    if all(p.greedy for p in params):
+        return logits.argmax(dim=-1)
+    device = logits.device
+    # One pinned upload per dtype; a filter no row uses is passed as None (skipped).
+    floats = _to_device([[0.0 if p.greedy else p.temperature for p in params],
+                         [p.top_p for p in params], [p.min_p for p in params]],
+                        logits.dtype, device)
+    top_p = floats[1] if any(p.top_p < 1.0 for p in params) else None
+    min_p = floats[2] if any(p.min_p > 0.0 for p in params) else None
+    use_top_k = any(p.top_k > 0 for p in params)
+    if kernel_available(logits):
+        ints = _to_device([[p.top_k for p in params], _philox_seeds(states),
+                           [len(s.output_token_ids) for s in states]], torch.int64, device)
+        return sample(logits, floats[0], ints[0] if use_top_k else None, top_p, min_p,
+                      seed=ints[1], offset=ints[2])
+    top_k = _to_device([p.top_k for p in params], torch.int64, device) if use_top_k else None
+    return sample(logits, floats[0], top_k, top_p, min_p,
+                  noise=_exponential_noise(logits, states))
 
 
-def _exponential_noise(probs: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """Exp(1) noise, [num_rows, vocab_size]: one shared draw, seeded rows from their generator.
-
-    Clamped away from 0 so that a masked token (probability 0) can never win with 0 / 0 = nan.
-    """
-    noise = torch.empty_like(probs).exponential_()
+def _exponential_noise(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Exp(1) noise like logits, [num_rows, vocab_size]: one shared draw, seeded rows from their
+    generator (the reference path)."""
+    noise = torch.empty_like(logits).exponential_()
     for i, s in enumerate(states):
         if s.generator is not None and not s.params.greedy:
             noise[i].exponential_(generator=s.generator)
-    return noise.clamp_min_(torch.finfo(probs.dtype).tiny)
+    return noise
+
+
+def _philox_seeds(states: list[SamplingState]) -> list[int]:
+    """Each row's Philox key for the kernel: the request's seed, else a fresh draw from torch's CPU
+    generator (host only; torch.manual_seed reproduces a run)."""
+    fresh = iter(torch.randint(0, 1 << 62, (len(states),)).tolist())
+    return [as_int64(s.params.seed) if s.params.seed is not None else next(fresh) for s in states]
 
 
 def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
