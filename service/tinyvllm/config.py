@@ -98,6 +98,10 @@ class SchedulerConfig:
         "fcfs", "Scheduling policy: fcfs, or priority (lower value first, then arrival).",
         choices=("fcfs", "priority"),
     )
+    async_scheduling: bool = _f(
+        True, "Schedule and launch step N+1 before step N's tokens are processed, so that the "
+        "host work overlaps the GPU (one step in flight)."
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):

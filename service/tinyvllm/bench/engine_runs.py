@@ -84,8 +84,9 @@ def run_batch(engine: EngineCore, prompts: Sequence[Sequence[int]], output_lens:
               sync: Callable[[], None]) -> BatchRun:
     """Submit every prompt at once, step until all finish; time each token as the host sees it.
 
-    The engine already waits for the sampled ids on the host each step; `sync` makes sure no
-    device work is left in flight when the clock is read.
+    A step returns once its sampled ids are on the host: that is when its tokens count. With
+    async scheduling the next step is already running on the device then, so `sync` is taken only
+    before the clock starts and before it stops (one between steps would serialise them).
     """
     ids = [str(next(_request_ids)) for _ in prompts]
     timings = {i: RequestTiming(len(p)) for i, p in zip(ids, prompts)}
@@ -97,7 +98,6 @@ def run_batch(engine: EngineCore, prompts: Sequence[Sequence[int]], output_lens:
     num_steps = 0
     while engine.has_unfinished_requests():
         outputs = engine.step()
-        sync()
         now = time.perf_counter() - start
         num_steps += 1
         for out in outputs:
@@ -105,6 +105,7 @@ def run_batch(engine: EngineCore, prompts: Sequence[Sequence[int]], output_lens:
             if not t.token_times_s:
                 t.num_cached_tokens = out.num_cached_tokens
             t.token_times_s.extend([now] * len(out.new_token_ids))
+    sync()
     elapsed = time.perf_counter() - start
     return BatchRun(elapsed, [timings[i] for i in ids], num_steps)
 

@@ -1,22 +1,38 @@
 """EngineCore: the synchronous heart of tinyvllm.
 
 The same class runs in-process for `LLM.generate` and tests, and inside the engine process behind
-the gRPC server. One `step()` is: schedule, run the model, update the requests.
+the gRPC server. One model step is: schedule, run the model, update the requests.
+
+With async scheduling (the default) one model step stays in flight between `step()` calls:
+
+```
+host:  launch N+1 ─▶ wait for N's samples ─▶ update(N), return ─▶ launch N+2 ─▶ wait for N+1 ...
+GPU:   ...... N ..............│........ N+1 ...............................│...... N+2 ......
+```
+
+so the host work between two launches (update, the caller's output processing, the next
+schedule and input preparation) runs while the GPU computes. A step is scheduled ahead only when
+its sampling needs no host knowledge of the tokens in flight (`Scheduler.can_schedule_ahead`);
+otherwise `step()` runs the model step synchronously, as it does with async scheduling off.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from typing import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import msgspec
 
 from tinyvllm.config import EngineConfig, RuntimeInfo
 from tinyvllm.engine.kv_cache_manager import KVCacheManager
 from tinyvllm.engine.request import EngineCoreOutput, EngineCoreRequest, Request
-from tinyvllm.engine.scheduler import Scheduler
+from tinyvllm.engine.scheduler import Scheduler, SchedulerOutput
 from tinyvllm.engine.validation import RequestValidationError, validate_request
+
+if TYPE_CHECKING:  # torch stays out of engine/ imports
+    from tinyvllm.worker.step_handle import StepHandle
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +51,12 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_prompt_tokens: int
     num_generation_tokens: int
     num_scheduled_tokens: int  # in the last step
+
+
+@dataclass
+class _LaunchedStep:
+    out: SchedulerOutput
+    handle: "StepHandle"
 
 
 class EngineCore:
@@ -60,6 +82,8 @@ class EngineCore:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_scheduled_tokens = 0
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._in_flight: Optional[_LaunchedStep] = None
 
     def _fit_max_model_len(self) -> int:
         """The context length, capped so that one request alone always fits in the KV cache
@@ -83,28 +107,46 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        """Stop requests now and free their KV blocks (unknown or finished ids are ignored)."""
+        """Stop requests now and free their KV blocks (unknown or finished ids are ignored).
+
+        A step in flight still computes for them; its tokens for them are dropped."""
         self.scheduler.abort_requests(list(request_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a request is queued or running, or a model step is in flight."""
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        if not self.scheduler.has_unfinished_requests():
+        """Run one model step and return what it produced (see the module docstring).
+
+        With a step in flight from the previous call, the next one is launched before that
+        step's tokens are processed; either way, the outputs returned are of one model step."""
+        current = self._in_flight or self._launch()
+        self._in_flight = None
+        if current is None:
             return []
-        out = self.scheduler.schedule()
-        sampled = self.runner.execute(out)
-        outputs = self.scheduler.update(out, sampled)
-        self._count(out, outputs)
+        if self.async_scheduling and self.scheduler.can_schedule_ahead():
+            self._in_flight = self._launch()
+        sampled = current.handle.result()
+        outputs = self.scheduler.update(current.out, sampled)
+        self._count(current.out, outputs)
         return outputs
 
-    def _count(self, out, outputs: list[EngineCoreOutput]) -> None:
+    def _launch(self) -> Optional[_LaunchedStep]:
+        """Schedule a step and launch it on the model runner (None: nothing to run)."""
+        if not self.scheduler.has_unfinished_requests():
+            return None
+        out = self.scheduler.schedule()
+        handle = self.runner.execute_async(out)  # also hands over finished ids when empty
+        return None if out.is_empty else _LaunchedStep(out, handle)
+
+    def _count(self, out: SchedulerOutput, outputs: list[EngineCoreOutput]) -> None:
         self._num_scheduled_tokens = out.num_scheduled_tokens
         self._num_generation_tokens += len(outputs)
-        for s in out.scheduled:  # num_computed_tokens has already moved past this step
-            before = s.request.num_computed_tokens - s.num_new_tokens
+        for s in out.scheduled:
             self._num_prompt_tokens += max(0, min(s.num_new_tokens,
-                                                  s.request.num_prompt_tokens - before))
+                                                  s.request.num_prompt_tokens
+                                                  - s.num_computed_tokens))
 
     def get_stats(self) -> EngineStats:
         kv = self.kv
@@ -121,5 +163,9 @@ class EngineCore:
         return self.kv.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        """Abort every request and wait for the step in flight (its kernels use the KV cache)."""
         self.scheduler.abort_requests(list(self.scheduler.requests))
+        if self._in_flight is not None:
+            self._in_flight.handle.result()
+            self._in_flight = None
 

@@ -63,10 +63,11 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 class Request:
     """Engine-side state of one request.
 
-    The scheduler speaks tokens: `num_computed_tokens` chases `num_tokens`. A request is
-    prefilling while `num_computed_tokens < num_prompt_tokens`; preemption resets
-    `num_computed_tokens` to 0 and keeps `output_token_ids`, which are recomputed as part of the
-    prompt (so a preempted request finishes with the same greedy output).
+    The scheduler speaks tokens: `num_computed_tokens` chases `num_tokens` +
+    `num_output_placeholders`, and moves when a step is scheduled (its KV is then written or
+    queued to be). A request is prefilling while `num_computed_tokens < num_prompt_tokens`;
+    preemption resets `num_computed_tokens` to 0 and keeps `output_token_ids`, which are
+    recomputed as part of the prompt (so a preempted request finishes with the same greedy output).
     """
 
     request_id: str
@@ -81,6 +82,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens scheduled to be sampled whose ids the host does not know yet (async scheduling: at
+    # most the step in flight plus the one just scheduled). They count toward the sequence length
+    # when scheduling, so that a decode of a token still in flight is scheduled at its position.
+    num_output_placeholders: int = 0
     num_cached_tokens: int = -1  # set on first scheduling; -1 = not yet looked up
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, chained
@@ -116,6 +121,17 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def sampling_reads_output_tokens(self) -> bool:
+        """Sampling its next token reads its output ids on the host: penalties count them,
+        min_tokens masks EOS until enough exist, and a seeded sample's noise is keyed by their
+        number (the CUDA sampling kernel's Philox offset). Such a request cannot be sampled while
+        one of its tokens is still in flight."""
+        p = self.sampling_params
+        return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                or p.frequency_penalty != 0.0 or self.num_output_tokens < p.min_tokens
+                or (p.seed is not None and not p.greedy))
 
     @property
     def max_tokens(self) -> int:

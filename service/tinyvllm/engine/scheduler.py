@@ -6,6 +6,15 @@ prefill chunks), then waiting ones while the budget, `max_num_seqs` and the KV p
 pool runs dry, the lowest-priority latest running request is preempted: its blocks are freed and it
 is recomputed later from its prompt plus the tokens it already produced, so it finishes with the
 same output.
+
+A step is scheduled before the previous one's sampled tokens are known (async scheduling, one
+step in flight), so the bookkeeping that the next schedule depends on happens at schedule time:
+`num_computed_tokens` advances and the KV slot of every token to be sampled is allocated, which
+that token holds as a placeholder (`num_output_placeholders`) until `update` learns its id. A
+decode whose input is a placeholder takes the id from the previous step's samples on the device.
+`update` drops the work of a request that finished (or was aborted) while a step for it was in
+flight; its blocks were freed at the finish, which is safe because later steps' kernels are
+ordered after the in-flight one on the stream.
 """
 
 from __future__ import annotations
@@ -24,22 +33,31 @@ from tinyvllm.engine.request import (EngineCoreOutput, FinishReason, Logprobs, R
 
 @dataclass
 class ScheduledRequest:
+    """One request's share of a step, as it stood when scheduled (the request moves on while the
+    step is in flight)."""
+
     request: Request
     num_new_tokens: int
+    num_computed_tokens: int = field(init=False)  # before this step: its first position
+    # After this step the request has no uncomputed token: its last position is sampled.
+    completes_sequence: bool = field(init=False)
 
-    @property
-    def completes_sequence(self) -> bool:
-        """After this step the request has no uncomputed token: its last position is sampled."""
+    def __post_init__(self) -> None:
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens >= r.num_tokens
+        self.num_computed_tokens = r.num_computed_tokens
+        self.completes_sequence = (r.num_computed_tokens + self.num_new_tokens
+                                   >= r.num_tokens + r.num_output_placeholders)
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    # Requests that left the running set since the last step (finished, aborted, preempted):
-    # the model runner drops its per-request state for them.
+    # Requests that finished (or were aborted) since the last step: the model runner drops its
+    # per-request state for them.
     finished_request_ids: set[str] = field(default_factory=set)
+    # Requests preempted in this step: their blocks are gone, their sampling state (a seeded
+    # generator) is kept, so that they resume the same random stream.
+    preempted_request_ids: set[str] = field(default_factory=set)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -127,6 +145,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the one in flight is processed: no
+        running request with a token in flight needs its output ids on the host to sample."""
+        return not any(r.num_output_placeholders and r.sampling_reads_output_tokens
+                       for r in self.running)
+
     # --- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -136,6 +160,9 @@ class Scheduler:
         budget, preempted = self._schedule_running(out, budget)
         if not preempted:
             self._schedule_waiting(out, budget)
+        for s in out.scheduled:  # after every allocation: preemption may have dropped some
+            s.request.num_computed_tokens += s.num_new_tokens
+            s.request.num_output_placeholders += s.completes_sequence
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
@@ -143,6 +170,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if self._last_token_in_flight(request):
+                i += 1
+                continue
             num_new = self._num_new_tokens(request, budget)
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()
@@ -165,6 +195,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if request.num_output_placeholders:
+                break  # preempted with a token in flight: resumes once `update` has it
             hits, num_cached = ([], 0)
             if request.num_computed_tokens == 0:
                 hits, num_cached = self.kv.get_computed_blocks(request)
@@ -185,8 +217,15 @@ class Scheduler:
             budget -= num_new
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+        num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
         return max(1, min(num_new, budget))
+
+    def _last_token_in_flight(self, request: Request) -> bool:
+        """The token in flight is the request's last (max_tokens or the context length): a
+        decode of it would be computed for nothing."""
+        n = request.num_output_placeholders
+        return n > 0 and (request.num_output_tokens + n >= request.max_tokens
+                          or request.num_tokens + n >= self.max_model_len)
 
     def _pick_victim(self) -> Request:
         """The lowest-priority running request, latest arrival first among equals."""
@@ -203,31 +242,39 @@ class Scheduler:
         request.num_published_blocks = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        out.finished_request_ids.add(request.request_id)
+        out.preempted_request_ids.add(request.request_id)
         self.waiting.add(request, front=True)
 
     # --- after the model ran --------------------------------------------------------------------
 
     def update(self, out: SchedulerOutput, sampled: dict[str, tuple[int, Optional[Logprobs]]]
                ) -> list[EngineCoreOutput]:
-        """Advance each scheduled request and collect what the frontend must hear.
+        """Take in a step's sampled tokens and collect what the frontend must hear.
 
         `sampled` maps request ids whose sequence was completed this step to the sampled token
-        (and its logprobs when asked).
+        (and its logprobs when asked). The step may have been scheduled before the previous one
+        was processed: a request that has finished since gets nothing, and one preempted since
+        still gets its token (its KV was computed; it is recomputed with the rest).
         """
         outputs = []
         for s in out.scheduled:
             request = s.request
-            request.num_computed_tokens += s.num_new_tokens
-            request.num_published_blocks = self.kv.cache_computed_blocks(
-                request, request.num_published_blocks)
-            if request.request_id not in sampled:
+            if request.is_finished:
+                continue  # finished or aborted while this step was in flight: dropped
+            request.num_output_placeholders -= s.completes_sequence
+            if request.status == RequestStatus.RUNNING:
+                # Before the append, so only blocks of known token ids. Their KV is written by
+                # this step or queued in the one in flight: any step that reads a published block
+                # is launched later, so its kernels run after those writes.
+                request.num_published_blocks = self.kv.cache_computed_blocks(
+                    request, request.num_published_blocks)
+            if not s.completes_sequence:
                 continue  # a prefill chunk that has not reached the end of the sequence yet
             token_id, logprobs = sampled[request.request_id]
             request.output_token_ids.append(token_id)
             reason = self._check_stop(request, token_id)
             if reason is not None:
-                self.running.remove(request)
+                self._remove(request)
                 self._finish(request, reason)
             outputs.append(EngineCoreOutput(
                 request_id=request.request_id, new_token_ids=[token_id],
@@ -248,6 +295,14 @@ class Scheduler:
                 request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def _remove(self, request: Request) -> None:
+        """Take a request out of the running list, or of the waiting queue where it went when it
+        was preempted with a token in flight."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove({request})
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED

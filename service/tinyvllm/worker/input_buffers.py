@@ -7,6 +7,10 @@ then `upload` copies the used prefixes with non-blocking copies that queue behin
 step's kernels instead of synchronising. The device tensors never move, so that CUDA graphs
 captured over them see each step's values. On the CPU the two are the same tensor.
 
+A decode row whose input token was sampled by the step still in flight (async scheduling) gets a
+placeholder in the host array; `fill_prev_token_ids` then copies the id from that step's samples
+on the device, behind the upload and before the forward (graph replays read the same buffer).
+
 Block tables are kept flat: a step with `num_rows` rows of `width` entries uses the first
 `num_rows * width` elements, viewed as a contiguous [num_rows, width] tensor (what the kernels
 take). Graphs use their own fixed width; eager steps use the batch's longest table.
@@ -45,6 +49,8 @@ class InputBuffers:
         seq_lens: [num_rows] int32
         block_tables: [num_rows * width] int32, viewed [num_rows, width]
         logits_indices: [num_sampled] int64
+        prev_token_dst, prev_token_src: [num_prev_tokens] int64: input_ids positions to fill
+            from the previous step's sampled ids, and the rows of those ids
     """
 
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
@@ -59,6 +65,8 @@ class InputBuffers:
         self.seq_lens = _Pair(max_num_seqs, torch.int32, device)
         self.block_tables = _Pair(max_num_seqs * max_blocks_per_seq, torch.int32, device)
         self.logits_indices = _Pair(max_num_seqs, torch.int64, device)
+        self.prev_token_dst = _Pair(max_num_seqs, torch.int64, device)
+        self.prev_token_src = _Pair(max_num_seqs, torch.int64, device)
         # Recorded after each upload: the host arrays may be rewritten once the copies have run.
         self._uploaded: Optional[torch.cuda.Event] = (
             torch.cuda.Event() if device.type == "cuda" else None)
@@ -66,8 +74,9 @@ class InputBuffers:
     def wait_until_writable(self) -> None:
         """Block until the previous step's copies have read the host arrays.
 
-        Usually free: the previous step ended with a host sync on its sampled tokens. A step that
-        samples nothing (a prefill chunk) returns without one, and its copies may still be queued.
+        Usually free or short: the copies come first in the previous step's device work, which
+        starts once the step before it is done, and the engine has usually waited for that one
+        already (it processes a step's samples before launching the step after next).
         """
         if self._uploaded is not None:
             self._uploaded.synchronize()
@@ -79,7 +88,8 @@ class InputBuffers:
         rows.fill(0)
         return rows
 
-    def upload(self, num_tokens: int, num_rows: int, width: int, num_sampled: int) -> None:
+    def upload(self, num_tokens: int, num_rows: int, width: int, num_sampled: int,
+               num_prev_tokens: int = 0) -> None:
         """Queue the host-to-device copies of the used prefixes (non-blocking)."""
         for pair in (self.input_ids, self.positions, self.slot_mapping):
             pair.upload(num_tokens)
@@ -87,8 +97,21 @@ class InputBuffers:
         self.seq_lens.upload(num_rows)
         self.block_tables.upload(num_rows * width)
         self.logits_indices.upload(num_sampled)
+        if num_prev_tokens:
+            self.prev_token_dst.upload(num_prev_tokens)
+            self.prev_token_src.upload(num_prev_tokens)
         if self._uploaded is not None:
             self._uploaded.record()
+
+    def fill_prev_token_ids(self, num_prev_tokens: int, prev_sampled: torch.Tensor) -> None:
+        """input_ids[dst[i]] = prev_sampled[src[i]] for the first num_prev_tokens pairs, on the
+        device stream after `upload` (which wrote placeholders there).
+
+        Shape: prev_sampled [num_rows of the previous step] int64, on the buffers' device.
+        """
+        dst = self.prev_token_dst.device[:num_prev_tokens]
+        src = self.prev_token_src.device[:num_prev_tokens]
+        self.input_ids.device.index_copy_(0, dst, prev_sampled.index_select(0, src))
 
     def metadata(self, num_tokens: int, num_rows: int, width: int, max_query_len: int,
                  max_seq_len: int) -> AttentionMetadata:
@@ -121,7 +144,7 @@ class BlockTableCache:
     """Each running request's block ids as an int32 array, grown as its list grows.
 
     `Request.block_ids` only ever grows while a request runs (a preempted request's list is emptied
-    and refilled, and the runner drops its entry via `finished_request_ids`), so a step converts
+    and refilled, and the runner drops its entry via `preempted_request_ids`), so a step converts
     only the new ids instead of the whole list. The first and last known ids are re-checked so
     that a list replaced behind our back is rebuilt rather than trusted.
     """

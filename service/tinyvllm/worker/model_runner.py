@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from tinyvllm.config import CacheConfig, EngineConfig
-from tinyvllm.engine.request import Logprobs, Request
+from tinyvllm.engine.request import Request
 from tinyvllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tinyvllm.model.loader import LoadedModel, load_model
 from tinyvllm.ops import AttentionMetadata, allocate_kv_caches
@@ -27,6 +27,7 @@ from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_siz
                                         decode_seq_len_tiers)
 from tinyvllm.worker.input_buffers import BlockTableCache, InputBuffers
 from tinyvllm.worker.sampler import Sampler, SamplingState
+from tinyvllm.worker.step_handle import SampledTokens, StepHandle
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +60,23 @@ class ModelInputs:
     sampled_requests: list[Request]
 
 
+@dataclass
+class _PrevSampled:
+    """The last launched step's sampled ids, kept on the device for the next step's inputs."""
+
+    token_ids: torch.Tensor  # [num_sampled] int64
+    rows: dict[str, int]  # request id -> row in token_ids
+
+
 class ModelRunner:
     """Owns the model, the KV cache, the input buffers and (on CUDA) the decode graphs.
 
     A step: host arrays filled from the SchedulerOutput -> non-blocking copies into the device
-    buffers -> forward (a graph replay for pure-decode batches that fit a bucket, else eager) ->
-    logits of the completed sequences -> sampler. The only host sync is the sampler's final
-    transfer of the token ids.
+    buffers -> (async scheduling) input ids of decodes whose token the previous step sampled,
+    copied on the device from its samples -> forward (a graph replay for pure-decode batches that
+    fit a bucket, else eager) -> logits of the completed sequences -> sampler -> non-blocking copy
+    of the sampled ids to pinned host memory. `execute_async` returns without a host sync; the
+    step's one sync is `StepHandle.result()`.
     """
 
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None):
@@ -91,6 +102,7 @@ class ModelRunner:
         self.block_tables = BlockTableCache()
         self.sampler = Sampler()
         self.sampling_states: dict[str, SamplingState] = {}
+        self._prev_sampled: Optional[_PrevSampled] = None
         self.num_blocks = self._determine_num_blocks(config.cache)
         self.kv_caches = allocate_kv_caches(
             self.arch.num_layers, self.num_blocks, self.block_size, self.arch.num_kv_heads,
@@ -183,22 +195,32 @@ class ModelRunner:
 
     # --- one step -------------------------------------------------------------------------------
 
+    def execute(self, out: SchedulerOutput) -> SampledTokens:
+        """Run one step and wait for its sampled tokens."""
+        return self.execute_async(out).result()
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, Optional[Logprobs]]]:
+    def execute_async(self, out: SchedulerOutput) -> StepHandle:
+        """Launch one step (inputs, forward, logits, sampling) without waiting for it."""
         for request_id in out.finished_request_ids:
             self.sampling_states.pop(request_id, None)
             self.block_tables.drop(request_id)
+        for request_id in out.preempted_request_ids:
+            self.block_tables.drop(request_id)
         if out.is_empty:
-            return {}
+            return StepHandle.done()
         inputs = self._prepare_inputs(out)
         hidden = self._forward(inputs)
-        if not inputs.sampled_requests:
-            return {}
+        requests = inputs.sampled_requests
+        self._prev_sampled = None
+        if not requests:
+            return StepHandle.done()
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        states = [self._sampling_state(r) for r in inputs.sampled_requests]
-        result = self.sampler(logits, states)  # the step's one host sync
-        return {r.request_id: (tok, lp) for r, tok, lp in
-                zip(inputs.sampled_requests, result.token_ids, result.logprobs)}
+        states = [self._sampling_state(r) for r in requests]
+        sampled = self.sampler.sample(logits, states)
+        self._prev_sampled = _PrevSampled(sampled.token_ids,
+                                          {r.request_id: i for i, r in enumerate(requests)})
+        return StepHandle.launch(requests, states, sampled)
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         """[>= num_tokens, hidden_size]: graph rows past the real batch are padding."""
@@ -215,7 +237,7 @@ class ModelRunner:
             raise ValueError(f"step of {num_seqs} sequences / {num_tokens} tokens exceeds "
                              f"max_num_seqs={self.max_num_seqs} / "
                              f"max_num_batched_tokens={self.max_num_tokens}")
-        max_seq_len = max(s.request.num_computed_tokens + s.num_new_tokens for s in scheduled)
+        max_seq_len = max(s.num_computed_tokens + s.num_new_tokens for s in scheduled)
         graph = None
         if self.graphs is not None and num_tokens == num_seqs:  # one new token each: pure decode
             graph = self.graphs.pick(num_seqs, max_seq_len)
@@ -225,10 +247,12 @@ class ModelRunner:
             num_rows, width = num_seqs, max(len(s.request.block_ids) for s in scheduled)
         b = self.buffers
         b.wait_until_writable()
-        sampled = self._fill_host(scheduled, b.block_table_rows(num_rows, width))
+        sampled, num_prev = self._fill_host(scheduled, b.block_table_rows(num_rows, width))
         if num_rows > num_seqs:
             self._fill_padding(num_seqs, num_rows)
-        b.upload(max(num_tokens, num_rows), num_rows, width, len(sampled))
+        b.upload(max(num_tokens, num_rows), num_rows, width, len(sampled), num_prev)
+        if num_prev:
+            b.fill_prev_token_ids(num_prev, self._prev_sampled.token_ids)
         meta = None
         if graph is None:
             max_query_len = max(s.num_new_tokens for s in scheduled)
@@ -237,22 +261,29 @@ class ModelRunner:
                            logits_indices=b.logits_indices_device(len(sampled)),
                            sampled_requests=sampled)
 
-    def _fill_host(self, scheduled: list[ScheduledRequest], tables: np.ndarray) -> list[Request]:
+    def _fill_host(self, scheduled: list[ScheduledRequest], tables: np.ndarray
+                   ) -> tuple[list[Request], int]:
         """Write token ids, positions, slots, offsets, lengths and block tables of the batch into
-        the host buffers; returns the requests whose last position is sampled, in row order."""
+        the host buffers. Returns the requests whose last position is sampled, in row order, and
+        how many input ids are left to fill from the previous step's samples (prev_token_*)."""
         bs = self.block_size
         b = self.buffers
         ids, positions, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
         qsl, seq_lens, logits_idx = b.query_start_loc.np, b.seq_lens.np, b.logits_indices.np
-        qsl[0] = offset = 0
+        qsl[0] = offset = num_prev = 0
         sampled: list[Request] = []
         for i, s in enumerate(scheduled):
-            r, n = s.request, s.num_new_tokens
-            start = r.num_computed_tokens
+            r, n, start = s.request, s.num_new_tokens, s.num_computed_tokens
             table = self.block_tables.get(r.request_id, r.block_ids)
             tables[i, :len(table)] = table
             if n == 1:  # decode: scalar writes, no numpy temporaries
-                ids[offset] = _token_at(r, start)
+                if start < r.num_tokens:
+                    ids[offset] = _token_at(r, start)
+                else:  # sampled by the step in flight: the host does not know it yet
+                    ids[offset] = 0
+                    b.prev_token_dst.np[num_prev] = offset
+                    b.prev_token_src.np[num_prev] = self._prev_row(r, start)
+                    num_prev += 1
                 positions[offset] = start
                 slots[offset] = int(table[start // bs]) * bs + start % bs
             else:
@@ -266,7 +297,17 @@ class ModelRunner:
             if s.completes_sequence:
                 logits_idx[len(sampled)] = offset - 1
                 sampled.append(r)
-        return sampled
+        return sampled, num_prev
+
+    def _prev_row(self, request: Request, position: int) -> int:
+        """The row of `request` in the previous step's samples, which must hold its token at
+        `position` (the one token it has in flight)."""
+        prev = self._prev_sampled
+        if position != request.num_tokens or prev is None or request.request_id not in prev.rows:
+            raise RuntimeError(f"request {request.request_id!r}: input token {position} is "
+                               f"neither known ({request.num_tokens} are) nor sampled by the "
+                               f"previous step")
+        return prev.rows[request.request_id]
 
     def _fill_padding(self, num_seqs: int, num_rows: int) -> None:
         """Graph rows past the batch (pure decode: row i is token i): one token at position 0,

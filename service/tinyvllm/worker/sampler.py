@@ -81,11 +81,56 @@ class SamplerOutput:
     logprobs: list[Optional[Logprobs]]
 
 
+@dataclass
+class LogprobsTensors:
+    """Logprobs of a step's sampled tokens, from the raw model distribution.
+
+    Shape: token_logprobs [num_rows]; ranks [num_rows] int64 (1 = best);
+    top_logprobs, top_token_ids [num_rows, max_n] (max_n over the rows that asked).
+    """
+
+    token_logprobs: torch.Tensor
+    ranks: torch.Tensor
+    top_logprobs: torch.Tensor
+    top_token_ids: torch.Tensor
+
+    def map(self, fn) -> "LogprobsTensors":
+        return LogprobsTensors(fn(self.token_logprobs), fn(self.ranks), fn(self.top_logprobs),
+                               fn(self.top_token_ids))
+
+
+@dataclass
+class SampledTensors:
+    """A step's samples where they were computed (no host sync taken yet).
+
+    Shape: token_ids [num_rows] int64; logprobs as in LogprobsTensors, None when no row asked.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: Optional[LogprobsTensors]
+
+    def to_pinned_host(self) -> "SampledTensors":
+        """Queue non-blocking copies into fresh pinned host tensors (CUDA only); the copies are
+        done once an event recorded after this call has completed."""
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+        return SampledTensors(copy(self.token_ids),
+                              self.logprobs.map(copy) if self.logprobs is not None else None)
+
+    def to_output(self, states: list[SamplingState]) -> SamplerOutput:
+        """Python lists, one transfer per tensor (a host sync for device tensors)."""
+        token_ids = self.token_ids.tolist()
+        if self.logprobs is None:
+            return SamplerOutput(token_ids, [None] * len(states))
+        return SamplerOutput(token_ids, _logprobs_lists(self.logprobs, token_ids, states))
+
+
 class Sampler:
     """Stateless; call it once per step with the batch's logits and states."""
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
-        """Sample one token per row.
+        """Sample one token per row and bring the result to the host (`sample`, then a sync).
 
         Args:
             logits: [num_rows, vocab_size] float32 model logits; modified in place.
@@ -93,9 +138,13 @@ class Sampler:
         Returns:
             SamplerOutput with num_rows token ids and logprobs (None for rows that did not ask).
         """
+        return self.sample(logits, states).to_output(states)
+
+    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SampledTensors:
+        """Sample one token per row without a host sync; same arguments as `__call__`."""
         assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
         if all(_is_plain_greedy(s) for s in states):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(states))
+            return SampledTensors(logits.argmax(dim=-1), None)
 
         want_logprobs = any(s.params.logprobs is not None for s in states)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
@@ -104,10 +153,10 @@ class Sampler:
         _apply_batch_penalties(logits, states)
         sampled = _sample(logits, states)
 
-        logprobs: list[Optional[Logprobs]] = [None] * len(states)
+        logprobs = None
         if raw_logprobs is not None:
             logprobs = _gather_logprobs(raw_logprobs, sampled, states)
-        return SamplerOutput(sampled.tolist(), logprobs)
+        return SampledTensors(sampled, logprobs)
 
 
 def _is_plain_greedy(s: SamplingState) -> bool:
@@ -249,7 +298,7 @@ def _philox_seeds(states: list[SamplingState]) -> list[int]:
 
 
 def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
-                     states: list[SamplingState]) -> list[Optional[Logprobs]]:
+                     states: list[SamplingState]) -> LogprobsTensors:
     """Sampled token's logprob and rank plus the top-n, from the raw model distribution.
 
     Shape: raw_logprobs [num_rows, vocab_size]; sampled [num_rows].
@@ -258,18 +307,22 @@ def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
     token_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [num_rows, 1]
     ranks = (raw_logprobs > token_logprobs).sum(dim=-1) + 1  # 1 = best
     top_logprobs, top_ids = raw_logprobs.topk(max_n, dim=-1)
-    # One transfer per tensor, all after the sample was taken.
-    token_ids_l, token_lps_l = sampled.tolist(), token_logprobs.squeeze(1).tolist()
-    ranks_l, top_lps_l, top_ids_l = ranks.tolist(), top_logprobs.tolist(), top_ids.tolist()
+    return LogprobsTensors(token_logprobs.squeeze(1), ranks, top_logprobs, top_ids)
 
+
+def _logprobs_lists(tensors: LogprobsTensors, token_ids: list[int],
+                    states: list[SamplingState]) -> list[Optional[Logprobs]]:
+    """Per-row Logprobs (None where the row did not ask); one transfer per tensor."""
+    token_lps, ranks = tensors.token_logprobs.tolist(), tensors.ranks.tolist()
+    top_lps, top_ids = tensors.top_logprobs.tolist(), tensors.top_token_ids.tolist()
     result: list[Optional[Logprobs]] = []
     for i, s in enumerate(states):
         n = s.params.logprobs
         if n is None:
             result.append(None)
             continue
-        result.append(Logprobs(token_id=token_ids_l[i], logprob=token_lps_l[i], rank=ranks_l[i],
-                               top_token_ids=top_ids_l[i][:n], top_logprobs=top_lps_l[i][:n]))
+        result.append(Logprobs(token_id=token_ids[i], logprob=token_lps[i], rank=ranks[i],
+                               top_token_ids=top_ids[i][:n], top_logprobs=top_lps[i][:n]))
     return result
 
 
