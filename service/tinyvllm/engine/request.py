@@ -124,14 +124,13 @@ class Request:
 
     @property
     def sampling_reads_output_tokens(self) -> bool:
-        """Sampling its next token reads its output ids on the host: penalties count them,
-        min_tokens masks EOS until enough exist, and a seeded sample's noise is keyed by their
-        number (the CUDA sampling kernel's Philox offset). Such a request cannot be sampled while
-        one of its tokens is still in flight."""
+        """Sampling its next token reads its output ids on the host: penalties count them and
+        min_tokens masks EOS until enough exist. Such a request cannot be sampled while one of its
+        tokens is still in flight. (A seeded sample's noise is keyed by the sampled token's index
+        in the output, which the runner knows without the ids: it overlaps like any other.)"""
         p = self.sampling_params
         return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                or p.frequency_penalty != 0.0 or self.num_output_tokens < p.min_tokens
-                or (p.seed is not None and not p.greedy))
+                or p.frequency_penalty != 0.0 or self.num_output_tokens < p.min_tokens)
 
     @property
     def max_tokens(self) -> int:

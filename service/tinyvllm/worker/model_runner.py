@@ -297,6 +297,8 @@ class ModelRunner:
             if s.completes_sequence:
                 logits_idx[len(sampled)] = offset - 1
                 sampled.append(r)
+                # The token sampled here sits at position start + n of the sequence.
+                self._sampling_state(r).output_index = start + n - r.num_prompt_tokens
         return sampled, num_prev
 
     def _prev_row(self, request: Request, position: int) -> int:

@@ -43,6 +43,8 @@ class SamplingState:
         output_token_ids: the request's live list of generated tokens (read-only here).
         eos_token_ids: the model's EOS ids (suppressed under min_tokens unless ignore_eos).
         generator: the request's own generator when params.seed is set, on the logits' device.
+        output_index: index in the output of the token this step samples, set by the model runner
+            (with a token in flight it is past len(output_token_ids)); None: the next one known.
     """
 
     params: SamplingParams
@@ -50,6 +52,12 @@ class SamplingState:
     output_token_ids: list[int]
     eos_token_ids: frozenset[int] = frozenset()
     generator: Optional[torch.Generator] = None
+    output_index: Optional[int] = None
+
+    @property
+    def sample_index(self) -> int:
+        """The Philox offset of a seeded sample: the sampled token's index in the output."""
+        return len(self.output_token_ids) if self.output_index is None else self.output_index
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_token_ids: list[int],
@@ -272,7 +280,7 @@ def _sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     use_top_k = any(p.top_k > 0 for p in params)
     if kernel_available(logits):
         ints = _to_device([[p.top_k for p in params], _philox_seeds(states),
-                           [len(s.output_token_ids) for s in states]], torch.int64, device)
+                           [s.sample_index for s in states]], torch.int64, device)
         return sample(logits, floats[0], ints[0] if use_top_k else None, top_p, min_p,
                       seed=ints[1], offset=ints[2])
     top_k = _to_device([p.top_k for p in params], torch.int64, device) if use_top_k else None
