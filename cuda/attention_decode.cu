@@ -1,8 +1,9 @@
 // Launcher for paged decode attention: checks sizes, picks the instantiation.
 //
-// Instantiations: {float16, bfloat16} x head_dim {64, 128} x MAX_G {4, 8}, block size 16. MAX_G is
-// how many query heads of one KV head a CTA serves: 4 covers GQA ratios up to 4 with fewer
-// registers; ratios above 4 use 8 and, above 8, several CTAs per KV head.
+// Instantiations: {float16, bfloat16} x cache {same, FP8 E4M3} x head_dim {64, 128} x MAX_G {4, 8}
+// (16 kernels), block size 16. MAX_G is how many query heads of one KV head a CTA serves: 4 covers
+// GQA ratios up to 4 with fewer registers; ratios above 4 use 8 and, above 8, several CTAs per KV
+// head. The reduce kernel does not depend on the cache (2 kernels).
 #include <cmath>
 
 #include "attention_decode.cuh"
@@ -13,11 +14,11 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-template <typename T, int HEAD_DIM, int MAX_G>
+template <typename T, typename Cache, int HEAD_DIM, int MAX_G>
 void launch_decode(DecodeParams p, int num_seqs, cudaStream_t stream) {
   p.head_chunks = (p.group_size + MAX_G - 1) / MAX_G;
   const size_t smem = decode_smem_floats<MAX_G>(p.partition_size, HEAD_DIM) * sizeof(float);
-  auto kernel = paged_decode_kernel<T, HEAD_DIM, MAX_G>;
+  auto kernel = paged_decode_kernel<T, Cache, HEAD_DIM, MAX_G>;
   // Once per instantiation, for the largest partition (a magic static is thread-safe).
   static const cudaError_t smem_ok = cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -34,17 +35,32 @@ void launch_decode(DecodeParams p, int num_seqs, cudaStream_t stream) {
   }
 }
 
-template <typename T, int HEAD_DIM>
+template <typename T, typename Cache, int HEAD_DIM>
 void dispatch_group(const DecodeParams& p, int num_seqs, cudaStream_t stream) {
   if (p.group_size <= 4) {
-    launch_decode<T, HEAD_DIM, 4>(p, num_seqs, stream);
+    launch_decode<T, Cache, HEAD_DIM, 4>(p, num_seqs, stream);
   } else {
-    launch_decode<T, HEAD_DIM, 8>(p, num_seqs, stream);
+    launch_decode<T, Cache, HEAD_DIM, 8>(p, num_seqs, stream);
   }
 }
 
-void check_decode_args(const DecodeParams& p, int num_seqs, int head_dim, int block_size) {
+template <typename T, typename Cache>
+void dispatch_head_dim(const DecodeParams& p, int num_seqs, int head_dim, cudaStream_t stream) {
+  if (head_dim == 64) {
+    dispatch_group<T, Cache, 64>(p, num_seqs, stream);
+  } else {
+    dispatch_group<T, Cache, 128>(p, num_seqs, stream);
+  }
+}
+
+void check_decode_args(const DecodeParams& p, int num_seqs, int head_dim, int block_size,
+                       int dtype, int cache_dtype) {
   const std::string where = "paged_attention_decode: ";
+  require(cache_dtype == dtype || cache_dtype == kFloat8E4M3,
+          where + "cache_dtype must be the query dtype or float8_e4m3fn, got " +
+              dtype_name(cache_dtype));
+  require(cache_dtype != kFloat8E4M3 || (p.k_scale && p.v_scale),
+          where + "an FP8 cache needs k_scale and v_scale");
   require(head_dim == 64 || head_dim == 128,
           where + "head_dim=" + std::to_string(head_dim) + " unsupported (64, 128)");
   require(block_size == kDecodeBlockSize,
@@ -62,7 +78,7 @@ void check_decode_args(const DecodeParams& p, int num_seqs, int head_dim, int bl
           where + "num_splits=" + std::to_string(p.num_splits) + " out of range");
   require(p.num_splits == 1 || (p.split_out && p.split_max && p.split_sum),
           where + "num_splits > 1 needs the split_out / split_max / split_sum workspace");
-  // 16-byte loads of q rows and cache rows.
+  // 16-byte loads of q rows and 16- (8- for FP8) byte loads of cache rows.
   require(p.q_stride_token % 8 == 0 && p.q_stride_head % 8 == 0 && aligned16(p.query) &&
               aligned16(p.key_cache) && aligned16(p.value_cache),
           where + "query strides (" + std::to_string(p.q_stride_token) + ", " +
@@ -83,12 +99,17 @@ void paged_attention_decode(
     ptr_t split_sum,     // [num_seqs, num_heads, num_splits] float32
     int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
     int64_t q_stride_token, int64_t q_stride_head, int max_num_blocks_per_seq, int num_splits,
-    int partition_size, float scale, int dtype, stream_t stream) {
+    int partition_size, float scale,
+    ptr_t k_scale,       // [1] float32, read when cache_dtype is FP8
+    ptr_t v_scale,       // [1] float32, read when cache_dtype is FP8
+    int dtype, int cache_dtype, stream_t stream) {
   DecodeParams p{};
   p.out = reinterpret_cast<void*>(out);
   p.query = reinterpret_cast<const void*>(query);
   p.key_cache = reinterpret_cast<const void*>(key_cache);
   p.value_cache = reinterpret_cast<const void*>(value_cache);
+  p.k_scale = reinterpret_cast<const float*>(k_scale);
+  p.v_scale = reinterpret_cast<const float*>(v_scale);
   p.block_tables = reinterpret_cast<const int*>(block_tables);
   p.seq_lens = reinterpret_cast<const int*>(seq_lens);
   p.split_out = reinterpret_cast<float*>(split_out);
@@ -97,19 +118,23 @@ void paged_attention_decode(
   p.num_heads = num_heads;
   p.num_kv_heads = num_kv_heads;
   p.group_size = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
-  p.q_stride_token = q_stride_token;
-  p.q_stride_head = q_stride_head;
+  require(q_stride_token >= 0 && q_stride_token <= INT32_MAX && q_stride_head >= 0 &&
+              q_stride_head <= INT32_MAX,
+          "paged_attention_decode: query strides (" + std::to_string(q_stride_token) + ", " +
+              std::to_string(q_stride_head) + ") out of range");
+  p.q_stride_token = static_cast<int>(q_stride_token);
+  p.q_stride_head = static_cast<int>(q_stride_head);
   p.max_num_blocks_per_seq = max_num_blocks_per_seq;
   p.num_splits = num_splits;
   p.partition_size = partition_size;
   p.scale_log2 = scale * kLog2e;
-  check_decode_args(p, num_seqs, head_dim, block_size);
+  check_decode_args(p, num_seqs, head_dim, block_size, dtype, cache_dtype);
   const cudaStream_t s = as_stream(stream);
   TINYVLLM_DISPATCH_HALF(dtype, "paged_attention_decode", {
-    if (head_dim == 64) {
-      dispatch_group<scalar_t, 64>(p, num_seqs, s);
+    if (cache_dtype == kFloat8E4M3) {
+      dispatch_head_dim<scalar_t, fp8_e4m3>(p, num_seqs, head_dim, s);
     } else {
-      dispatch_group<scalar_t, 128>(p, num_seqs, s);
+      dispatch_head_dim<scalar_t, scalar_t>(p, num_seqs, head_dim, s);
     }
   });
 }

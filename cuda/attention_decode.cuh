@@ -10,13 +10,17 @@
 // merges them; with one, the CTA writes the final output. fp32 accumulation throughout; scores are
 // kept in the log2 domain (q is pre-scaled by scale * log2(e)) so exp2 does the softmax.
 //
-// Lane layout: a token's head_dim elements are read by HEAD_DIM / 8 lanes, 16 bytes each, so a warp
-// reads 32 / (HEAD_DIM / 8) whole tokens per load and every load is a coalesced 16-byte access.
+// Lane layout: a token's head_dim elements are read by HEAD_DIM / 8 lanes, 8 elements each (16 bytes
+// of a 16-bit cache, 8 bytes of an FP8 one), so a warp reads 32 / (HEAD_DIM / 8) whole tokens per
+// load and every load is coalesced.
+//
+// FP8 cache: elements are converted to float as they are used; the K scale is folded into the
+// query's pre-scale and the V scale into the output (kv_cache.cuh).
 #pragma once
 
 #include <math_constants.h>
 
-#include "common.cuh"
+#include "kv_cache.cuh"
 
 namespace tinyvllm {
 
@@ -39,12 +43,14 @@ struct DecodeParams {
   int num_kv_heads;
   int group_size;             // num_heads / num_kv_heads
   int head_chunks;            // ceil(group_size / MAX_G)
-  int64_t q_stride_token;
-  int64_t q_stride_head;
+  int q_stride_token;         // 32-bit (checked) so that the struct stays within 128 bytes, where
+  int q_stride_head;          // nvcc reads fields straight from the parameter bank
   int max_num_blocks_per_seq;
   int num_splits;
   int partition_size;         // multiple of kDecodeBlockSize, <= kDecodeMaxPartition
   float scale_log2;           // softmax scale * log2(e)
+  const float* k_scale;       // [1], FP8 cache only
+  const float* v_scale;       // [1], FP8 cache only
 };
 
 template <int MAX_G>
@@ -52,9 +58,11 @@ constexpr size_t decode_smem_floats(int partition_size, int head_dim) {
   return size_t(MAX_G) * partition_size + size_t(kDecodeWarps) * MAX_G * head_dim;
 }
 
-template <typename T, int HEAD_DIM, int MAX_G>
+template <typename T, typename Cache, int HEAD_DIM, int MAX_G>
 struct DecodeCta {
-  static constexpr int kVec = 8;  // 16-bit elements per 16-byte load
+  using Load = CacheVec8<T, Cache>;
+  using Vec = typename Load::Vec;
+  static constexpr int kVec = 8;  // cache elements per load
   static constexpr int kLanesPerToken = HEAD_DIM / kVec;
   static constexpr int kTokensPerLoad = 32 / kLanesPerToken;
   static constexpr int kLoadsPerBlock = kDecodeBlockSize / kTokensPerLoad;
@@ -66,14 +74,15 @@ struct DecodeCta {
   float* logits;     // [MAX_G][partition_size]
   float* reduce_buf; // [kDecodeWarps][MAX_G][HEAD_DIM]
 
-  // K or V rows of one block for this lane: kLoadsPerBlock 16-byte vectors.
-  __device__ __forceinline__ void load_block(const T* cache, int b, uint4 (&v)[kLoadsPerBlock]) const {
+  // K or V rows of one block for this lane: kLoadsPerBlock vectors of kVec elements.
+  __device__ __forceinline__ void load_block(const Cache* cache, int b,
+                                             Vec (&v)[kLoadsPerBlock]) const {
     const int64_t token_stride = int64_t(p.num_kv_heads) * HEAD_DIM;
-    const T* base = cache + (int64_t(table[b]) * kDecodeBlockSize + lane_token) * token_stride +
-                    kv_head * HEAD_DIM + lane_chunk * kVec;
+    const Cache* base = cache + (int64_t(table[b]) * kDecodeBlockSize + lane_token) * token_stride +
+                        kv_head * HEAD_DIM + lane_chunk * kVec;
 #pragma unroll
     for (int i = 0; i < kLoadsPerBlock; ++i) {
-      v[i] = __ldg(reinterpret_cast<const uint4*>(base + i * kTokensPerLoad * token_stride));
+      v[i] = __ldg(reinterpret_cast<const Vec*>(base + i * kTokensPerLoad * token_stride));
     }
   }
 
@@ -82,34 +91,46 @@ struct DecodeCta {
     return b * kDecodeBlockSize + i * kTokensPerLoad + lane_token;
   }
 
+  // q pre-scaled by scale * log2(e), times the K scale of an FP8 cache.
   __device__ __forceinline__ void load_query(float (&q)[MAX_G][kVec]) const {
-    const T* base = static_cast<const T*>(p.query) + seq * p.q_stride_token + lane_chunk * kVec;
+    const T* base = static_cast<const T*>(p.query) + int64_t(seq) * p.q_stride_token +
+                    lane_chunk * kVec;
+    float scale = p.scale_log2;
+    if constexpr (is_fp8_cache<Cache>()) scale *= __ldg(p.k_scale);
 #pragma unroll
     for (int g = 0; g < MAX_G; ++g) {
       float f[kVec] = {};
       if (g < num_g) {
-        unpack8<T>(*reinterpret_cast<const uint4*>(base + (head0 + g) * p.q_stride_head), f);
+        unpack8<T>(*reinterpret_cast<const uint4*>(base + int64_t(head0 + g) * p.q_stride_head), f);
       }
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) q[g][i] = f[i] * p.scale_log2;
+      for (int i = 0; i < kVec; ++i) q[g][i] = f[i] * scale;
     }
   }
 
   // Each warp walks blocks warp, warp + kDecodeWarps, ...; the next block's loads are issued
-  // before the current block's math so that two blocks per warp are in flight.
-  __device__ __forceinline__ void scores(const float (&q)[MAX_G][kVec]) const {
-    const T* cache = static_cast<const T*>(p.key_cache);
-    uint4 next[kLoadsPerBlock];
+  // before the current block's math (body(b, rows)) so that two blocks per warp are in flight.
+  // (Keeping three in flight for FP8 measured slower: more registers, spills, fewer CTAs/SM.)
+  template <typename Body>
+  __device__ __forceinline__ void walk_blocks(const Cache* cache, Body&& body) const {
+    Vec next[kLoadsPerBlock];
     if (warp < num_blocks) load_block(cache, warp, next);
     for (int b = warp; b < num_blocks; b += kDecodeWarps) {
-      uint4 k[kLoadsPerBlock];
+      Vec rows[kLoadsPerBlock];
 #pragma unroll
-      for (int i = 0; i < kLoadsPerBlock; ++i) k[i] = next[i];
+      for (int i = 0; i < kLoadsPerBlock; ++i) rows[i] = next[i];
       if (b + kDecodeWarps < num_blocks) load_block(cache, b + kDecodeWarps, next);
+      body(b, rows);
+    }
+  }
+
+  __device__ __forceinline__ void scores(const float (&q)[MAX_G][kVec]) const {
+    walk_blocks(static_cast<const Cache*>(p.key_cache),
+                [&](int b, const Vec (&k)[kLoadsPerBlock]) {
 #pragma unroll
       for (int i = 0; i < kLoadsPerBlock; ++i) {
         float kf[kVec];
-        unpack8<T>(k[i], kf);
+        Load::unpack(k[i], kf);
         const int t = token_of(b, i);
 #pragma unroll
         for (int g = 0; g < MAX_G; ++g) {
@@ -124,7 +145,7 @@ struct DecodeCta {
           if (lane_chunk == 0) logits[g * p.partition_size + t] = t < len ? s : -CUDART_INF_F;
         }
       }
-    }
+    });
   }
 
   // Turns scores into exp2(s - max) in place; returns nothing, fills head_max / head_sum.
@@ -149,20 +170,14 @@ struct DecodeCta {
   }
 
   __device__ __forceinline__ void weighted_values(float (&acc)[MAX_G][kVec]) const {
-    const T* cache = static_cast<const T*>(p.value_cache);
-    uint4 next[kLoadsPerBlock];
-    if (warp < num_blocks) load_block(cache, warp, next);
-    for (int b = warp; b < num_blocks; b += kDecodeWarps) {
-      uint4 v[kLoadsPerBlock];
-#pragma unroll
-      for (int i = 0; i < kLoadsPerBlock; ++i) v[i] = next[i];
-      if (b + kDecodeWarps < num_blocks) load_block(cache, b + kDecodeWarps, next);
+    walk_blocks(static_cast<const Cache*>(p.value_cache),
+                [&](int b, const Vec (&v)[kLoadsPerBlock]) {
 #pragma unroll
       for (int i = 0; i < kLoadsPerBlock; ++i) {
         const int t = token_of(b, i);
         if (t >= len) continue;  // slots past the context may hold anything, NaN included
         float vf[kVec];
-        unpack8<T>(v[i], vf);
+        Load::unpack(v[i], vf);
 #pragma unroll
         for (int g = 0; g < MAX_G; ++g) {
           if (g >= num_g) break;
@@ -171,7 +186,7 @@ struct DecodeCta {
           for (int e = 0; e < kVec; ++e) acc[g][e] = fmaf(w, vf[e], acc[g][e]);
         }
       }
-    }
+    });
   }
 
   // Sums acc over the lanes and warps that hold the same dims; result in reduce_buf[0].
@@ -198,12 +213,15 @@ struct DecodeCta {
   }
 
   __device__ __forceinline__ void write(const float* head_max, const float* head_sum) const {
+    float v_scale = 1.f;
+    if constexpr (is_fp8_cache<Cache>()) v_scale = __ldg(p.v_scale);
     for (int idx = threadIdx.x; idx < num_g * HEAD_DIM; idx += kDecodeThreads) {
       const int g = idx / HEAD_DIM, d = idx % HEAD_DIM;
       float total = 0.f;
 #pragma unroll
       for (int w = 0; w < kDecodeWarps; ++w) total += reduce_buf[(w * MAX_G + g) * HEAD_DIM + d];
-      const float val = total / head_sum[g];
+      const float val = is_fp8_cache<Cache>() ? total / head_sum[g] * v_scale
+                                              : total / head_sum[g];
       const int64_t row = int64_t(seq) * p.num_heads + head0 + g;
       if (p.num_splits == 1) {
         static_cast<T*>(p.out)[row * HEAD_DIM + d] = from_float<T>(val);
@@ -227,10 +245,10 @@ struct DecodeCta {
   }
 };
 
-template <typename T, int HEAD_DIM, int MAX_G>
+template <typename T, typename Cache, int HEAD_DIM, int MAX_G>
 __global__ void __launch_bounds__(kDecodeThreads)
 paged_decode_kernel(const DecodeParams p) {
-  using Cta = DecodeCta<T, HEAD_DIM, MAX_G>;
+  using Cta = DecodeCta<T, Cache, HEAD_DIM, MAX_G>;
   extern __shared__ float smem[];
   __shared__ float head_max[MAX_G], head_sum[MAX_G];
   Cta c{p};

@@ -1,6 +1,7 @@
 // Launcher for paged prefill attention: checks sizes, picks the instantiation.
 //
-// Instantiations: {float16, bfloat16} x head_dim {64, 128}, block size 16 (the engine's shapes).
+// Instantiations: {float16, bfloat16} x cache {same, FP8 E4M3} x head_dim {64, 128} (8 kernels),
+// block size 16 (the engine's shapes).
 #include "attention_prefill.cuh"
 #include "launchers.h"
 
@@ -9,11 +10,11 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-template <typename T, int HEAD_DIM>
+template <typename T, typename Cache, int HEAD_DIM>
 void launch_prefill(const PrefillParams& p, int num_seqs, int max_query_len,
                     cudaStream_t stream) {
-  constexpr size_t smem = PrefillSmem<HEAD_DIM>::kBytes;
-  auto kernel = paged_prefill_kernel<T, HEAD_DIM>;
+  constexpr size_t smem = PrefillSmem<HEAD_DIM, is_fp8_cache<Cache>()>::kBytes;
+  auto kernel = paged_prefill_kernel<T, Cache, HEAD_DIM>;
   static const cudaError_t smem_ok = cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   check_cuda(smem_ok, "paged_prefill_kernel: shared memory");
@@ -22,9 +23,24 @@ void launch_prefill(const PrefillParams& p, int num_seqs, int max_query_len,
   check_launch("paged_prefill_kernel");
 }
 
+template <typename T, typename Cache>
+void dispatch_head_dim(const PrefillParams& p, int num_seqs, int head_dim, int max_query_len,
+                       cudaStream_t stream) {
+  if (head_dim == 64) {
+    launch_prefill<T, Cache, 64>(p, num_seqs, max_query_len, stream);
+  } else {
+    launch_prefill<T, Cache, 128>(p, num_seqs, max_query_len, stream);
+  }
+}
+
 void check_prefill_args(const PrefillParams& p, int num_seqs, int head_dim, int block_size,
-                        int max_query_len) {
+                        int max_query_len, int dtype, int cache_dtype) {
   const std::string where = "paged_attention_prefill: ";
+  require(cache_dtype == dtype || cache_dtype == kFloat8E4M3,
+          where + "cache_dtype must be the query dtype or float8_e4m3fn, got " +
+              dtype_name(cache_dtype));
+  require(cache_dtype != kFloat8E4M3 || (p.k_scale && p.v_scale),
+          where + "an FP8 cache needs k_scale and v_scale");
   require(head_dim == 64 || head_dim == 128,
           where + "head_dim=" + std::to_string(head_dim) + " unsupported (64, 128)");
   require(block_size == kPrefillBlockSize,
@@ -54,12 +70,17 @@ void paged_attention_prefill(
     ptr_t query_start_loc,  // [num_seqs + 1] int32
     int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
     int64_t q_stride_token, int64_t q_stride_head, int max_num_blocks_per_seq, int max_query_len,
-    float scale, int dtype, stream_t stream) {
+    float scale,
+    ptr_t k_scale,          // [1] float32, read when cache_dtype is FP8
+    ptr_t v_scale,          // [1] float32, read when cache_dtype is FP8
+    int dtype, int cache_dtype, stream_t stream) {
   PrefillParams p{};
   p.out = reinterpret_cast<void*>(out);
   p.query = reinterpret_cast<const void*>(query);
   p.key_cache = reinterpret_cast<const void*>(key_cache);
   p.value_cache = reinterpret_cast<const void*>(value_cache);
+  p.k_scale = reinterpret_cast<const float*>(k_scale);
+  p.v_scale = reinterpret_cast<const float*>(v_scale);
   p.block_tables = reinterpret_cast<const int*>(block_tables);
   p.seq_lens = reinterpret_cast<const int*>(seq_lens);
   p.query_start_loc = reinterpret_cast<const int*>(query_start_loc);
@@ -70,13 +91,13 @@ void paged_attention_prefill(
   p.q_stride_head = q_stride_head;
   p.max_num_blocks_per_seq = max_num_blocks_per_seq;
   p.scale_log2 = scale * kLog2e;
-  check_prefill_args(p, num_seqs, head_dim, block_size, max_query_len);
+  check_prefill_args(p, num_seqs, head_dim, block_size, max_query_len, dtype, cache_dtype);
   const cudaStream_t s = as_stream(stream);
   TINYVLLM_DISPATCH_HALF(dtype, "paged_attention_prefill", {
-    if (head_dim == 64) {
-      launch_prefill<scalar_t, 64>(p, num_seqs, max_query_len, s);
+    if (cache_dtype == kFloat8E4M3) {
+      dispatch_head_dim<scalar_t, fp8_e4m3>(p, num_seqs, head_dim, max_query_len, s);
     } else {
-      launch_prefill<scalar_t, 128>(p, num_seqs, max_query_len, s);
+      dispatch_head_dim<scalar_t, scalar_t>(p, num_seqs, head_dim, max_query_len, s);
     }
   });
 }

@@ -7,10 +7,17 @@
 // K/V tiles are gathered from the paged cache with cp.async; the next K tile loads during P V.
 // Query i of a sequence with q_len new tokens and seq_len total sits at position
 // seq_len - q_len + i and sees keys 0..that position.
+//
+// FP8 cache: K/V tiles are gathered (cp.async) into byte staging tiles, then dequantised to T tiles
+// in shared memory before the mma. Each thread converts exactly the 16-byte chunks it gathered, so
+// its own cp.async wait makes them visible and no extra barrier is needed; the next K tile's
+// gather is issued right after the conversion and flies during QK^T, softmax and PV. The K scale
+// is folded into the softmax scale, the V scale into the final normalisation (kv_cache.cuh).
 #pragma once
 
 #include <math_constants.h>
 
+#include "kv_cache.cuh"
 #include "mma.cuh"
 
 namespace tinyvllm {
@@ -36,18 +43,24 @@ struct PrefillParams {
   int64_t q_stride_head;
   int max_num_blocks_per_seq;
   float scale_log2;            // softmax scale * log2(e)
+  const float* k_scale;        // [1], FP8 cache only
+  const float* v_scale;        // [1], FP8 cache only
 };
 
 // Shared-memory rows are padded by 16 bytes so that ldmatrix's 8 rows hit 8 different bank groups.
-template <int HEAD_DIM>
+// An FP8 cache adds two unpadded byte tiles (K and V staging) after the T tiles.
+template <int HEAD_DIM, bool FP8>
 struct PrefillSmem {
   static constexpr int kRow = HEAD_DIM + 8;
-  static constexpr size_t kBytes = size_t(kPrefillBlockM + 2 * kPrefillBlockN) * kRow * 2;
+  static constexpr size_t kTileBytes = size_t(kPrefillBlockM + 2 * kPrefillBlockN) * kRow * 2;
+  static constexpr size_t kStagingBytes = FP8 ? size_t(2 * kPrefillBlockN) * HEAD_DIM : 0;
+  static constexpr size_t kBytes = kTileBytes + kStagingBytes;
 };
 
-template <typename T, int HEAD_DIM>
+template <typename T, typename Cache, int HEAD_DIM>
 struct PrefillCta {
-  static constexpr int kRow = PrefillSmem<HEAD_DIM>::kRow;
+  static constexpr bool kFp8 = is_fp8_cache<Cache>();
+  static constexpr int kRow = PrefillSmem<HEAD_DIM, kFp8>::kRow;
   static constexpr int kChunks = HEAD_DIM / 8;        // 16-byte chunks per row
   static constexpr int kKSteps = HEAD_DIM / 16;       // k-steps of Q K^T
   static constexpr int kSTiles = kPrefillBlockN / 8;  // 16x8 tiles of S per warp
@@ -57,9 +70,13 @@ struct PrefillCta {
   T* sq;  // [kPrefillBlockM][kRow]
   T* sk;  // [kPrefillBlockN][kRow]
   T* sv;  // [kPrefillBlockN][kRow]
+  uint8_t* sk8;  // [kPrefillBlockN][HEAD_DIM], FP8 staging
+  uint8_t* sv8;  // [kPrefillBlockN][HEAD_DIM], FP8 staging
   const int* table;
   int head, kv_head, q_start, m0, rows, kv_end, ctx;
   int warp, lane;
+  float qk_scale;  // softmax scale * log2(e) (* K scale)
+  float v_scale;   // 1, or the V scale of an FP8 cache
 
   __device__ __forceinline__ void load_q() const {
     const T* base = static_cast<const T*>(p.query) + (q_start + m0) * p.q_stride_token +
@@ -86,6 +103,54 @@ struct PrefillCta {
         src = base + slot * token_stride + kv_head * HEAD_DIM + c * 8;
       }
       cp_async16(dst + r * kRow + c * 8, src, valid ? 16 : 0);
+    }
+  }
+
+  // As load_kv for an FP8 cache: 16 elements per 16-byte chunk into an unpadded byte tile.
+  __device__ __forceinline__ void load_kv_fp8(uint8_t* dst, const void* cache, int n0) const {
+    constexpr int kChunks8 = HEAD_DIM / 16;
+    const uint8_t* base = static_cast<const uint8_t*>(cache);
+    const int64_t token_stride = int64_t(p.num_kv_heads) * HEAD_DIM;
+    for (int idx = threadIdx.x; idx < kPrefillBlockN * kChunks8; idx += kPrefillThreads) {
+      const int r = idx / kChunks8, c = idx % kChunks8, j = n0 + r;
+      const bool valid = j < kv_end;
+      const uint8_t* src = base;
+      if (valid) {
+        const int64_t slot = int64_t(table[j / kPrefillBlockSize]) * kPrefillBlockSize +
+                             j % kPrefillBlockSize;
+        src = base + slot * token_stride + kv_head * HEAD_DIM + c * 16;
+      }
+      cp_async16(dst + r * HEAD_DIM + c * 16, src, valid ? 16 : 0);
+    }
+  }
+
+  // Staged FP8 tile -> T tile (zero-filled rows stay zero), each thread the chunks load_kv_fp8
+  // gave it (same loop): after the thread's cp_async_wait, before the barrier that publishes dst.
+  __device__ __forceinline__ void dequant_tile(T* dst, const uint8_t* src) const {
+    constexpr int kChunks8 = HEAD_DIM / 16;
+    for (int idx = threadIdx.x; idx < kPrefillBlockN * kChunks8; idx += kPrefillThreads) {
+      const int r = idx / kChunks8, c = idx % kChunks8;
+      uint4 lo, hi;
+      fp8x16_to<T>(*reinterpret_cast<const uint4*>(src + r * HEAD_DIM + c * 16), lo, hi);
+      uint4* out = reinterpret_cast<uint4*>(dst + r * kRow + c * 16);
+      out[0] = lo;
+      out[1] = hi;
+    }
+  }
+
+  // K tile n0 towards sk: straight there, or into its staging tile for an FP8 cache.
+  __device__ __forceinline__ void load_k(int n0) const {
+    if constexpr (kFp8) {
+      load_kv_fp8(sk8, p.key_cache, n0);
+    } else {
+      load_kv(sk, p.key_cache, n0);
+    }
+  }
+  __device__ __forceinline__ void load_v(int n0) const {
+    if constexpr (kFp8) {
+      load_kv_fp8(sv8, p.value_cache, n0);
+    } else {
+      load_kv(sv, p.value_cache, n0);
     }
   }
 
@@ -125,7 +190,7 @@ struct PrefillCta {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = n0 + nt * 8 + (lane % 4) * 2 + (e & 1);
-        const float v = key <= row_pos[e >> 1] ? s[nt][e] * p.scale_log2 : -CUDART_INF_F;
+        const float v = key <= row_pos[e >> 1] ? s[nt][e] * qk_scale : -CUDART_INF_F;
         s[nt][e] = v;
         mx[e >> 1] = fmaxf(mx[e >> 1], v);
       }
@@ -180,7 +245,7 @@ struct PrefillCta {
       float l = l_row[h];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float inv = l > 0.f ? (kFp8 ? v_scale / l : 1.f / l) : 0.f;
       const int r = warp * 16 + lane / 4 + h * 8;
       if (r >= rows) continue;
       T* dst = out + (int64_t(q_start + m0 + r) * p.num_heads + head) * HEAD_DIM + (lane % 4) * 2;
@@ -193,10 +258,10 @@ struct PrefillCta {
   }
 };
 
-template <typename T, int HEAD_DIM>
+template <typename T, typename Cache, int HEAD_DIM>
 __global__ void __launch_bounds__(kPrefillThreads)
 paged_prefill_kernel(const PrefillParams p) {
-  using Cta = PrefillCta<T, HEAD_DIM>;
+  using Cta = PrefillCta<T, Cache, HEAD_DIM>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Cta c{p};
   c.head = blockIdx.x;
@@ -216,10 +281,18 @@ paged_prefill_kernel(const PrefillParams p) {
   c.sq = reinterpret_cast<T*>(smem_raw);
   c.sk = c.sq + kPrefillBlockM * Cta::kRow;
   c.sv = c.sk + kPrefillBlockN * Cta::kRow;
+  c.sk8 = reinterpret_cast<uint8_t*>(c.sv + kPrefillBlockN * Cta::kRow);
+  c.sv8 = c.sk8 + kPrefillBlockN * HEAD_DIM;
+  c.qk_scale = p.scale_log2;
+  c.v_scale = 1.f;
+  if constexpr (Cta::kFp8) {
+    c.qk_scale *= __ldg(p.k_scale);
+    c.v_scale = __ldg(p.v_scale);
+  }
 
   c.load_q();
   cp_async_commit();
-  if (c.kv_end > 0) c.load_kv(c.sk, p.key_cache, 0);
+  if (c.kv_end > 0) c.load_k(0);
   cp_async_commit();
   cp_async_wait<1>();
   __syncthreads();
@@ -235,9 +308,16 @@ paged_prefill_kernel(const PrefillParams p) {
   float o[Cta::kOTiles][4] = {};
   float m_row[2] = {-CUDART_INF_F, -CUDART_INF_F}, l_row[2] = {0.f, 0.f};
   for (int n0 = 0; n0 < c.kv_end; n0 += kPrefillBlockN) {
-    c.load_kv(c.sv, p.value_cache, n0);
+    c.load_v(n0);
     cp_async_commit();
     cp_async_wait<1>();  // K(n0) has landed
+    if constexpr (Cta::kFp8) {
+      c.dequant_tile(c.sk, c.sk8);  // own chunks: sk8's are free again for this thread
+      if (n0 + kPrefillBlockN < c.kv_end) {
+        c.load_k(n0 + kPrefillBlockN);
+        cp_async_commit();
+      }
+    }
     __syncthreads();
     float s[Cta::kSTiles][4];
     c.qk(qf, s);
@@ -245,12 +325,15 @@ paged_prefill_kernel(const PrefillParams p) {
     __syncthreads();  // every warp is done with sk
     const bool more = n0 + kPrefillBlockN < c.kv_end;
     if (more) {
-      c.load_kv(c.sk, p.key_cache, n0 + kPrefillBlockN);
-      cp_async_commit();
+      if constexpr (!Cta::kFp8) {
+        c.load_k(n0 + kPrefillBlockN);
+        cp_async_commit();
+      }
       cp_async_wait<1>();  // V(n0) has landed; K(next) may still fly
     } else {
       cp_async_wait<0>();
     }
+    if constexpr (Cta::kFp8) c.dequant_tile(c.sv, c.sv8);
     __syncthreads();
     c.pv(s, o);
     __syncthreads();  // every warp is done with sv

@@ -15,7 +15,7 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
         py::arg("num_tokens"), py::arg("num_kv_heads"), py::arg("head_dim"),
         py::arg("block_size"), py::arg("key_stride"), py::arg("value_stride"), py::arg("dtype"),
-        py::arg("stream"));
+        py::arg("cache_dtype"), py::arg("k_scale"), py::arg("v_scale"), py::arg("stream"));
 
   // `paged_attention` serves any query lengths (prefill, chunked prefill, mixed batches).
   m.def("paged_attention", &tinyvllm::paged_attention_prefill, py::arg("out"), py::arg("query"),
@@ -24,7 +24,8 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
         py::arg("block_size"), py::arg("q_stride_token"), py::arg("q_stride_head"),
         py::arg("max_num_blocks_per_seq"), py::arg("max_query_len"), py::arg("scale"),
-        py::arg("dtype"), py::arg("stream"));
+        py::arg("k_scale"), py::arg("v_scale"), py::arg("dtype"), py::arg("cache_dtype"),
+        py::arg("stream"));
 
   m.def("paged_attention_decode", &tinyvllm::paged_attention_decode, py::arg("out"),
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
@@ -32,7 +33,8 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("num_seqs"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
         py::arg("block_size"), py::arg("q_stride_token"), py::arg("q_stride_head"),
         py::arg("max_num_blocks_per_seq"), py::arg("num_splits"), py::arg("partition_size"),
-        py::arg("scale"), py::arg("dtype"), py::arg("stream"));
+        py::arg("scale"), py::arg("k_scale"), py::arg("v_scale"), py::arg("dtype"),
+        py::arg("cache_dtype"), py::arg("stream"));
 
   m.def("rms_norm", &tinyvllm::rms_norm, py::arg("out"), py::arg("x"), py::arg("residual"),
         py::arg("weight"), py::arg("num_tokens"), py::arg("hidden"), py::arg("x_stride"),
@@ -53,7 +55,8 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
         py::arg("cos_sin_cache"), py::arg("num_tokens"), py::arg("num_heads"),
         py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("query_stride"),
-        py::arg("key_stride"), py::arg("value_stride"), py::arg("dtype"), py::arg("stream"));
+        py::arg("key_stride"), py::arg("value_stride"), py::arg("dtype"),
+        py::arg("cache_dtype"), py::arg("k_scale"), py::arg("v_scale"), py::arg("stream"));
 
   m.def("gemv", &tinyvllm::gemv, py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("residual"), py::arg("norm_weight"), py::arg("m"), py::arg("n"), py::arg("k"),

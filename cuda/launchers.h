@@ -11,10 +11,12 @@ using ptr_t = std::uintptr_t;  // a device pointer, as torch's data_ptr() gives 
 using stream_t = std::uintptr_t;  // a cudaStream_t, as torch's cuda_stream gives it
 
 // kv_cache.cu: write new K/V rows into the paged cache (KV_CACHE_LAYOUT in ops/kv_cache.py).
+// cache_dtype: dtype (a copy) or 3 = float8_e4m3fn (quantised with the float32 scales k_scale /
+// v_scale, device pointers; ignored otherwise). The attention launchers take the same trio.
 void reshape_and_cache(ptr_t key, ptr_t value, ptr_t key_cache, ptr_t value_cache,
                        ptr_t slot_mapping, int64_t num_tokens, int num_kv_heads, int head_dim,
                        int block_size, int64_t key_stride, int64_t value_stride, int dtype,
-                       stream_t stream);
+                       int cache_dtype, ptr_t k_scale, ptr_t v_scale, stream_t stream);
 
 // attention_decode.cu: one query per sequence, split along the context, then reduced.
 void paged_attention_decode(ptr_t out, ptr_t query, ptr_t key_cache, ptr_t value_cache,
@@ -23,7 +25,8 @@ void paged_attention_decode(ptr_t out, ptr_t query, ptr_t key_cache, ptr_t value
                             int num_kv_heads, int head_dim, int block_size,
                             int64_t q_stride_token, int64_t q_stride_head,
                             int max_num_blocks_per_seq, int num_splits, int partition_size,
-                            float scale, int dtype, stream_t stream);
+                            float scale, ptr_t k_scale, ptr_t v_scale, int dtype,
+                            int cache_dtype, stream_t stream);
 
 // attention_prefill.cu: any number of new queries per sequence, causal over cached + new keys.
 void paged_attention_prefill(ptr_t out, ptr_t query, ptr_t key_cache, ptr_t value_cache,
@@ -31,7 +34,8 @@ void paged_attention_prefill(ptr_t out, ptr_t query, ptr_t key_cache, ptr_t valu
                              int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                              int block_size, int64_t q_stride_token, int64_t q_stride_head,
                              int max_num_blocks_per_seq, int max_query_len, float scale,
-                             int dtype, stream_t stream);
+                             ptr_t k_scale, ptr_t v_scale, int dtype, int cache_dtype,
+                             stream_t stream);
 
 // layers.cu
 void rms_norm(ptr_t out, ptr_t x, ptr_t residual, ptr_t weight, int64_t num_tokens, int hidden,
@@ -48,7 +52,7 @@ void rotary_embedding_and_cache(ptr_t positions, ptr_t query, ptr_t key, ptr_t v
                                 ptr_t cos_sin_cache, int64_t num_tokens, int num_heads,
                                 int num_kv_heads, int head_dim, int64_t query_stride,
                                 int64_t key_stride, int64_t value_stride, int dtype,
-                                stream_t stream);
+                                int cache_dtype, ptr_t k_scale, ptr_t v_scale, stream_t stream);
 
 // gemv.cu: out[m, n] = act(x) . weight^T (+ bias) (+ residual, in place) for m <= 8 (decode);
 // prologue 0 none, 1 rmsnorm(x) * norm_weight, 2 silu(x[:, :k]) * x[:, k:].

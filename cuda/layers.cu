@@ -117,24 +117,44 @@ void rotary_embedding_and_cache(
     ptr_t slot_mapping,   // [num_tokens] int64, -1 = padding
     ptr_t cos_sin_cache,  // [max_position, head_dim] float32
     int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim, int64_t query_stride,
-    int64_t key_stride, int64_t value_stride, int dtype, stream_t stream) {
+    int64_t key_stride, int64_t value_stride, int dtype, int cache_dtype,
+    ptr_t k_scale,        // [1] float32, read when cache_dtype is FP8
+    ptr_t v_scale,        // [1] float32, read when cache_dtype is FP8
+    stream_t stream) {
   require(head_dim > 0 && head_dim % 2 == 0, "rotary_embedding_and_cache: head_dim=" +
                                                  std::to_string(head_dim) + " must be even and positive");
   require(num_heads >= 0 && num_kv_heads > 0,
           "rotary_embedding_and_cache: num_heads must not be negative, num_kv_heads positive");
   require(num_tokens >= 0 && num_tokens <= INT32_MAX,
           "rotary_embedding_and_cache: num_tokens=" + std::to_string(num_tokens) + " out of range");
+  const bool fp8 = cache_dtype == kFloat8E4M3;
+  require(cache_dtype == dtype || fp8,
+          std::string("rotary_embedding_and_cache: cache_dtype must be the activation dtype or "
+                      "float8_e4m3fn, got ") + dtype_name(cache_dtype));
+  require(!fp8 || (k_scale != 0 && v_scale != 0),
+          "rotary_embedding_and_cache: an FP8 cache needs k_scale and v_scale");
   if (num_tokens == 0) return;
   const cudaStream_t s = as_stream(stream);
   const int64_t pairs = int64_t(num_heads + num_kv_heads) * head_dim / 2;
+  // Instantiations: {float32, float16, bfloat16} x cache {same, FP8}.
   TINYVLLM_DISPATCH_FLOAT(dtype, "rotary_embedding_and_cache", {
-    rotary_embedding_and_cache_kernel<scalar_t><<<unsigned(num_tokens), row_threads(pairs), 0, s>>>(
-        reinterpret_cast<const int64_t*>(positions), reinterpret_cast<scalar_t*>(query),
-        reinterpret_cast<scalar_t*>(key), reinterpret_cast<const scalar_t*>(value),
-        reinterpret_cast<scalar_t*>(key_cache), reinterpret_cast<scalar_t*>(value_cache),
-        reinterpret_cast<const int64_t*>(slot_mapping),
-        reinterpret_cast<const float*>(cos_sin_cache), num_heads, num_kv_heads, head_dim,
-        query_stride, key_stride, value_stride);
+    auto launch = [&](auto cache_tag) {
+      using Cache = decltype(cache_tag);
+      rotary_embedding_and_cache_kernel<scalar_t, Cache>
+          <<<unsigned(num_tokens), row_threads(pairs), 0, s>>>(
+              reinterpret_cast<const int64_t*>(positions), reinterpret_cast<scalar_t*>(query),
+              reinterpret_cast<scalar_t*>(key), reinterpret_cast<const scalar_t*>(value),
+              reinterpret_cast<Cache*>(key_cache), reinterpret_cast<Cache*>(value_cache),
+              reinterpret_cast<const int64_t*>(slot_mapping),
+              reinterpret_cast<const float*>(cos_sin_cache),
+              reinterpret_cast<const float*>(k_scale), reinterpret_cast<const float*>(v_scale),
+              num_heads, num_kv_heads, head_dim, query_stride, key_stride, value_stride);
+    };
+    if (fp8) {
+      launch(fp8_e4m3{});
+    } else {
+      launch(scalar_t{});
+    }
   });
   check_launch("rotary_embedding_and_cache_kernel");
 }

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "kv_cache.cuh"
 
 namespace tinyvllm {
 
@@ -122,26 +123,34 @@ __global__ void __launch_bounds__(kRowThreads) rotary_embedding_kernel(
 
 // Rotary on query and key in place, fused with writing this token's rotated K and its V into the
 // paged cache (one launch instead of rotary + reshape_and_cache). One CTA per token; a negative
-// slot (padding) rotates but writes no cache row.
-template <typename T>
+// slot (padding) rotates but writes no cache row. Cache is T, or fp8_e4m3 (quantised with the
+// scales, as reshape_and_cache does; see kv_cache.cuh).
+template <typename T, typename Cache>
 __global__ void __launch_bounds__(kRowThreads) rotary_embedding_and_cache_kernel(
     const int64_t* __restrict__ positions,   // [num_tokens]
     T* __restrict__ query,                   // [num_tokens, query_stride]
     T* __restrict__ key,                     // [num_tokens, key_stride]
     const T* __restrict__ value,             // [num_tokens, value_stride]
-    T* __restrict__ key_cache,               // [num_slots, num_kv_heads * head_dim]
-    T* __restrict__ value_cache,             // [num_slots, num_kv_heads * head_dim]
+    Cache* __restrict__ key_cache,           // [num_slots, num_kv_heads * head_dim]
+    Cache* __restrict__ value_cache,         // [num_slots, num_kv_heads * head_dim]
     const int64_t* __restrict__ slot_mapping,  // [num_tokens]
     const float* __restrict__ cos_sin_cache, // [max_position, head_dim]: cos | sin halves
+    const float* __restrict__ k_scale,       // [1], FP8 cache only
+    const float* __restrict__ v_scale,       // [1], FP8 cache only
     int num_heads, int num_kv_heads, int head_dim, int64_t query_stride, int64_t key_stride,
     int64_t value_stride) {
+  float ks = 1.f, vs = 1.f;
+  if constexpr (is_fp8_cache<Cache>()) {
+    ks = *k_scale;
+    vs = *v_scale;
+  }
   const int64_t token = blockIdx.x;
   const int half = head_dim / 2;
   const float* cos = cos_sin_cache + positions[token] * head_dim;
   const float* sin = cos + half;
   const int64_t slot = slot_mapping[token];
   const int row = num_kv_heads * head_dim;
-  T* kc = slot >= 0 ? key_cache + slot * row : nullptr;
+  Cache* kc = slot >= 0 ? key_cache + slot * row : nullptr;
   const int num_pairs = (num_heads + num_kv_heads) * half;
   for (int idx = threadIdx.x; idx < num_pairs; idx += blockDim.x) {
     const int head = idx / half, i = idx % half;
@@ -154,15 +163,15 @@ __global__ void __launch_bounds__(kRowThreads) rotary_embedding_and_cache_kernel
     x[i] = y1;
     x[i + half] = y2;
     if (!is_q && kc != nullptr) {
-      T* k = kc + (head - num_heads) * head_dim;
-      k[i] = y1;
-      k[i + half] = y2;
+      Cache* k = kc + (head - num_heads) * head_dim;
+      k[i] = to_cache<Cache>(y1, ks);
+      k[i + half] = to_cache<Cache>(y2, ks);
     }
   }
   if (slot < 0) return;
   const T* v = value + token * value_stride;
-  T* vc = value_cache + slot * row;
-  for (int i = threadIdx.x; i < row; i += blockDim.x) vc[i] = v[i];
+  Cache* vc = value_cache + slot * row;
+  for (int i = threadIdx.x; i < row; i += blockDim.x) vc[i] = to_cache<Cache>(v[i], vs);
 }
 
 }  // namespace tinyvllm

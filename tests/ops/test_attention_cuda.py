@@ -1,4 +1,5 @@
-"""CUDA paged attention (decode split-K and chunked prefill) against the torch reference."""
+"""CUDA paged attention (decode split-K and chunked prefill) against the torch reference, over
+caches of the query's dtype and FP8 (E4M3) caches with K/V scales."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from tinyvllm.ops._dispatch import cuda_ops
 from tinyvllm.ops.attention import AttentionMetadata, paged_attention, paged_attention_ref
-from tinyvllm.ops.kv_cache import reshape_and_cache_ref
+from tinyvllm.ops.kv_cache import quantize_kv, reshape_and_cache_ref
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -18,6 +19,7 @@ BLOCK_SIZE = 16
 POISON = 1.0e4  # finite garbage in unused cache slots: a wrong mask shows up as a huge error
 REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3}
 HEADS = [(9, 3), (32, 8), (12, 1), (4, 4), (20, 2)]  # GQA 3, 4, 12 (two CTAs), MHA, 10
+FP8_SCALES = (0.37, 0.009)  # K, V: the largest V values (~N(0, 1) / 0.009) saturate at +-448
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +29,21 @@ def kernels():
     return module
 
 
-def make_batch(seqs, num_heads, num_kv_heads, head_dim, dtype, seed):
-    """Random paged batch on the GPU. seqs: list of (q_len, seq_len); blocks shuffled."""
+def make_batch(seqs, num_heads, num_kv_heads, head_dim, dtype, seed, fp8=False):
+    """Random paged batch on the GPU. seqs: list of (q_len, seq_len); blocks shuffled.
+
+    With fp8 the cache is FP8 written with FP8_SCALES (poison saturates to 448 * scale); returns
+    (query, cache, meta, (k_scale, v_scale)) then, else (query, cache, meta).
+    """
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-seq_len // BLOCK_SIZE) for _, seq_len in seqs]
     num_blocks = sum(blocks_per_seq) + 5  # null block 0 and spares
     cache = torch.full((2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim), POISON, dtype=dtype)
+    scales = None
+    if fp8:
+        scales = tuple(torch.tensor(s) for s in FP8_SCALES)
+        cache = torch.stack([quantize_kv(cache[0], scales[0]), quantize_kv(cache[1], scales[1])])
     free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     tables = torch.zeros(len(seqs), max(blocks_per_seq) + 3, dtype=torch.int32)
     all_slots, new_slots = [], []
@@ -46,7 +56,7 @@ def make_batch(seqs, num_heads, num_kv_heads, head_dim, dtype, seed):
     total = len(all_slots)
     k = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
-    reshape_and_cache_ref(k, v, cache, torch.tensor(all_slots))
+    reshape_and_cache_ref(k, v, cache, torch.tensor(all_slots), *(scales or ()))
     q_lens = [q for q, _ in seqs]
     seq_lens = [s for _, s in seqs]
     cu = [0] + torch.tensor(q_lens).cumsum(0).tolist()
@@ -57,17 +67,26 @@ def make_batch(seqs, num_heads, num_kv_heads, head_dim, dtype, seed):
         block_tables=tables.to(dev), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
         query_start_loc_cpu=cu, seq_lens_cpu=seq_lens)
     query = torch.randn(cu[-1], num_heads, head_dim, generator=gen).to(dtype)
+    if fp8:
+        return query.to(dev), cache.to(dev), meta, tuple(s.to(dev) for s in scales)
     return query.to(dev), cache.to(dev), meta
 
 
-def check_against_reference(kernels, seqs, heads, head_dim, dtype, seed):
+def check_against_reference(kernels, seqs, heads, head_dim, dtype, seed, fp8=False):
     from tinyvllm.ops.attention_cuda import paged_attention_cuda
     num_heads, num_kv_heads = heads
-    query, cache, meta = make_batch(seqs, num_heads, num_kv_heads, head_dim, dtype, seed)
+    batch = make_batch(seqs, num_heads, num_kv_heads, head_dim, dtype, seed, fp8)
+    query, cache, meta = batch[:3]
     scale = 1 / math.sqrt(head_dim)
     out = torch.full_like(query, float("nan"))  # poison: every row must be written
-    paged_attention_cuda(kernels, query, cache, meta, scale, out=out)
-    ref = paged_attention_ref(query.float(), cache.float(), meta, scale)
+    if fp8:  # the reference dequantises the same FP8 cache to float32
+        k_scale, v_scale = batch[3]
+        paged_attention_cuda(kernels, query, cache, meta, scale, out=out, k_scale=k_scale,
+                             v_scale=v_scale)
+        ref = paged_attention_ref(query.float(), cache, meta, scale, k_scale, v_scale)
+    else:
+        paged_attention_cuda(kernels, query, cache, meta, scale, out=out)
+        ref = paged_attention_ref(query.float(), cache.float(), meta, scale)
     rows = meta.num_seqs if meta.max_query_len == 1 else meta.num_tokens
     out, ref = out[:rows].float(), ref[:rows]
     assert torch.isfinite(out).all(), "unwritten or non-finite output rows"
@@ -84,13 +103,15 @@ DECODE_CASES = {
 }
 
 
+@pytest.mark.parametrize("kv", ["same", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
 @pytest.mark.parametrize("case", list(DECODE_CASES))
-def test_decode_matches_reference(kernels, case, heads, head_dim, dtype):
+def test_decode_matches_reference(kernels, case, heads, head_dim, dtype, kv):
     seed = hash((case, heads, head_dim, str(dtype))) % 2**31
-    check_against_reference(kernels, DECODE_CASES[case], heads, head_dim, dtype, seed)
+    check_against_reference(kernels, DECODE_CASES[case], heads, head_dim, dtype, seed,
+                            fp8=kv == "fp8")
 
 
 PREFILL_CASES = {
@@ -101,13 +122,15 @@ PREFILL_CASES = {
 }
 
 
+@pytest.mark.parametrize("kv", ["same", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
 @pytest.mark.parametrize("case", list(PREFILL_CASES))
-def test_prefill_matches_reference(kernels, case, heads, head_dim, dtype):
+def test_prefill_matches_reference(kernels, case, heads, head_dim, dtype, kv):
     seed = hash((case, heads, head_dim, str(dtype), "prefill")) % 2**31
-    check_against_reference(kernels, PREFILL_CASES[case], heads, head_dim, dtype, seed)
+    check_against_reference(kernels, PREFILL_CASES[case], heads, head_dim, dtype, seed,
+                            fp8=kv == "fp8")
 
 
 def test_public_op_dispatches_to_kernel(kernels):
@@ -155,3 +178,34 @@ def test_cuda_graph_replay_sees_new_inputs(kernels, seqs):
     expected = paged_attention_cuda(kernels, query, cache, meta, 0.1)
     rows = meta.num_seqs if meta.max_query_len == 1 else meta.num_tokens
     torch.testing.assert_close(out[:rows], expected[:rows], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seqs", [[(1, 700), (1, 33)], [(6, 90), (1, 12)]], ids=["decode", "mixed"])
+def test_fp8_graph_replay_sees_updated_scales(kernels, seqs):
+    """The scales are read through pointers: a graph captured once uses values set later."""
+    from tinyvllm.ops.attention_cuda import paged_attention_cuda
+    query, cache, meta, (k_scale, v_scale) = make_batch(seqs, 8, 2, 128, torch.bfloat16, 13,
+                                                        fp8=True)
+    out = torch.empty_like(query)
+    run = lambda: paged_attention_cuda(kernels, query, cache, meta, 0.1, out=out,  # noqa: E731
+                                       k_scale=k_scale, v_scale=v_scale)
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    k_scale.fill_(0.05)
+    v_scale.fill_(3.0)
+    out.fill_(float("nan"))
+    graph.replay()
+    expected = paged_attention_ref(query.float(), cache, meta, 0.1, k_scale, v_scale)
+    rows = meta.num_seqs if meta.max_query_len == 1 else meta.num_tokens
+    rel = ((out[:rows].float() - expected[:rows]).norm() / expected[:rows].norm()).item()
+    assert rel <= REL_TOL[torch.bfloat16], f"relative error {rel:.2e}"
+
+
+def test_fp8_cache_with_wrong_query_dtype_raises(kernels):
+    query, cache, meta, _ = make_batch([(1, 20)], 4, 2, 64, torch.bfloat16, seed=2, fp8=True)
+    from tinyvllm.ops.attention_cuda import paged_attention_cuda
+    with pytest.raises(ValueError, match="kv_cache"):
+        paged_attention_cuda(kernels, query, cache.view(torch.uint8), meta, 0.1)

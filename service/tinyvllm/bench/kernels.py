@@ -102,12 +102,15 @@ def copy_bandwidth_gbps() -> float:
 
 # ---- paged attention --------------------------------------------------------------------------
 
-def paged_batch(seqs, num_heads, num_kv_heads, head_dim, rotations, gen):
-    """`rotations` metadata sets over one cache, each on its own blocks. seqs: (q_len, seq_len)."""
+def paged_batch(seqs, num_heads, num_kv_heads, head_dim, rotations, gen, fp8=False):
+    """`rotations` metadata sets over one cache, each on its own blocks. seqs: (q_len, seq_len).
+    fp8: the cache is FP8 E4M3 (scales 1.0)."""
     nb = [-(-s // BLOCK_SIZE) for _, s in seqs]
     num_blocks = 1 + rotations * sum(nb)
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen,
                         device="cuda", dtype=DTYPE)
+    if fp8:
+        cache = cache.to(torch.float8_e4m3fn)
     perm = (torch.randperm(num_blocks - 1, generator=gen, device="cuda") + 1).int()
     q_lens, seq_lens = [q for q, _ in seqs], [s for _, s in seqs]
     cu = [0] + torch.tensor(q_lens).cumsum(0).tolist()
@@ -127,12 +130,14 @@ def paged_batch(seqs, num_heads, num_kv_heads, head_dim, rotations, gen):
     return query, cache, metas
 
 
-def bench_decode(kernels, batch, ctx, num_heads, num_kv_heads, head_dim, copy_gbps, gen) -> Row:
+def bench_decode(kernels, batch, ctx, num_heads, num_kv_heads, head_dim, copy_gbps, gen,
+                 fp8=False) -> Row:
+    """fp8: an FP8 cache (half the K/V bytes); the SDPA baseline still reads bf16 K/V."""
     from tinyvllm.ops.attention_cuda import paged_attention_cuda
-    kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * 2
+    kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * (1 if fp8 else 2)
     rot = max(1, math.ceil(ROTATE_BYTES / kv_bytes))
     query, cache, metas = paged_batch([(1, ctx)] * batch, num_heads, num_kv_heads, head_dim, rot,
-                                      gen)
+                                      gen, fp8)
     scale = head_dim ** -0.5
     us = time_graph_us(lambda i: paged_attention_cuda(kernels, query, cache, metas[i % rot],
                                                       scale))
@@ -147,14 +152,15 @@ def bench_decode(kernels, batch, ctx, num_heads, num_kv_heads, head_dim, copy_gb
     ref_us = time_us(lambda i: paged_attention_ref(query, cache, metas[i % rot], scale), reps=5)
     bytes_moved = kv_bytes + 2 * query.numel() * 2  # K/V once, q read, out written
     gbps = bytes_moved / us / 1e3
-    return Row("decode", f"b{batch} ctx{ctx} h{num_heads}/{num_kv_heads} d{head_dim}", us, gbps,
+    return Row("decode fp8" if fp8 else "decode",
+               f"b{batch} ctx{ctx} h{num_heads}/{num_kv_heads} d{head_dim}", us, gbps,
                frac_copy_bw=gbps / copy_gbps,
                baselines_us={"sdpa_contiguous": sdpa_us, "torch_ref": ref_us})
 
 
-def bench_prefill(kernels, seqs, num_heads, num_kv_heads, head_dim, gen) -> Row:
+def bench_prefill(kernels, seqs, num_heads, num_kv_heads, head_dim, gen, fp8=False) -> Row:
     from tinyvllm.ops.attention_cuda import paged_attention_cuda
-    query, cache, metas = paged_batch(seqs, num_heads, num_kv_heads, head_dim, 1, gen)
+    query, cache, metas = paged_batch(seqs, num_heads, num_kv_heads, head_dim, 1, gen, fp8)
     scale = head_dim ** -0.5
     us = time_us(lambda i: paged_attention_cuda(kernels, query, cache, metas[0], scale))
     # Causal pairs: query at position p sees p + 1 keys. 2 matmuls x 2 flops per pair and dim.
@@ -170,7 +176,8 @@ def bench_prefill(kernels, seqs, num_heads, num_kv_heads, head_dim, gen) -> Row:
         baselines["sdpa_contiguous"] = time_us(lambda i: F.scaled_dot_product_attention(
             q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True))
     shape = "+".join(f"{q}/{s}" for q, s in seqs[:2]) + (f" x{len(seqs)}" if len(seqs) > 2 else "")
-    return Row("prefill", f"{shape} h{num_heads}/{num_kv_heads} d{head_dim}", us,
+    return Row("prefill fp8" if fp8 else "prefill",
+               f"{shape} h{num_heads}/{num_kv_heads} d{head_dim}", us,
                tflops=flops / us / 1e6, baselines_us=baselines)
 
 
@@ -335,6 +342,13 @@ def run(quick: bool) -> tuple[float, list[Row]]:
     for seqs in ([[(4096, 4096)]] if quick else
                  [[(4096, 4096)], [(2048, 2048)] * 4, [(512, 4096)] * 4, [(1024, 1024)] * 8]):
         rows.append(bench_prefill(kernels, seqs, 32, 8, 128, gen))
+    # FP8 KV cache: decode reads half the bytes; prefill dequantises tiles before the mma.
+    for batch in ([1, 64] if quick else [1, 8, 64, 128]):
+        rows.append(bench_decode(kernels, batch, 4096, 32, 8, 128, copy_gbps, gen, fp8=True))
+    if not quick:
+        rows.append(bench_decode(kernels, 64, 4096, 9, 3, 64, copy_gbps, gen, fp8=True))
+    for seqs in ([[(2048, 2048)] * 4] if quick else [[(2048, 2048)] * 4, [(512, 4096)] * 4]):
+        rows.append(bench_prefill(kernels, seqs, 32, 8, 128, gen, fp8=True))
     rows.append(bench_rms_norm(kernels, 4096, 4096, copy_gbps, gen))
     rows.append(bench_silu(kernels, 4096, 14336, copy_gbps, gen))
     for model, shapes in GEMV_SHAPES.items():

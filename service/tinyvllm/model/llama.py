@@ -26,6 +26,18 @@ _FUSED_GEMV = os.environ.get("TINYVLLM_FUSED_GEMV", "1") != "0"
 """Decode-sized CUDA batches (<= ops.GEMV_MAX_ROWS tokens) run each projection with its norm /
 SwiGLU / residual add as one GEMV launch; 0 restores cuBLAS plus separate ops (for A/B timing)."""
 
+_KV_SCALE_BUFFERS = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale")
+"""Our names of the FP8 KV-cache scales (`kv_scale`: one scale for both, older checkpoints)."""
+
+_KV_SCALE_NAMES = {
+    "self_attn.k_proj.output_scale": "self_attn.k_scale",  # AutoFP8
+    "self_attn.v_proj.output_scale": "self_attn.v_scale",
+    "self_attn.k_proj.k_scale": "self_attn.k_scale",
+    "self_attn.v_proj.v_scale": "self_attn.v_scale",
+}
+"""Checkpoint names of KV-cache scales other than ours (`self_attn.k_scale`, as vLLM and
+llm-compressor write them) -> ours."""
+
 # HF projection name -> (merged parameter name, shard index). Shard order is the row order.
 _STACKED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -41,6 +53,10 @@ class LlamaAttention(nn.Module):
                                   bias=arch.attention_bias)
         self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
         self.scale = arch.head_dim ** -0.5
+        # FP8 KV-cache scales (stored = x / scale): float32 device scalars that the kernels read
+        # through a pointer; 1.0 unless the checkpoint has them. Unused with a 16/32-bit cache.
+        for name in ("k_scale", "v_scale"):
+            self.register_buffer(name, torch.ones((), dtype=torch.float32), persistent=False)
 
     def shard_sizes(self, name: str) -> list[int]:
         return [self.arch.q_size, self.arch.kv_size, self.arch.kv_size]
@@ -61,15 +77,16 @@ class LlamaAttention(nn.Module):
         if _FUSED_ROTARY_CACHE:
             # Strided views into qkv: rotary in place, rotated K and V straight into the cache.
             q, _ = ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, a.head_dim,
-                                                  kv_cache, meta.slot_mapping)
+                                                  kv_cache, meta.slot_mapping, self.k_scale,
+                                                  self.v_scale)
         else:
             q, k = ops.rotary_embedding(positions, q.contiguous(), k.contiguous(), cos_sin_cache,
                                         a.head_dim)
             k = k.view(num_tokens, a.num_kv_heads, a.head_dim)
             v = v.contiguous().view(num_tokens, a.num_kv_heads, a.head_dim)
-            ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+            ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         out = ops.paged_attention(q.view(num_tokens, a.num_heads, a.head_dim), kv_cache, meta,
-                                  self.scale)
+                                  self.scale, self.k_scale, self.v_scale)
         return out.reshape(num_tokens, a.q_size)
 
 
@@ -158,8 +175,11 @@ class LlamaForCausalLM(nn.Module):
         return self
 
     def init_buffers(self) -> None:
-        """Recompute non-persistent buffers (after `to_empty`)."""
+        """Recompute non-persistent buffers (after `to_empty`); KV scales back to 1.0."""
         self.cos_sin_cache = self._build_cos_sin_cache(self.cos_sin_cache.device)
+        for name, buf in self.named_buffers():
+            if name.endswith(_KV_SCALE_BUFFERS):
+                buf.fill_(1.0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: ops.AttentionMetadata) -> torch.Tensor:
@@ -214,6 +234,9 @@ class LlamaForCausalLM(nn.Module):
             name, shard = _our_name(hf_name)
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints still ship a copy of the embedding
+            if name.endswith(_KV_SCALE_BUFFERS):
+                loaded |= self._load_kv_scale(hf_name, name, tensor)
+                continue
             if name not in params:
                 raise KeyError(f"unexpected weight {hf_name!r}")
             target = params[name]
@@ -230,6 +253,22 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name)
         return loaded
 
+    def _load_kv_scale(self, hf_name: str, name: str, tensor: torch.Tensor) -> set[str]:
+        """A checkpoint's FP8 KV-cache scale (`kv_scale` sets both K and V of its layer)."""
+        value = tensor.float().reshape(-1)
+        if value.numel() != 1 or not bool(torch.isfinite(value).all()) or float(value) <= 0:
+            raise ValueError(f"weight {hf_name!r}: expected one positive finite scale, got "
+                             f"{tuple(tensor.shape)} {value[:4].tolist()}")
+        prefix = name.rsplit(".", 1)[0]
+        names = ({f"{prefix}.k_scale", f"{prefix}.v_scale"} if name.endswith(".kv_scale")
+                 else {name})
+        buffers = dict(self.named_buffers())
+        for target in names:
+            if target not in buffers:
+                raise KeyError(f"unexpected weight {hf_name!r}")
+            buffers[target].fill_(float(value))
+        return names
+
     def expected_weight_names(self) -> set[str]:
         """What `load_weights` must fill for the model to be complete (merged shards counted)."""
         names = set()
@@ -245,6 +284,9 @@ class LlamaForCausalLM(nn.Module):
 def _our_name(hf_name: str) -> tuple[str, Optional[int]]:
     """HF name -> (our parameter name, shard index or None)."""
     name = hf_name
+    for old, new in _KV_SCALE_NAMES.items():  # FP8 KV-cache scales of the attention module
+        if name.endswith(old):
+            return name[:-len(old)] + new, None
     for norm in ("input_layernorm", "post_attention_layernorm"):
         name = name.replace(f"{norm}.weight", norm)
     if name == "model.norm.weight":

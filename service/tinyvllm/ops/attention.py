@@ -9,11 +9,13 @@ live in the blocks listed by its block table (cached prefix blocks included).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from tinyvllm.ops._dispatch import use_kernel
+from tinyvllm.ops.kv_cache import dequantize_kv
 
 
 @dataclass
@@ -48,31 +50,36 @@ class AttentionMetadata:
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, k_scale: Optional[torch.Tensor] = None,
+                    v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of new queries over their sequences' paged K/V (GQA aware).
 
     Shape:
         query: [num_tokens, num_heads, head_dim]
-        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], query's dtype or FP8
+        k_scale, v_scale: one-element float32 tensors (None: 1.0), read only for an FP8 cache
         returns: [num_tokens, num_heads, head_dim]
     """
     kernel = use_kernel(query, kv_cache)
     if kernel is not None and hasattr(kernel, "paged_attention"):
         from tinyvllm.ops.attention_cuda import paged_attention_cuda
-        return paged_attention_cuda(kernel, query, kv_cache, meta, scale)
-    return paged_attention_ref(query, kv_cache, meta, scale)
+        return paged_attention_cuda(kernel, query, kv_cache, meta, scale, k_scale=k_scale,
+                                    v_scale=v_scale)
+    return paged_attention_ref(query, kv_cache, meta, scale, k_scale, v_scale)
 
 
 def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float) -> torch.Tensor:
-    """Torch reference: gather each sequence's K/V from its blocks, then attend."""
+                        scale: float, k_scale: Optional[torch.Tensor] = None,
+                        v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Torch reference: gather each sequence's K/V from its blocks (dequantised), then attend."""
     if meta.is_pure_decode:
-        return _decode_batched_ref(query, kv_cache, meta, scale)
+        return _decode_batched_ref(query, kv_cache, meta, scale, k_scale, v_scale)
     out = torch.empty_like(query)
     qsl = meta.query_start_loc_cpu
     for i, seq_len in enumerate(meta.seq_lens_cpu):
         q = query[qsl[i]:qsl[i + 1]]
         k, v = _gather_kv(kv_cache, meta.block_tables[i], seq_len)
+        k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
         out[qsl[i]:qsl[i + 1]] = _attend(q, k, v, scale, causal_offset=seq_len - q.shape[0])
     return out
 
@@ -88,20 +95,21 @@ def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             causal_offset: int) -> torch.Tensor:
-    """q: [q_len, h, d]; k, v: [kv_len, h_kv, d]; query i sees keys 0..causal_offset + i."""
+    """q: [q_len, h, d]; k, v: [kv_len, h_kv, d] of q's dtype; query i sees keys 0..offset + i."""
     q_len, kv_len = q.shape[0], k.shape[0]
     mask = None
     if q_len > 1:
         rows = torch.arange(q_len, device=q.device).unsqueeze(1) + causal_offset
         mask = torch.arange(kv_len, device=q.device).unsqueeze(0) <= rows
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
         attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(0, 1)
 
 
 def _decode_batched_ref(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float) -> torch.Tensor:
+                        scale: float, k_scale: Optional[torch.Tensor],
+                        v_scale: Optional[torch.Tensor]) -> torch.Tensor:
     """All sequences have one query: gather every context padded to the longest, mask the rest.
 
     Written as two batched matmuls with the query heads grouped by KV head, rather than SDPA:
@@ -114,9 +122,9 @@ def _decode_batched_ref(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
     tables = meta.block_tables[:b, :num_blocks].long()  # [b, nb]
     kv = kv_cache[:, tables]  # [2, b, nb, bs, hkv, d]
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-    kv = kv.reshape(2, b, num_blocks * block_size, num_kv_heads, head_dim).to(query.dtype)
-    k = kv[0].permute(0, 2, 3, 1)  # [b, hkv, d, ctx]
-    v = kv[1].transpose(1, 2)  # [b, hkv, ctx, d]
+    kv = kv.reshape(2, b, num_blocks * block_size, num_kv_heads, head_dim)
+    k = dequantize_kv(kv[0], k_scale, query.dtype).permute(0, 2, 3, 1)  # [b, hkv, d, ctx]
+    v = dequantize_kv(kv[1], v_scale, query.dtype).transpose(1, 2)  # [b, hkv, ctx, d]
     group = query.shape[1] // num_kv_heads
     q = query[:b].reshape(b, num_kv_heads, group, head_dim)
     scores = torch.matmul(q, k).mul_(scale).float()  # [b, hkv, group, ctx]

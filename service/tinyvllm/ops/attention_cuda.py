@@ -3,6 +3,7 @@
 Decode (every sequence has one new query) runs the split-K kernel: the context is cut into
 partitions so that even a few long sequences fill the GPU, and a second kernel merges them.
 Anything else runs the flash-attention-style prefill kernel, which also serves mixed batches.
+Both read a cache of the query's dtype or an FP8 (E4M3) one with per-layer K/V scales.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from tinyvllm.ops._dispatch import stream_handle
 from tinyvllm.ops.attention import AttentionMetadata
-from tinyvllm.ops.kv_cache import _dtype_code
+from tinyvllm.ops.kv_cache import FP8_DTYPE, _dtype_code, kv_scale_ptrs
 
 MAX_PARTITION = 512
 """Most tokens per decode partition (the kernel keeps a partition's scores in shared memory)."""
@@ -28,16 +29,20 @@ CTAS_PER_SM = 2
 
 def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float,
-                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         out: Optional[torch.Tensor] = None,
+                         k_scale: Optional[torch.Tensor] = None,
+                         v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of new queries over their sequences' paged K/V.
 
     Args:
         kernel: the `tinyvllm._cuda` module.
         query: [num_tokens, num_heads, head_dim], last dim contiguous.
-        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous, query's dtype.
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous, query's dtype
+            or FP8_DTYPE.
         meta: block tables, seq_lens and query_start_loc as int32 device tensors.
         scale: softmax scale.
         out: optional contiguous output buffer shaped like query (static buffers, tests).
+        k_scale, v_scale: one-element float32 device tensors (None: 1.0), FP8 cache only.
     Returns:
         [num_tokens, num_heads, head_dim]; on pure decode only the first num_seqs rows are written.
     """
@@ -46,10 +51,11 @@ def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     elif out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
         raise ValueError(f"out: expected a contiguous {query.dtype} {tuple(query.shape)} tensor")
+    scales = kv_scale_ptrs(kv_cache, k_scale, v_scale)
     if meta.max_query_len == 1:
-        _decode(kernel, out, query, kv_cache, meta, scale)
+        _decode(kernel, out, query, kv_cache, meta, scale, scales)
     else:
-        _prefill(kernel, out, query, kv_cache, meta, scale)
+        _prefill(kernel, out, query, kv_cache, meta, scale, scales)
     return out
 
 
@@ -57,8 +63,9 @@ def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
     if query.dim() != 3 or query.stride(-1) != 1:
         raise ValueError(f"query: expected [num_tokens, num_heads, head_dim] with a contiguous "
                          f"last dim, got shape {tuple(query.shape)} strides {query.stride()}")
-    if kv_cache.dim() != 5 or not kv_cache.is_contiguous() or kv_cache.dtype != query.dtype:
-        raise ValueError(f"kv_cache: expected a contiguous {query.dtype} tensor "
+    if (kv_cache.dim() != 5 or not kv_cache.is_contiguous()
+            or kv_cache.dtype not in (query.dtype, FP8_DTYPE)):
+        raise ValueError(f"kv_cache: expected a contiguous {query.dtype} or {FP8_DTYPE} tensor "
                          f"[2, num_blocks, block_size, num_kv_heads, head_dim], got "
                          f"{kv_cache.dtype} {tuple(kv_cache.shape)}")
     for name in ("block_tables", "seq_lens", "query_start_loc"):
@@ -68,7 +75,8 @@ def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
                              f"{query.device}, got {t.dtype} on {t.device}")
 
 
-def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float) -> None:
+def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
+            scales: tuple[int, int]) -> None:
     num_seqs = meta.num_seqs
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
@@ -86,17 +94,20 @@ def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float)
         meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), _ptr(split_out), _ptr(split_max),
         _ptr(split_sum), num_seqs, num_heads, num_kv_heads, head_dim, kv_cache.shape[2],
         query.stride(0), query.stride(1), meta.block_tables.shape[1], num_splits, partition,
-        scale, _dtype_code(query.dtype), stream_handle(query.device))
+        scale, *scales, _dtype_code(query.dtype), _dtype_code(kv_cache.dtype),
+        stream_handle(query.device))
 
 
-def _prefill(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float) -> None:
+def _prefill(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
+             scales: tuple[int, int]) -> None:
     num_heads, head_dim = query.shape[1], query.shape[2]
     kernel.paged_attention(
         out.data_ptr(), query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
         meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(),
         meta.num_seqs, num_heads, kv_cache.shape[3], head_dim, kv_cache.shape[2],
         query.stride(0), query.stride(1), meta.block_tables.shape[1], meta.max_query_len, scale,
-        _dtype_code(query.dtype), stream_handle(query.device))
+        *scales, _dtype_code(query.dtype), _dtype_code(kv_cache.dtype),
+        stream_handle(query.device))
 
 
 def decode_partition(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int,

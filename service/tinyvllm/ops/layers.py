@@ -118,31 +118,35 @@ def rotary_embedding_ref(positions, query, key, cos_sin_cache, head_dim):
 
 def rotary_embedding_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                                value: torch.Tensor, cos_sin_cache: torch.Tensor, head_dim: int,
-                               kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+                               kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                               k_scale: Optional[torch.Tensor] = None,
+                               v_scale: Optional[torch.Tensor] = None):
     """`rotary_embedding` then `reshape_and_cache` of the rotated key and value (one launch on CUDA).
 
     Shape:
         positions, slot_mapping: [num_tokens] int64 (negative slots: padding, not written)
         query: [num_tokens, num_heads * head_dim]; key, value: [num_tokens, num_kv_heads * head_dim]
             (rows may be strided views into a fused qkv output)
-        kv_cache: KV_CACHE_LAYOUT
+        kv_cache: KV_CACHE_LAYOUT, query's dtype or FP8 (then K/V are quantised with the scales)
+        k_scale, v_scale: one-element float32 tensors (None: 1.0), read only for an FP8 cache
     Returns: (query, key) rotated (in place on CUDA).
     """
     kernel = use_kernel(positions, query, key, value, kv_cache, slot_mapping)
     if kernel is not None and hasattr(kernel, "rotary_embedding_and_cache"):
         from tinyvllm.ops.layers_cuda import rotary_embedding_and_cache_cuda
         return rotary_embedding_and_cache_cuda(kernel, positions, query, key, value,
-                                               cos_sin_cache, head_dim, kv_cache, slot_mapping)
+                                               cos_sin_cache, head_dim, kv_cache, slot_mapping,
+                                               k_scale, v_scale)
     return rotary_embedding_and_cache_ref(positions, query, key, value, cos_sin_cache, head_dim,
-                                          kv_cache, slot_mapping)
+                                          kv_cache, slot_mapping, k_scale, v_scale)
 
 
 def rotary_embedding_and_cache_ref(positions, query, key, value, cos_sin_cache, head_dim,
-                                   kv_cache, slot_mapping):
+                                   kv_cache, slot_mapping, k_scale=None, v_scale=None):
     from tinyvllm.ops.kv_cache import reshape_and_cache_ref
     query, key = rotary_embedding_ref(positions, query, key, cos_sin_cache, head_dim)
     num_tokens, num_kv_heads = key.shape[0], kv_cache.shape[3]
     reshape_and_cache_ref(key.reshape(num_tokens, num_kv_heads, head_dim),
                           value.reshape(num_tokens, num_kv_heads, head_dim), kv_cache,
-                          slot_mapping)
+                          slot_mapping, k_scale, v_scale)
     return query, key

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from tinyvllm.ops._dispatch import stream_handle
-from tinyvllm.ops.kv_cache import _dtype_code
+from tinyvllm.ops.kv_cache import FP8_DTYPE, _dtype_code, kv_scale_ptrs
 
 
 def rms_norm_cuda(kernel, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -81,10 +81,13 @@ def rotary_embedding_cuda(kernel, positions: torch.Tensor, query: torch.Tensor,
 def rotary_embedding_and_cache_cuda(kernel, positions: torch.Tensor, query: torch.Tensor,
                                     key: torch.Tensor, value: torch.Tensor,
                                     cos_sin_cache: torch.Tensor, head_dim: int,
-                                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+                                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                                    k_scale: Optional[torch.Tensor] = None,
+                                    v_scale: Optional[torch.Tensor] = None):
     """Rotary on q and k in place, then rotated k and v written to their cache slots, in one launch.
 
-    Shape: as rotary_embedding_cuda; value like key; kv_cache KV_CACHE_LAYOUT of query's dtype;
+    Shape: as rotary_embedding_cuda; value like key; kv_cache KV_CACHE_LAYOUT of query's dtype or
+    FP8 (quantised with k_scale / v_scale, one-element float32; None: 1.0);
     slot_mapping [num_tokens] int64 (negative: padding, not written).
     Returns: (query, key), the same tensors, rotated.
     """
@@ -92,9 +95,10 @@ def rotary_embedding_and_cache_cuda(kernel, positions: torch.Tensor, query: torc
     _check_rows("key", key, dims=(2, 3))
     _check_rows("value", value, dims=(2, 3))
     _check_rotary_tables(positions, cos_sin_cache, head_dim, query.device)
-    if key.dtype != query.dtype or value.dtype != query.dtype or kv_cache.dtype != query.dtype:
-        raise ValueError(f"key, value, kv_cache: expected {query.dtype}, got {key.dtype}, "
-                         f"{value.dtype}, {kv_cache.dtype}")
+    if (key.dtype != query.dtype or value.dtype != query.dtype
+            or kv_cache.dtype not in (query.dtype, FP8_DTYPE)):
+        raise ValueError(f"key, value, kv_cache: expected {query.dtype} (kv_cache also "
+                         f"{FP8_DTYPE}), got {key.dtype}, {value.dtype}, {kv_cache.dtype}")
     num_kv_heads = _row_numel(key) // head_dim
     if (kv_cache.dim() != 5 or not kv_cache.is_contiguous()
             or kv_cache.shape[3] * kv_cache.shape[4] != num_kv_heads * head_dim
@@ -110,6 +114,7 @@ def rotary_embedding_and_cache_cuda(kernel, positions: torch.Tensor, query: torc
         kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), slot_mapping.data_ptr(),
         cos_sin_cache.data_ptr(), query.shape[0], _row_numel(query) // head_dim, num_kv_heads,
         head_dim, query.stride(0), key.stride(0), value.stride(0), _dtype_code(query.dtype),
+        _dtype_code(kv_cache.dtype), *kv_scale_ptrs(kv_cache, k_scale, v_scale),
         stream_handle(query.device))
     return query, key
 

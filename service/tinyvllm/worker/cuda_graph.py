@@ -96,7 +96,7 @@ class DecodeGraphs:
         before = torch.cuda.memory_reserved()
         device = self.kv_caches[0].device
         hidden_size = self.model.arch.hidden_size
-        dtype = self.kv_caches[0].dtype
+        dtype = self.model.model.embed_tokens.weight.dtype  # not the cache's: that may be FP8
         self.hidden = torch.empty(self.batch_sizes[-1], hidden_size, dtype=dtype, device=device)
         self._fill_padding()
         keys = sorted((self.key(b, t) for b in self.batch_sizes for t in self.seq_len_tiers),

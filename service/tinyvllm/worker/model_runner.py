@@ -21,7 +21,8 @@ from tinyvllm.engine.request import Request
 from tinyvllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tinyvllm.model.loader import LoadedModel, load_model
 from tinyvllm.ops import AttentionMetadata, allocate_kv_caches
-from tinyvllm.ops.kv_cache import PADDING_SLOT
+from tinyvllm.ops._dispatch import cuda_ops
+from tinyvllm.ops.kv_cache import FP8_DTYPE, PADDING_SLOT, resolve_kv_cache_dtype
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_sizes,
                                         decode_seq_len_tiers)
@@ -83,8 +84,11 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
-        if config.cache.kv_cache_dtype == "fp8" and self.device.type != "cuda":
-            raise ValueError("kv_cache_dtype: fp8 needs a CUDA device")
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
+        if (self.kv_cache_dtype == FP8_DTYPE and self.dtype == torch.float32
+                and self.device.type == "cuda" and cuda_ops() is not None):
+            raise ValueError("kv_cache_dtype: fp8 on CUDA needs dtype bfloat16 or float16 "
+                             "(the attention kernels take 16-bit queries), got float32")
         self.loaded = loaded or load_model(config.model.model, self.dtype, self.device,
                                            seed=config.model.seed)
         self.model = self.loaded.model
@@ -106,10 +110,11 @@ class ModelRunner:
         self.num_blocks = self._determine_num_blocks(config.cache)
         self.kv_caches = allocate_kv_caches(
             self.arch.num_layers, self.num_blocks, self.block_size, self.arch.num_kv_heads,
-            self.arch.head_dim, self.dtype, self.device)
+            self.arch.head_dim, self.kv_cache_dtype, self.device)
         self.graphs = self._capture_graphs() if self.use_cuda_graphs else None
-        logger.info("KV cache: %d blocks of %d tokens on %s (%s)", self.num_blocks,
-                    self.block_size, self.device, str(self.dtype).removeprefix("torch."))
+        logger.info("KV cache: %d blocks of %d tokens on %s (%s, %d bytes per block)",
+                    self.num_blocks, self.block_size, self.device,
+                    str(self.kv_cache_dtype).removeprefix("torch."), self.kv_bytes_per_block())
 
     def _capture_graphs(self) -> DecodeGraphs:
         # A decode batch has at most max_num_seqs rows and max_num_batched_tokens tokens.
@@ -122,8 +127,9 @@ class ModelRunner:
     # --- sizing ---------------------------------------------------------------------------------
 
     def kv_bytes_per_block(self) -> int:
+        """K and V of every layer for one block; an FP8 cache has 1-byte elements (half of bf16)."""
         a = self.arch
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * elem
 
     def _determine_num_blocks(self, cache: CacheConfig) -> int:
@@ -173,8 +179,8 @@ class ModelRunner:
         bs = self.block_size
         num_blocks = -(-num_tokens // bs)
         caches = allocate_kv_caches(self.arch.num_layers, num_blocks + 1, bs,
-                                    self.arch.num_kv_heads, self.arch.head_dim, self.dtype,
-                                    self.device)
+                                    self.arch.num_kv_heads, self.arch.head_dim,
+                                    self.kv_cache_dtype, self.device)
         b = self.buffers
         b.wait_until_writable()
         b.input_ids.np[:num_tokens] = 0
