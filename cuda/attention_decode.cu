@@ -25,13 +25,12 @@ void launch_decode(DecodeParams p, int num_seqs, cudaStream_t stream) {
       static_cast<int>(decode_smem_floats<MAX_G>(kDecodeMaxPartition, HEAD_DIM) * sizeof(float)));
   check_cuda(smem_ok, "paged_decode_kernel: shared memory");
   const dim3 grid(p.num_kv_heads * p.head_chunks, num_seqs, p.num_splits);
-  kernel<<<grid, kDecodeThreads, smem, stream>>>(p);
-  check_launch("paged_decode_kernel");
+  // PDL launches: each kernel's launch overlaps the previous kernel's tail (see common.cuh).
+  launch_pdl(kernel, grid, dim3(kDecodeThreads), smem, stream, p);
   if (p.num_splits > 1) {
-    paged_decode_reduce_kernel<T><<<dim3(p.num_heads, num_seqs), HEAD_DIM, 0, stream>>>(
-        static_cast<T*>(p.out), p.split_out, p.split_max, p.split_sum, p.seq_lens, p.num_heads,
-        HEAD_DIM, p.num_splits, p.partition_size);
-    check_launch("paged_decode_reduce_kernel");
+    launch_pdl(paged_decode_reduce_kernel<T>, dim3(p.num_heads, num_seqs), dim3(HEAD_DIM), 0,
+               stream, static_cast<T*>(p.out), p.split_out, p.split_max, p.split_sum, p.seq_lens,
+               p.num_heads, HEAD_DIM, p.num_splits, p.partition_size);
   }
 }
 

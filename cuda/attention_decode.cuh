@@ -251,6 +251,8 @@ paged_decode_kernel(const DecodeParams p) {
   using Cta = DecodeCta<T, Cache, HEAD_DIM, MAX_G>;
   extern __shared__ float smem[];
   __shared__ float head_max[MAX_G], head_sum[MAX_G];
+  wait_for_previous_grid();  // q and this step's K/V come from the kernel before (PDL launch)
+  allow_next_grid();
   Cta c{p};
   c.seq = blockIdx.y;
   c.split = blockIdx.z;
@@ -296,6 +298,8 @@ __global__ void paged_decode_reduce_kernel(
     const float* __restrict__ split_sum,  // [num_seqs, num_heads, num_splits]
     const int* __restrict__ seq_lens,     // [num_seqs]
     int num_heads, int head_dim, int num_splits, int partition_size) {
+  wait_for_previous_grid();  // the partitions come from the decode kernel (PDL launch)
+  allow_next_grid();
   const int seq = blockIdx.y, head = blockIdx.x, d = threadIdx.x;
   const int64_t row = int64_t(seq) * num_heads + head;
   const int used = min(num_splits, (seq_lens[seq] + partition_size - 1) / partition_size);

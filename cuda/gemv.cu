@@ -50,19 +50,9 @@ void launch(T* out, const T* x, const T* weight, const T* bias, const T* residua
   // At least one row per warp; at most what is resident at once.
   const int64_t wanted = (int64_t(n) + kGemvWarps - 1) / kGemvWarps;
   const int grid = int(std::min<int64_t>(wanted, int64_t(num_sms()) * resident_ctas<T, M, P>(smem)));
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(kGemvWarps * 32);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute pdl[1];
-  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = pdl;
-  config.numAttrs = 1;
-  check_cuda(cudaLaunchKernelEx(&config, gemv_kernel<T, M, P>, out, x, weight, bias, residual,
-                                norm_weight, m, n, k, x_stride, out_stride, residual_stride, eps),
-             "gemv_kernel");
+  launch_pdl(gemv_kernel<T, M, P>, dim3(grid), dim3(kGemvWarps * 32), smem, stream, out, x,
+             weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride, residual_stride,
+             eps);
 }
 
 template <typename T, int P>

@@ -138,21 +138,6 @@ __device__ __forceinline__ void gemv_row_scale(float* inv_rms, const T* x, int64
   __syncthreads();
 }
 
-// Programmatic dependent launch (sm_90): a kernel launched with the PDL attribute may start while
-// the previous kernel in the stream drains; it waits here before touching what that kernel wrote.
-__device__ __forceinline__ void wait_for_previous_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-// Lets the next PDL-launched kernel start its launch and weight prefetch.
-__device__ __forceinline__ void allow_next_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 template <int R, int U>
 __device__ __forceinline__ void gemv_load(uint4 (&w)[R][U], const uint4* const (&rows)[R],
                                           const bool (&live)[R], int v0, int k8) {

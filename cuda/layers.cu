@@ -140,8 +140,8 @@ void rotary_embedding_and_cache(
   TINYVLLM_DISPATCH_FLOAT(dtype, "rotary_embedding_and_cache", {
     auto launch = [&](auto cache_tag) {
       using Cache = decltype(cache_tag);
-      rotary_embedding_and_cache_kernel<scalar_t, Cache>
-          <<<unsigned(num_tokens), row_threads(pairs), 0, s>>>(
+      launch_pdl(rotary_embedding_and_cache_kernel<scalar_t, Cache>, dim3(unsigned(num_tokens)),
+              dim3(row_threads(pairs)), 0, s,
               reinterpret_cast<const int64_t*>(positions), reinterpret_cast<scalar_t*>(query),
               reinterpret_cast<scalar_t*>(key), reinterpret_cast<const scalar_t*>(value),
               reinterpret_cast<Cache*>(key_cache), reinterpret_cast<Cache*>(value_cache),
@@ -156,7 +156,6 @@ void rotary_embedding_and_cache(
       launch(scalar_t{});
     }
   });
-  check_launch("rotary_embedding_and_cache_kernel");
 }
 
 }  // namespace tinyvllm

@@ -139,6 +139,8 @@ __global__ void __launch_bounds__(kRowThreads) rotary_embedding_and_cache_kernel
     const float* __restrict__ v_scale,       // [1], FP8 cache only
     int num_heads, int num_kv_heads, int head_dim, int64_t query_stride, int64_t key_stride,
     int64_t value_stride) {
+  wait_for_previous_grid();  // q, k, v come from the qkv projection (PDL launch)
+  allow_next_grid();
   float ks = 1.f, vs = 1.f;
   if constexpr (is_fp8_cache<Cache>()) {
     ks = *k_scale;
