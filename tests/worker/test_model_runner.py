@@ -73,9 +73,9 @@ def test_decode_batch_sizes():
 
 
 def test_decode_seq_len_tiers():
-    assert decode_seq_len_tiers(131072) == [512, 1024, 4096, 8192]
-    assert decode_seq_len_tiers(8192) == [512, 1024, 4096, 8192]
-    assert decode_seq_len_tiers(2048) == [512, 1024, 2048]
+    assert decode_seq_len_tiers(131072) == [1024, 4096, 8192]
+    assert decode_seq_len_tiers(8192) == [1024, 4096, 8192]
+    assert decode_seq_len_tiers(2048) == [1024, 2048]
     assert decode_seq_len_tiers(300) == [300]
 
 

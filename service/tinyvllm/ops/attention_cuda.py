@@ -9,7 +9,6 @@ Both read a cache of the query's dtype or an FP8 (E4M3) one with per-layer K/V s
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -26,10 +25,6 @@ MIN_PARTITION = 64
 
 CTAS_PER_SM = 2
 """Decode launches at least this many CTAs per multiprocessor when partitions allow it."""
-
-SINGLE_PARTITION_TOKENS = int(os.environ.get("TINYVLLM_DECODE_SINGLE_PARTITION_TOKENS", "512"))
-"""Contexts (a graph tier's maximum) up to this many tokens take one partition however small the
-batch: no merge launch, and a short context is latency-bound, not bandwidth-bound. 0 = off."""
 
 
 def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
@@ -122,8 +117,6 @@ def decode_partition(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_l
     The largest partition that still gives CTAS_PER_SM CTAs per multiprocessor: long contexts of
     a small batch split finely, a large batch keeps whole 512-token partitions.
     """
-    if max_seq_len <= min(SINGLE_PARTITION_TOKENS, MAX_PARTITION):
-        return -(-max_seq_len // 16) * 16, 1
     group = num_heads // num_kv_heads
     head_chunks = 1 if group <= 4 else -(-group // 8)  # mirrors the launcher's MAX_G choice
     ctas = num_seqs * num_kv_heads * head_chunks

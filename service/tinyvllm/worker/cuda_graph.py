@@ -40,7 +40,7 @@ MAX_GRAPH_BATCH_SIZE = 256
 MAX_SEQ_LEN_TO_CAPTURE = 8192
 """Longest context a decode graph serves; longer ones run eagerly (vLLM's default too)."""
 
-SEQ_LEN_TIERS = (512, 1024, 4096)
+SEQ_LEN_TIERS = (1024, 4096)
 """Context-length tiers below the cap: short contexts skip most of the cap's partitions."""
 
 
