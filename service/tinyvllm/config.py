@@ -100,9 +100,11 @@ class SchedulerConfig:
         "fcfs", "Scheduling policy: fcfs, or priority (lower value first, then arrival).",
         choices=("fcfs", "priority"),
     )
-    async_scheduling: bool = _f(
-        True, "Schedule and launch step N+1 before step N's tokens are processed, so that the "
-        "host work overlaps the GPU (one step in flight)."
+    async_scheduling: Optional[bool] = _f(
+        None, "Schedule and launch step N+1 before step N's tokens are processed, so that the "
+        "host work overlaps the GPU (one step in flight). Default: on with a CUDA device, off "
+        "on the CPU (nothing runs beside the host there; it would only hold each token back a "
+        "step)."
     )
 
     def __post_init__(self) -> None:
@@ -169,7 +171,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         flag = "--" + f.name.replace("_", "-")
         typ = hints[f.name]
         help_text = f.metadata.get("help", "")
-        if typ is bool:
+        if _unwrap_optional(typ) is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=f.default, help=help_text)
             continue

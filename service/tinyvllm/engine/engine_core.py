@@ -82,7 +82,8 @@ class EngineCore:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_scheduled_tokens = 0
-        self.async_scheduling = config.scheduler.async_scheduling
+        wanted = config.scheduler.async_scheduling
+        self.async_scheduling = self.runner.device.type == "cuda" if wanted is None else wanted
         self._in_flight: Optional[_LaunchedStep] = None
 
     def _fit_max_model_len(self) -> int:
