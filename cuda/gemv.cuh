@@ -138,6 +138,69 @@ __device__ __forceinline__ void gemv_row_scale(float* inv_rms, const T* x, int64
   __syncthreads();
 }
 
+// kRmsNorm when each thread stages at most kStageBatch vectors: x and the norm weight are loaded
+// once (one memory latency instead of two), the sums of squares reduced across the CTA, and each
+// thread normalises the vectors it holds in registers.
+template <typename T, int M>
+__device__ __forceinline__ void gemv_stage_rmsnorm_one_pass(uint4* act, int k8, const T* x,
+                                                            int64_t x_stride,
+                                                            const T* norm_weight, float* inv_rms,
+                                                            int m, float eps) {
+  __shared__ float partial[kGemvWarps][M];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int total = M * k8;
+  uint4 a[kStageBatch], w[kStageBatch];
+#pragma unroll
+  for (int j = 0; j < kStageBatch; ++j) {
+    const int idx = threadIdx.x + j * blockDim.x;
+    const int row = idx / k8, v = idx - row * k8;
+    a[j] = w[j] = make_uint4(0, 0, 0, 0);
+    if (idx < total && row < m) {
+      a[j] = reinterpret_cast<const uint4*>(x + row * x_stride)[v];
+      w[j] = reinterpret_cast<const uint4*>(norm_weight)[v];
+    }
+  }
+  float sum_sq[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) sum_sq[i] = 0.f;
+#pragma unroll
+  for (int j = 0; j < kStageBatch; ++j) {
+    const int row = (threadIdx.x + j * blockDim.x) / k8;
+    float xf[8], ss = 0.f;
+    unpack8<T>(a[j], xf);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss = fmaf(xf[e], xf[e], ss);
+#pragma unroll
+    for (int i = 0; i < M; ++i) sum_sq[i] += row == i ? ss : 0.f;
+  }
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    const float s = warp_sum(sum_sq[i]);
+    if (lane == 0) partial[warp][i] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x < M) {
+    float s = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < kGemvWarps; ++wi) s += partial[wi][threadIdx.x];
+    inv_rms[threadIdx.x] = rsqrtf(s / (k8 * 8) + eps);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kStageBatch; ++j) {
+    const int idx = threadIdx.x + j * blockDim.x;
+    if (idx >= total) break;
+    const int row = idx / k8;
+    float xf[8], wf[8], of[8];
+    unpack8<T>(a[j], xf);
+    unpack8<T>(w[j], wf);
+    const float scale = row < m ? inv_rms[row] : 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) of[e] = round_to<T>(xf[e] * scale) * wf[e];
+    act[idx] = pack8<T>(of);
+  }
+}
+
 template <int R, int U>
 __device__ __forceinline__ void gemv_load(uint4 (&w)[R][U], const uint4* const (&rows)[R],
                                           const bool (&live)[R], int v0, int k8) {
@@ -193,8 +256,16 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(
   gemv_load<R, U>(w, rows, live, lane, total > 0 ? k8 : 0);
   wait_for_previous_grid();
 
-  if constexpr (P == kGemvRmsNorm) gemv_row_scale<T, M>(inv_rms, x, x_stride, k8, m, eps);
-  gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m);
+  if constexpr (P == kGemvRmsNorm) {
+    if (M * k8 <= kStageBatch * int(blockDim.x)) {
+      gemv_stage_rmsnorm_one_pass<T, M>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps);
+    } else {
+      gemv_row_scale<T, M>(inv_rms, x, x_stride, k8, m, eps);
+      gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m);
+    }
+  } else {
+    gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m);
+  }
   __syncthreads();
   allow_next_grid();  // every CTA of this grid is resident: the next one may launch and prefetch
 
