@@ -6,6 +6,7 @@
 // head. The reduce kernel does not depend on the cache (2 kernels).
 #include <cmath>
 
+#include "attention_args.h"
 #include "attention_decode.cuh"
 #include "launchers.h"
 
@@ -55,20 +56,7 @@ void dispatch_head_dim(const DecodeParams& p, int num_seqs, int head_dim, cudaSt
 void check_decode_args(const DecodeParams& p, int num_seqs, int head_dim, int block_size,
                        int dtype, int cache_dtype) {
   const std::string where = "paged_attention_decode: ";
-  require(cache_dtype == dtype || cache_dtype == kFloat8E4M3,
-          where + "cache_dtype must be the query dtype or float8_e4m3fn, got " +
-              dtype_name(cache_dtype));
-  require(cache_dtype != kFloat8E4M3 || (p.k_scale && p.v_scale),
-          where + "an FP8 cache needs k_scale and v_scale");
-  require(head_dim == 64 || head_dim == 128,
-          where + "head_dim=" + std::to_string(head_dim) + " unsupported (64, 128)");
-  require(block_size == kDecodeBlockSize,
-          where + "block_size=" + std::to_string(block_size) + " unsupported (16)");
-  require(num_seqs > 0 && num_seqs <= 65535,
-          where + "num_seqs=" + std::to_string(num_seqs) + " out of range [1, 65535]");
-  require(p.num_kv_heads > 0 && p.num_heads % p.num_kv_heads == 0,
-          where + "num_heads=" + std::to_string(p.num_heads) + " is not a multiple of num_kv_heads=" +
-              std::to_string(p.num_kv_heads));
+  check_attention_args(p, where, num_seqs, head_dim, block_size, dtype, cache_dtype);
   require(p.partition_size > 0 && p.partition_size % kDecodeBlockSize == 0 &&
               p.partition_size <= kDecodeMaxPartition,
           where + "partition_size=" + std::to_string(p.partition_size) +
@@ -77,11 +65,6 @@ void check_decode_args(const DecodeParams& p, int num_seqs, int head_dim, int bl
           where + "num_splits=" + std::to_string(p.num_splits) + " out of range");
   require(p.num_splits == 1 || (p.split_out && p.split_max && p.split_sum),
           where + "num_splits > 1 needs the split_out / split_max / split_sum workspace");
-  // 16-byte loads of q rows and 16- (8- for FP8) byte loads of cache rows.
-  require(p.q_stride_token % 8 == 0 && p.q_stride_head % 8 == 0 && aligned16(p.query) &&
-              aligned16(p.key_cache) && aligned16(p.value_cache),
-          where + "query strides (" + std::to_string(p.q_stride_token) + ", " +
-              std::to_string(p.q_stride_head) + ") and pointers must be 16-byte aligned");
 }
 
 }  // namespace

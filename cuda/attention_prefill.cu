@@ -2,6 +2,7 @@
 //
 // Instantiations: {float16, bfloat16} x cache {same, FP8 E4M3} x head_dim {64, 128} (8 kernels),
 // block size 16 (the engine's shapes).
+#include "attention_args.h"
 #include "attention_prefill.cuh"
 #include "launchers.h"
 
@@ -36,26 +37,9 @@ void dispatch_head_dim(const PrefillParams& p, int num_seqs, int head_dim, int m
 void check_prefill_args(const PrefillParams& p, int num_seqs, int head_dim, int block_size,
                         int max_query_len, int dtype, int cache_dtype) {
   const std::string where = "paged_attention_prefill: ";
-  require(cache_dtype == dtype || cache_dtype == kFloat8E4M3,
-          where + "cache_dtype must be the query dtype or float8_e4m3fn, got " +
-              dtype_name(cache_dtype));
-  require(cache_dtype != kFloat8E4M3 || (p.k_scale && p.v_scale),
-          where + "an FP8 cache needs k_scale and v_scale");
-  require(head_dim == 64 || head_dim == 128,
-          where + "head_dim=" + std::to_string(head_dim) + " unsupported (64, 128)");
-  require(block_size == kPrefillBlockSize,
-          where + "block_size=" + std::to_string(block_size) + " unsupported (16)");
-  require(num_seqs > 0 && num_seqs <= 65535,
-          where + "num_seqs=" + std::to_string(num_seqs) + " out of range [1, 65535]");
+  check_attention_args(p, where, num_seqs, head_dim, block_size, dtype, cache_dtype);
   require(max_query_len > 0, where + "max_query_len=" + std::to_string(max_query_len) +
                                  " must be positive");
-  require(p.num_kv_heads > 0 && p.num_heads % p.num_kv_heads == 0,
-          where + "num_heads=" + std::to_string(p.num_heads) + " is not a multiple of num_kv_heads=" +
-              std::to_string(p.num_kv_heads));
-  require(p.q_stride_token % 8 == 0 && p.q_stride_head % 8 == 0 && aligned16(p.query) &&
-              aligned16(p.key_cache) && aligned16(p.value_cache) && aligned16(p.out),
-          where + "query strides (" + std::to_string(p.q_stride_token) + ", " +
-              std::to_string(p.q_stride_head) + ") and pointers must be 16-byte aligned");
 }
 
 }  // namespace
