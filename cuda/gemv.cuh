@@ -95,12 +95,31 @@ __device__ __forceinline__ void gemv_stage(uint4* act, int k8, const T* x, int64
   }
 }
 
+// inv_rms[i] = 1 / sqrt(sum over the CTA of sum_sq[i] / k + eps) for the M rows (block-wide).
+template <int M>
+__device__ __forceinline__ void gemv_inv_rms(const float (&sum_sq)[M], float* inv_rms, int k,
+                                             float eps) {
+  __shared__ float partial[kGemvWarps][M];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    const float s = warp_sum(sum_sq[i]);
+    if (lane == 0) partial[warp][i] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x < M) {
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kGemvWarps; ++w) s += partial[w][threadIdx.x];
+    inv_rms[threadIdx.x] = rsqrtf(s / k + eps);
+  }
+  __syncthreads();
+}
+
 // inv_rms[i] = 1 / sqrt(mean(x[i]^2) + eps) for the m rows (block-wide; loads batched).
 template <typename T, int M>
 __device__ __forceinline__ void gemv_row_scale(float* inv_rms, const T* x, int64_t x_stride,
                                                int k8, int m, float eps) {
-  __shared__ float partial[kGemvWarps][M];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float sum_sq[M];
 #pragma unroll
   for (int i = 0; i < M; ++i) sum_sq[i] = 0.f;
@@ -123,19 +142,7 @@ __device__ __forceinline__ void gemv_row_scale(float* inv_rms, const T* x, int64
       }
     }
   }
-#pragma unroll
-  for (int i = 0; i < M; ++i) {
-    const float s = warp_sum(sum_sq[i]);
-    if (lane == 0) partial[warp][i] = s;
-  }
-  __syncthreads();
-  if (threadIdx.x < M) {
-    float s = 0.f;
-#pragma unroll
-    for (int w = 0; w < kGemvWarps; ++w) s += partial[w][threadIdx.x];
-    inv_rms[threadIdx.x] = rsqrtf(s / (k8 * 8) + eps);
-  }
-  __syncthreads();
+  gemv_inv_rms<M>(sum_sq, inv_rms, k8 * 8, eps);
 }
 
 // kRmsNorm when each thread stages at most kStageBatch vectors: x and the norm weight are loaded
@@ -146,8 +153,6 @@ __device__ __forceinline__ void gemv_stage_rmsnorm_one_pass(uint4* act, int k8, 
                                                             int64_t x_stride,
                                                             const T* norm_weight, float* inv_rms,
                                                             int m, float eps) {
-  __shared__ float partial[kGemvWarps][M];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int total = M * k8;
   uint4 a[kStageBatch], w[kStageBatch];
 #pragma unroll
@@ -173,19 +178,7 @@ __device__ __forceinline__ void gemv_stage_rmsnorm_one_pass(uint4* act, int k8, 
 #pragma unroll
     for (int i = 0; i < M; ++i) sum_sq[i] += row == i ? ss : 0.f;
   }
-#pragma unroll
-  for (int i = 0; i < M; ++i) {
-    const float s = warp_sum(sum_sq[i]);
-    if (lane == 0) partial[warp][i] = s;
-  }
-  __syncthreads();
-  if (threadIdx.x < M) {
-    float s = 0.f;
-#pragma unroll
-    for (int wi = 0; wi < kGemvWarps; ++wi) s += partial[wi][threadIdx.x];
-    inv_rms[threadIdx.x] = rsqrtf(s / (k8 * 8) + eps);
-  }
-  __syncthreads();
+  gemv_inv_rms<M>(sum_sq, inv_rms, k8 * 8, eps);
 #pragma unroll
   for (int j = 0; j < kStageBatch; ++j) {
     const int idx = threadIdx.x + j * blockDim.x;
