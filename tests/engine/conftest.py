@@ -24,16 +24,20 @@ def make_engine(loaded, **engine_kwargs) -> EngineCore:
 
 
 def run_to_completion(engine: EngineCore, prompts: list[list[int]],
-                      params: SamplingParams) -> list[list[int]]:
-    """Add every prompt at once, step until done; output token ids in prompt order."""
-    outputs: dict[str, list[int]] = {}
-    for i, ids in enumerate(prompts):
+                      params: SamplingParams | list[SamplingParams],
+                      field: str = "new_token_ids") -> list[list]:
+    """Add every prompt at once (with one params for all, or one per prompt), step until done;
+    per prompt, in prompt order, what the outputs carried in `field` (token ids, or
+    "new_logprobs")."""
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    outputs: dict[str, list] = {}
+    for i, (ids, p) in enumerate(zip(prompts, per_prompt, strict=True)):
         engine.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=ids,
-                                             sampling_params=params))
+                                             sampling_params=p))
         outputs[str(i)] = []
     while engine.has_unfinished_requests():
         for out in engine.step():
-            outputs[out.request_id].extend(out.new_token_ids)
+            outputs[out.request_id].extend(getattr(out, field))
     return [outputs[str(i)] for i in range(len(prompts))]
 
 

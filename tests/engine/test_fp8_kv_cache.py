@@ -15,8 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.conftest import assert_all_blocks_free, make_engine
-from tinyvllm.engine.request import EngineCoreRequest
+from tests.engine.conftest import assert_all_blocks_free, make_engine, run_to_completion
 from tinyvllm.sampling_params import SamplingParams
 
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -31,14 +30,7 @@ KV_CACHE_GB = 0.05
 def generate(engine, prompts):
     """Greedy with top-TOP logprobs; per prompt the list of Logprobs, one per generated token."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP)
-    outputs = {str(i): [] for i in range(len(prompts))}
-    for i, ids in enumerate(prompts):
-        engine.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=ids,
-                                             sampling_params=params))
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[out.request_id].extend(out.new_logprobs)
-    return [outputs[str(i)] for i in range(len(prompts))]
+    return run_to_completion(engine, prompts, params, field="new_logprobs")
 
 
 @pytest.fixture(scope="module")

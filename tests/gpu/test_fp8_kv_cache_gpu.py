@@ -13,10 +13,10 @@ import gc
 import pytest
 import torch
 
+from tests.engine.conftest import assert_all_blocks_free, run_to_completion
 from tinyvllm import ops
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
-from tinyvllm.engine.request import EngineCoreRequest
 from tinyvllm.model.synthetic import SMOLLM2_135M_SHAPE, make_random_model
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.model_runner import ModelRunner
@@ -116,17 +116,9 @@ def engine(**kwargs) -> EngineCore:
 def generate(core: EngineCore, prompts: list[list[int]], max_tokens: int):
     """Greedy with top-5 logprobs; asserts that every KV block is free afterwards."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
-    outputs = {str(i): [] for i in range(len(prompts))}
-    for i, ids in enumerate(prompts):
-        core.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=ids,
-                                           sampling_params=params))
-    while core.has_unfinished_requests():
-        for out in core.step():
-            outputs[out.request_id].extend(out.new_logprobs)
-    stats = core.get_stats()
-    assert stats.num_running == stats.num_waiting == 0
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks
-    return [outputs[str(i)] for i in range(len(prompts))]
+    outputs = run_to_completion(core, prompts, params, field="new_logprobs")
+    assert_all_blocks_free(core)
+    return outputs
 
 
 def assert_logprobs_close(ref, got, logprob_tol: float, near_tie: float) -> None:

@@ -20,9 +20,9 @@ from typing import Optional
 import pytest
 import torch
 
+from tests.engine.conftest import assert_all_blocks_free, run_to_completion
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
-from tinyvllm.engine.request import EngineCoreRequest
 from tinyvllm.ops import _dispatch
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker import cuda_graph
@@ -83,19 +83,10 @@ def engine(path, **kwargs) -> EngineCore:
 
 def generate(core: EngineCore, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
     """Greedy, all prompts at once; asserts every KV block is free afterwards."""
-    outputs: dict[str, list[int]] = {}
-    for i, (ids, n) in enumerate(zip(prompts, max_tokens)):
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        core.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=ids,
-                                           sampling_params=params))
-        outputs[str(i)] = []
-    while core.has_unfinished_requests():
-        for out in core.step():
-            outputs[out.request_id].extend(out.new_token_ids)
-    stats = core.get_stats()
-    assert stats.num_running == stats.num_waiting == 0
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks
-    return [outputs[str(i)] for i in range(len(prompts))]
+    outputs = run_to_completion(core, prompts, [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens])
+    assert_all_blocks_free(core)
+    return outputs
 
 
 def count_replays(core: EngineCore) -> dict[str, int]:

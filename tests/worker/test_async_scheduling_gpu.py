@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.engine.conftest import assert_all_blocks_free, run_to_completion
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
-from tinyvllm.engine.request import EngineCoreRequest
 from tinyvllm.model.loader import LoadedModel
 from tinyvllm.model.synthetic import make_random_model, synthetic_tokenizer, tiny_arch
 from tinyvllm.sampling_params import SamplingParams
@@ -49,21 +49,13 @@ def run(small, async_scheduling: bool, **kwargs) -> tuple[list[list[int]], int]:
 
     core.runner.buffers.fill_prev_token_ids = counted
     g = torch.Generator().manual_seed(0)
-    outputs: dict[str, list[int]] = {}
-    for i, n in enumerate(MAX_TOKENS):
-        prompt = torch.randint(0, 1000, (5 + 7 * i,), generator=g).tolist()
-        core.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=prompt,
-                                           sampling_params=SamplingParams(
-                                               temperature=0.0, max_tokens=n, ignore_eos=True)))
-        outputs[str(i)] = []
-    while core.has_unfinished_requests():
-        for out in core.step():
-            outputs[out.request_id].extend(out.new_token_ids)
-    stats = core.get_stats()
-    assert stats.num_running == stats.num_waiting == 0
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    prompts = [torch.randint(0, 1000, (5 + 7 * i,), generator=g).tolist()
+               for i in range(len(MAX_TOKENS))]
+    outputs = run_to_completion(core, prompts, [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS])
+    assert_all_blocks_free(core)
     core.shutdown()
-    return [outputs[str(i)] for i in range(len(MAX_TOKENS))], fills[0]
+    return outputs, fills[0]
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"enforce_eager": True},
