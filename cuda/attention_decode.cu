@@ -16,7 +16,7 @@ namespace {
 constexpr float kLog2e = 1.4426950408889634f;
 
 template <typename T, typename Cache, int HEAD_DIM, int MAX_G>
-void launch_decode(DecodeParams p, int num_seqs, cudaStream_t stream) {
+void launch_decode(DecodeParams p, const DecodeNewToken& nt, int num_seqs, cudaStream_t stream) {
   p.head_chunks = (p.group_size + MAX_G - 1) / MAX_G;
   const size_t smem = decode_smem_floats<MAX_G>(p.partition_size, HEAD_DIM) * sizeof(float);
   auto kernel = paged_decode_kernel<T, Cache, HEAD_DIM, MAX_G>;
@@ -27,7 +27,7 @@ void launch_decode(DecodeParams p, int num_seqs, cudaStream_t stream) {
   check_cuda(smem_ok, "paged_decode_kernel: shared memory");
   const dim3 grid(p.num_kv_heads * p.head_chunks, num_seqs, p.num_splits);
   // PDL launches: each kernel's launch overlaps the previous kernel's tail (see common.cuh).
-  launch_pdl(kernel, grid, dim3(kDecodeThreads), smem, stream, p);
+  launch_pdl(kernel, grid, dim3(kDecodeThreads), smem, stream, p, nt);
   if (p.num_splits > 1) {
     launch_pdl(paged_decode_reduce_kernel<T>, dim3(p.num_heads, num_seqs), dim3(HEAD_DIM), 0,
                stream, static_cast<T*>(p.out), p.split_out, p.split_max, p.split_sum, p.seq_lens,
@@ -36,25 +36,27 @@ void launch_decode(DecodeParams p, int num_seqs, cudaStream_t stream) {
 }
 
 template <typename T, typename Cache, int HEAD_DIM>
-void dispatch_group(const DecodeParams& p, int num_seqs, cudaStream_t stream) {
+void dispatch_group(const DecodeParams& p, const DecodeNewToken& nt, int num_seqs,
+                    cudaStream_t stream) {
   if (p.group_size <= 4) {
-    launch_decode<T, Cache, HEAD_DIM, 4>(p, num_seqs, stream);
+    launch_decode<T, Cache, HEAD_DIM, 4>(p, nt, num_seqs, stream);
   } else {
-    launch_decode<T, Cache, HEAD_DIM, 8>(p, num_seqs, stream);
+    launch_decode<T, Cache, HEAD_DIM, 8>(p, nt, num_seqs, stream);
   }
 }
 
 template <typename T, typename Cache>
-void dispatch_head_dim(const DecodeParams& p, int num_seqs, int head_dim, cudaStream_t stream) {
+void dispatch_head_dim(const DecodeParams& p, const DecodeNewToken& nt, int num_seqs,
+                       int head_dim, cudaStream_t stream) {
   if (head_dim == 64) {
-    dispatch_group<T, Cache, 64>(p, num_seqs, stream);
+    dispatch_group<T, Cache, 64>(p, nt, num_seqs, stream);
   } else {
-    dispatch_group<T, Cache, 128>(p, num_seqs, stream);
+    dispatch_group<T, Cache, 128>(p, nt, num_seqs, stream);
   }
 }
 
-void check_decode_args(const DecodeParams& p, int num_seqs, int head_dim, int block_size,
-                       int dtype, int cache_dtype) {
+void check_decode_args(const DecodeParams& p, const DecodeNewToken& nt, int num_seqs,
+                       int head_dim, int block_size, int dtype, int cache_dtype) {
   const std::string where = "paged_attention_decode: ";
   check_attention_args(p, where, num_seqs, head_dim, block_size, dtype, cache_dtype);
   require(p.partition_size > 0 && p.partition_size % kDecodeBlockSize == 0 &&
@@ -65,6 +67,13 @@ void check_decode_args(const DecodeParams& p, int num_seqs, int head_dim, int bl
           where + "num_splits=" + std::to_string(p.num_splits) + " out of range");
   require(p.num_splits == 1 || (p.split_out && p.split_max && p.split_sum),
           where + "num_splits > 1 needs the split_out / split_max / split_sum workspace");
+  if (nt.cos_sin != nullptr) {
+    require(nt.key && nt.value && nt.positions && nt.slot_mapping,
+            where + "a fused new token needs key, value, positions and slot_mapping");
+    require(nt.kv_stride % 8 == 0 && aligned16(nt.key) && aligned16(nt.value),
+            where + "new key / value rows (stride " + std::to_string(nt.kv_stride) +
+                ") must be 16-byte aligned");
+  }
 }
 
 }  // namespace
@@ -84,7 +93,23 @@ void paged_attention_decode(
     int partition_size, float scale,
     ptr_t k_scale,       // [1] float32, read when cache_dtype is FP8
     ptr_t v_scale,       // [1] float32, read when cache_dtype is FP8
+    ptr_t new_key,       // fused new token (0: none): [num_seqs, new_kv_stride], not rotated
+    ptr_t new_value,     // [num_seqs, new_kv_stride]
+    int64_t new_kv_stride,
+    ptr_t positions,     // [num_seqs] int64
+    ptr_t slot_mapping,  // [num_seqs] int64, negative: not written
+    ptr_t cos_sin_cache, // [max_position, head_dim] float32; 0: no fused new token
     int dtype, int cache_dtype, stream_t stream) {
+  DecodeNewToken nt{};
+  nt.key = reinterpret_cast<const void*>(new_key);
+  nt.value = reinterpret_cast<const void*>(new_value);
+  nt.positions = reinterpret_cast<const int64_t*>(positions);
+  nt.slot_mapping = reinterpret_cast<const int64_t*>(slot_mapping);
+  nt.cos_sin = reinterpret_cast<const float*>(cos_sin_cache);
+  require(new_kv_stride >= 0 && new_kv_stride <= INT32_MAX,
+          "paged_attention_decode: new_kv_stride=" + std::to_string(new_kv_stride) +
+              " out of range");
+  nt.kv_stride = static_cast<int>(new_kv_stride);
   DecodeParams p{};
   p.out = reinterpret_cast<void*>(out);
   p.query = reinterpret_cast<const void*>(query);
@@ -110,13 +135,13 @@ void paged_attention_decode(
   p.num_splits = num_splits;
   p.partition_size = partition_size;
   p.scale_log2 = scale * kLog2e;
-  check_decode_args(p, num_seqs, head_dim, block_size, dtype, cache_dtype);
+  check_decode_args(p, nt, num_seqs, head_dim, block_size, dtype, cache_dtype);
   const cudaStream_t s = as_stream(stream);
   TINYVLLM_DISPATCH_HALF(dtype, "paged_attention_decode", {
     if (cache_dtype == kFloat8E4M3) {
-      dispatch_head_dim<scalar_t, fp8_e4m3>(p, num_seqs, head_dim, s);
+      dispatch_head_dim<scalar_t, fp8_e4m3>(p, nt, num_seqs, head_dim, s);
     } else {
-      dispatch_head_dim<scalar_t, scalar_t>(p, num_seqs, head_dim, s);
+      dispatch_head_dim<scalar_t, scalar_t>(p, nt, num_seqs, head_dim, s);
     }
   });
 }

@@ -7,7 +7,12 @@
 //   phase 2  max and sum per head over the partition (exact softmax inside it)
 //   phase 3  probability-weighted sum of V                                         (reads V once)
 // With several partitions, each writes (normalised out, max, sum) and `paged_decode_reduce_kernel`
-// merges them; with one, the CTA writes the final output. fp32 accumulation throughout; scores are
+// merges them; with one, the CTA writes the final output.
+//
+// Fused new token (DecodeNewToken, the engine's decode step): q, k and v arrive straight from the
+// qkv projection. The kernel rotates q and k (GPT-NeoX halves, as rotary_embedding_and_cache),
+// writes the rotated k and v into the token's cache slot and attends with the fresh values, so the
+// rotary + cache-write launch disappears. fp32 accumulation throughout; scores are
 // kept in the log2 domain (q is pre-scaled by scale * log2(e)) so exp2 does the softmax.
 //
 // Lane layout: a token's head_dim elements are read by HEAD_DIM / 8 lanes, 8 elements each (16 bytes
@@ -53,6 +58,18 @@ struct DecodeParams {
   const float* v_scale;       // [1], FP8 cache only
 };
 
+// Optional second argument of the decode kernel (kept apart so that DecodeParams stays within 128
+// bytes, see above).
+struct DecodeNewToken {
+  const void* key;              // [num_seqs, kv_stride]: num_kv_heads * head_dim keys, not rotated
+  const void* value;            // [num_seqs, kv_stride]
+  const int64_t* positions;     // [num_seqs]
+  const int64_t* slot_mapping;  // [num_seqs]; negative: padding, nothing written
+  const float* cos_sin;         // [max_position, head_dim] cos | sin halves; nullptr: not fused,
+                                // the query is already rotated and the token already cached
+  int kv_stride;                // elements between rows of key / value
+};
+
 template <int MAX_G>
 constexpr size_t decode_smem_floats(int partition_size, int head_dim) {
   return size_t(MAX_G) * partition_size + size_t(kDecodeWarps) * MAX_G * head_dim;
@@ -70,6 +87,8 @@ struct DecodeCta {
   const DecodeParams& p;
   int seq, split, kv_head, head0, num_g, len, num_blocks;
   const int* table;  // this partition's entries of the block table
+  int fresh;         // index in the partition of the fused new token, -1 if none
+  float* fresh_v;    // [HEAD_DIM]: its value, as read back from the cache (without the V scale)
   int lane_token, lane_chunk, warp, lane;
   float* logits;     // [MAX_G][partition_size]
   float* reduce_buf; // [kDecodeWarps][MAX_G][HEAD_DIM]
@@ -91,20 +110,107 @@ struct DecodeCta {
     return b * kDecodeBlockSize + i * kTokensPerLoad + lane_token;
   }
 
-  // q pre-scaled by scale * log2(e), times the K scale of an FP8 cache.
-  __device__ __forceinline__ void load_query(float (&q)[MAX_G][kVec]) const {
+  // Rotates this lane's chunk of a head row (GPT-NeoX halves) at position `pos` and rounds it to T,
+  // as rotary_embedding_and_cache stores it. The partner half sits kLanesPerToken / 2 lanes away.
+  // Every lane of the warp must call it (shuffles).
+  __device__ __forceinline__ void rotate(float (&x)[kVec], const float* cos_sin, int64_t pos) const {
+    constexpr int kHalfLanes = kLanesPerToken / 2;
+    const float* cos = cos_sin + pos * HEAD_DIM + (lane_chunk % kHalfLanes) * kVec;
+    const float* sin = cos + HEAD_DIM / 2;
+    const float sign = lane_chunk < kHalfLanes ? -1.f : 1.f;  // x1 c - x2 s | x2 c + x1 s
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const float partner = __shfl_xor_sync(0xffffffffu, x[e], kHalfLanes);
+      x[e] = round_to<T>(x[e] * __ldg(cos + e) + sign * partner * __ldg(sin + e));
+    }
+  }
+
+  // q pre-scaled by scale * log2(e), times the K scale of an FP8 cache (rotated first when the new
+  // token is fused).
+  __device__ __forceinline__ void load_query(float (&q)[MAX_G][kVec],
+                                             const DecodeNewToken& nt) const {
     const T* base = static_cast<const T*>(p.query) + int64_t(seq) * p.q_stride_token +
                     lane_chunk * kVec;
     float scale = p.scale_log2;
     if constexpr (is_fp8_cache<Cache>()) scale *= __ldg(p.k_scale);
+    const int64_t pos = nt.cos_sin != nullptr ? nt.positions[seq] : 0;
 #pragma unroll
     for (int g = 0; g < MAX_G; ++g) {
       float f[kVec] = {};
       if (g < num_g) {
         unpack8<T>(*reinterpret_cast<const uint4*>(base + int64_t(head0 + g) * p.q_stride_head), f);
+        if (nt.cos_sin != nullptr) rotate(f, nt.cos_sin, pos);
       }
 #pragma unroll
       for (int i = 0; i < kVec; ++i) q[g][i] = f[i] * scale;
+    }
+  }
+
+  // Eight floats as the cache stores them (rounded to T, or quantised with `scale`).
+  __device__ __forceinline__ static Vec to_cache_vec(const float (&f)[kVec], float scale) {
+    if constexpr (is_fp8_cache<Cache>()) {
+      Vec v;
+      __nv_fp8_storage_t* e = reinterpret_cast<__nv_fp8_storage_t*>(&v);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) e[i] = quantize_fp8(f[i], scale);
+      return v;
+    } else {
+      return pack8<T>(f);
+    }
+  }
+
+  // The fused new token, by warp 0: rotates its k, writes k and v to the token's cache slot (if
+  // `writer`: chunk 0 of the KV head), writes its scores to `logits` and keeps v in fresh_v for
+  // weighted_values, both as the cache holds them, so the stale slot is never read.
+  __device__ __forceinline__ void take_new_token(const DecodeNewToken& nt, bool writer,
+                                                 const float (&q)[MAX_G][kVec]) const {
+    const int64_t at = int64_t(seq) * nt.kv_stride + kv_head * HEAD_DIM + lane_chunk * kVec;
+    float k[kVec], v[kVec];
+    unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const T*>(nt.key) + at), k);
+    unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const T*>(nt.value) + at), v);
+    rotate(k, nt.cos_sin, nt.positions[seq]);
+    float ks = 1.f, vs = 1.f;
+    if constexpr (is_fp8_cache<Cache>()) {
+      ks = __ldg(p.k_scale);
+      vs = __ldg(p.v_scale);
+    }
+    const Vec kc = to_cache_vec(k, ks), vc = to_cache_vec(v, vs);
+    const int64_t slot = nt.slot_mapping[seq];
+    if (writer && slot >= 0 && lane_token == 0) {
+      const int64_t row = (slot * p.num_kv_heads + kv_head) * HEAD_DIM + lane_chunk * kVec;
+      *reinterpret_cast<Vec*>(const_cast<Cache*>(static_cast<const Cache*>(p.key_cache)) + row) = kc;
+      *reinterpret_cast<Vec*>(const_cast<Cache*>(static_cast<const Cache*>(p.value_cache)) + row) =
+          vc;
+    }
+    Load::unpack(kc, k);
+    Load::unpack(vc, v);
+#pragma unroll
+    for (int g = 0; g < MAX_G; ++g) {
+      if (g >= num_g) break;
+      float s = 0.f;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) s = fmaf(q[g][e], k[e], s);
+#pragma unroll
+      for (int off = kLanesPerToken / 2; off > 0; off >>= 1) {
+        s += __shfl_xor_sync(0xffffffffu, s, off);
+      }
+      if (lane == 0) logits[g * p.partition_size + fresh] = s;
+    }
+    if (lane_token == 0) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) fresh_v[lane_chunk * kVec + e] = v[e];
+    }
+  }
+
+  // Adds the fused new token's weighted value (skipped by weighted_values) to acc: warp 0.
+  __device__ __forceinline__ void add_new_token(float (&acc)[MAX_G][kVec]) const {
+    if (lane_token != 0) return;
+#pragma unroll
+    for (int g = 0; g < MAX_G; ++g) {
+      if (g >= num_g) break;
+      const float w = logits[g * p.partition_size + fresh];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[g][e] = fmaf(w, fresh_v[lane_chunk * kVec + e], acc[g][e]);
     }
   }
 
@@ -129,9 +235,9 @@ struct DecodeCta {
                 [&](int b, const Vec (&k)[kLoadsPerBlock]) {
 #pragma unroll
       for (int i = 0; i < kLoadsPerBlock; ++i) {
+        const int t = token_of(b, i);
         float kf[kVec];
         Load::unpack(k[i], kf);
-        const int t = token_of(b, i);
 #pragma unroll
         for (int g = 0; g < MAX_G; ++g) {
           if (g >= num_g) break;
@@ -142,7 +248,10 @@ struct DecodeCta {
           for (int off = kLanesPerToken / 2; off > 0; off >>= 1) {
             s += __shfl_xor_sync(0xffffffffu, s, off);
           }
-          if (lane_chunk == 0) logits[g * p.partition_size + t] = t < len ? s : -CUDART_INF_F;
+          // The fused new token's slot is stale: take_new_token writes its score.
+          if (lane_chunk == 0 && t != fresh) {
+            logits[g * p.partition_size + t] = t < len ? s : -CUDART_INF_F;
+          }
         }
       }
     });
@@ -175,7 +284,8 @@ struct DecodeCta {
 #pragma unroll
       for (int i = 0; i < kLoadsPerBlock; ++i) {
         const int t = token_of(b, i);
-        if (t >= len) continue;  // slots past the context may hold anything, NaN included
+        // Slots past the context may hold anything, NaN included; the new token's is stale.
+        if (t >= len || t == fresh) continue;
         float vf[kVec];
         Load::unpack(v[i], vf);
 #pragma unroll
@@ -212,16 +322,20 @@ struct DecodeCta {
     }
   }
 
+  // This partition's normalised output of element idx (= g * HEAD_DIM + d): the warps' sums.
+  __device__ __forceinline__ float partition_out(int idx, const float* head_sum) const {
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) total += reduce_buf[w * MAX_G * HEAD_DIM + idx];
+    total /= head_sum[idx / HEAD_DIM];
+    if constexpr (is_fp8_cache<Cache>()) total *= __ldg(p.v_scale);
+    return total;
+  }
+
   __device__ __forceinline__ void write(const float* head_max, const float* head_sum) const {
-    float v_scale = 1.f;
-    if constexpr (is_fp8_cache<Cache>()) v_scale = __ldg(p.v_scale);
     for (int idx = threadIdx.x; idx < num_g * HEAD_DIM; idx += kDecodeThreads) {
       const int g = idx / HEAD_DIM, d = idx % HEAD_DIM;
-      float total = 0.f;
-#pragma unroll
-      for (int w = 0; w < kDecodeWarps; ++w) total += reduce_buf[(w * MAX_G + g) * HEAD_DIM + d];
-      const float val = is_fp8_cache<Cache>() ? total / head_sum[g] * v_scale
-                                              : total / head_sum[g];
+      const float val = partition_out(idx, head_sum);
       const int64_t row = int64_t(seq) * p.num_heads + head0 + g;
       if (p.num_splits == 1) {
         static_cast<T*>(p.out)[row * HEAD_DIM + d] = from_float<T>(val);
@@ -247,10 +361,10 @@ struct DecodeCta {
 
 template <typename T, typename Cache, int HEAD_DIM, int MAX_G>
 __global__ void __launch_bounds__(kDecodeThreads)
-paged_decode_kernel(const DecodeParams p) {
+paged_decode_kernel(const DecodeParams p, const DecodeNewToken nt) {
   using Cta = DecodeCta<T, Cache, HEAD_DIM, MAX_G>;
   extern __shared__ float smem[];
-  __shared__ float head_max[MAX_G], head_sum[MAX_G];
+  __shared__ float head_max[MAX_G], head_sum[MAX_G], fresh_v[HEAD_DIM];
   wait_for_previous_grid();  // q and this step's K/V come from the kernel before (PDL launch)
   allow_next_grid();
   Cta c{p};
@@ -260,33 +374,38 @@ paged_decode_kernel(const DecodeParams p) {
   const int chunk = blockIdx.x % p.head_chunks;
   c.head0 = c.kv_head * p.group_size + chunk * MAX_G;
   c.num_g = min(MAX_G, p.group_size - chunk * MAX_G);
-  const int seq_len = p.seq_lens[c.seq];
-  const int start = c.split * p.partition_size;
-  if (start >= seq_len) {
-    if (p.num_splits == 1) c.write_zeros();
-    return;  // partitions past the context write nothing; the reduce skips them
-  }
-  c.len = min(seq_len - start, p.partition_size);
-  c.num_blocks = (c.len + kDecodeBlockSize - 1) / kDecodeBlockSize;
-  c.table = p.block_tables + int64_t(c.seq) * p.max_num_blocks_per_seq + start / kDecodeBlockSize;
   c.warp = threadIdx.x / 32;
   c.lane = threadIdx.x % 32;
   c.lane_token = c.lane / Cta::kLanesPerToken;
   c.lane_chunk = c.lane % Cta::kLanesPerToken;
   c.logits = smem;
   c.reduce_buf = smem + MAX_G * p.partition_size;
-
-  float q[MAX_G][Cta::kVec];
-  c.load_query(q);
-  c.scores(q);
-  __syncthreads();
-  c.softmax(head_max, head_sum);
-  __syncthreads();
-  float acc[MAX_G][Cta::kVec] = {};
-  c.weighted_values(acc);
-  c.reduce_acc(acc);
-  __syncthreads();
-  c.write(head_max, head_sum);
+  const int seq_len = p.seq_lens[c.seq];
+  const int start = c.split * p.partition_size;
+  c.len = max(0, min(seq_len - start, p.partition_size));
+  c.fresh = nt.cos_sin != nullptr && start + c.len == seq_len ? c.len - 1 : -1;
+  c.fresh_v = fresh_v;
+  if (c.len > 0) {
+    c.num_blocks = (c.len + kDecodeBlockSize - 1) / kDecodeBlockSize;
+    c.table = p.block_tables + int64_t(c.seq) * p.max_num_blocks_per_seq + start / kDecodeBlockSize;
+    float q[MAX_G][Cta::kVec];
+    c.load_query(q, nt);
+    if (c.fresh >= 0 && c.warp == 0) c.take_new_token(nt, chunk == 0, q);
+    c.scores(q);
+    __syncthreads();
+    c.softmax(head_max, head_sum);
+    __syncthreads();
+    float acc[MAX_G][Cta::kVec] = {};
+    c.weighted_values(acc);
+    if (c.fresh >= 0 && c.warp == 0) c.add_new_token(acc);
+    c.reduce_acc(acc);
+    __syncthreads();
+  }
+  if (c.len > 0) {
+    c.write(head_max, head_sum);
+  } else if (p.num_splits == 1) {
+    c.write_zeros();
+  }  // other empty partitions write nothing; the reduce skips them
 }
 
 // Grid (num_heads, num_seqs), HEAD_DIM threads: merges the partitions of one (seq, head).

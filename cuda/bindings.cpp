@@ -33,8 +33,10 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("num_seqs"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
         py::arg("block_size"), py::arg("q_stride_token"), py::arg("q_stride_head"),
         py::arg("max_num_blocks_per_seq"), py::arg("num_splits"), py::arg("partition_size"),
-        py::arg("scale"), py::arg("k_scale"), py::arg("v_scale"), py::arg("dtype"),
-        py::arg("cache_dtype"), py::arg("stream"));
+        py::arg("scale"), py::arg("k_scale"), py::arg("v_scale"), py::arg("new_key"),
+        py::arg("new_value"), py::arg("new_kv_stride"), py::arg("positions"),
+        py::arg("slot_mapping"), py::arg("cos_sin_cache"),
+        py::arg("dtype"), py::arg("cache_dtype"), py::arg("stream"));
 
   m.def("rms_norm", &tinyvllm::rms_norm, py::arg("out"), py::arg("x"), py::arg("residual"),
         py::arg("weight"), py::arg("num_tokens"), py::arg("hidden"), py::arg("x_stride"),

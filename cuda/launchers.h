@@ -18,15 +18,18 @@ void reshape_and_cache(ptr_t key, ptr_t value, ptr_t key_cache, ptr_t value_cach
                        int block_size, int64_t key_stride, int64_t value_stride, int dtype,
                        int cache_dtype, ptr_t k_scale, ptr_t v_scale, stream_t stream);
 
-// attention_decode.cu: one query per sequence, split along the context, then reduced.
+// attention_decode.cu: one query per sequence, split along the context, then reduced. With cos_sin_cache != 0 the step's new token is fused in: q
+// (the query argument) and new_key are rotated at `positions`, new_key / new_value written to
+// their cache slots and attended with.
 void paged_attention_decode(ptr_t out, ptr_t query, ptr_t key_cache, ptr_t value_cache,
                             ptr_t block_tables, ptr_t seq_lens, ptr_t split_out,
                             ptr_t split_max, ptr_t split_sum, int num_seqs, int num_heads,
                             int num_kv_heads, int head_dim, int block_size,
                             int64_t q_stride_token, int64_t q_stride_head,
                             int max_num_blocks_per_seq, int num_splits, int partition_size,
-                            float scale, ptr_t k_scale, ptr_t v_scale, int dtype,
-                            int cache_dtype, stream_t stream);
+                            float scale, ptr_t k_scale, ptr_t v_scale, ptr_t new_key,
+                            ptr_t new_value, int64_t new_kv_stride, ptr_t positions,
+                            ptr_t slot_mapping, ptr_t cos_sin_cache, int dtype, int cache_dtype, stream_t stream);
 
 // attention_prefill.cu: any number of new queries per sequence, causal over cached + new keys.
 void paged_attention_prefill(ptr_t out, ptr_t query, ptr_t key_cache, ptr_t value_cache,

@@ -8,9 +8,12 @@ import math
 import pytest
 import torch
 
+from tinyvllm.ops import attention_cuda
 from tinyvllm.ops._dispatch import cuda_ops
-from tinyvllm.ops.attention import AttentionMetadata, paged_attention, paged_attention_ref
-from tinyvllm.ops.kv_cache import quantize_kv, reshape_and_cache_ref
+from tinyvllm.ops.attention import (AttentionMetadata, paged_attention, paged_attention_ref,
+                                    rotary_paged_attention)
+from tinyvllm.ops.kv_cache import FP8_DTYPE, quantize_kv, reshape_and_cache_ref
+from tinyvllm.ops.layers import build_cos_sin_cache, rotary_embedding_and_cache_ref
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -209,3 +212,143 @@ def test_fp8_cache_with_wrong_query_dtype_raises(kernels):
     from tinyvllm.ops.attention_cuda import paged_attention_cuda
     with pytest.raises(ValueError, match="kv_cache"):
         paged_attention_cuda(kernels, query, cache.view(torch.uint8), meta, 0.1)
+
+
+# ---- decode with the step's new token fused in (rotary + cache write + attention) ----------------
+
+FUSED_CASES = {
+    "ragged": [(1, 5), (1, 48), (1, 1), (1, 30), (1, 17)],
+    "one_long": [(1, 2049)],
+    "very_long": [(1, 9000)],
+    "many_short": [(1, 1 + (7 * i) % 300) for i in range(40)],
+}
+
+
+def make_new_tokens(meta, num_heads, num_kv_heads, head_dim, dtype, seed):
+    """qkv rows of the step (q, k, v as strided views, like the model's split), the positions and
+    a Llama 3 scaled rotary table."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(meta.num_seqs, q_size + 2 * kv_size, generator=gen, device="cuda").to(dtype)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    positions = meta.seq_lens.long() - 1
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    cos_sin = build_cos_sin_cache(head_dim, 10000, 500000.0, scaling, device="cuda")
+    return qkv, (q, k, v), positions, cos_sin
+
+
+def stale_new_slots(cache, meta):
+    """NaN (16-bit) or 0x7f (E4M3 NaN) in the new tokens' slots: reading them before the fused write
+    poisons the output."""
+    flat = cache.view(2, -1, *cache.shape[3:])
+    slots = meta.slot_mapping[meta.slot_mapping >= 0]
+    if cache.dtype == FP8_DTYPE:
+        flat.view(torch.uint8)[:, slots] = 0x7F
+    else:
+        flat[:, slots] = float("nan")
+
+
+@pytest.mark.parametrize("kv", ["same", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_rotary_decode_matches_separate_ops(kernels, case, heads, head_dim, dtype, kv):
+    """One launch against rotary_embedding_and_cache + paged attention: same cache bytes (up to
+    a rounding of the rotation), same output, and against the float32 reference."""
+    num_heads, num_kv_heads = heads
+    seed = hash((case, heads, head_dim, str(dtype), "fused")) % 2**31
+    batch = make_batch(FUSED_CASES[case], num_heads, num_kv_heads, head_dim, dtype, seed,
+                       fp8=kv == "fp8")
+    query, cache, meta = batch[:3]
+    k_scale, v_scale = batch[3] if kv == "fp8" else (None, None)
+    stale_new_slots(cache, meta)
+    qkv, (q, k, v), positions, cos_sin = make_new_tokens(meta, num_heads, num_kv_heads, head_dim,
+                                                         dtype, seed)
+    scale = 1 / math.sqrt(head_dim)
+    fused_cache, qkv_before = cache.clone(), qkv.clone()
+    out = torch.full((meta.num_seqs, num_heads, head_dim), float("nan"), dtype=dtype, device="cuda")
+    attention_cuda.rotary_paged_attention_cuda(kernels, positions, q, k, v, cos_sin, fused_cache,
+                                               meta, scale, k_scale, v_scale, out=out)
+    assert torch.equal(qkv, qkv_before), "the fused kernel must not modify q, k, v"
+
+    sep_cache, sep_qkv = cache.clone(), qkv.clone()
+    sq, sk, sv = sep_qkv.split([q.shape[1], k.shape[1], v.shape[1]], dim=-1)
+    sq, _ = kernels_rotary_and_cache(positions, sq, sk, sv, cos_sin, head_dim, sep_cache, meta,
+                                     k_scale, v_scale)
+    separate = paged_attention(sq.reshape(meta.num_seqs, num_heads, head_dim), sep_cache, meta,
+                               scale, k_scale, v_scale)
+    if kv == "fp8":  # a rounding apart in the rotation may move an E4M3 value by one step
+        diff = (fused_cache.view(torch.uint8).int() - sep_cache.view(torch.uint8).int()).abs()
+        assert (diff <= 1).all() and (diff > 0).float().mean() < 1e-3
+    else:
+        torch.testing.assert_close(fused_cache, sep_cache, rtol=1e-2, atol=1e-2, equal_nan=True)
+        assert torch.equal(fused_cache.isnan(), sep_cache.isnan())
+    assert torch.isfinite(out).all(), "unwritten rows, or a stale slot was read"
+    rel = ((out.float() - separate.float()).norm() / separate.float().norm()).item()
+    assert rel <= 2e-3, f"fused vs separate kernels: relative error {rel:.2e}"
+
+    # float32 reference: rotary in float, cache writes (the FP8 cache: the separate kernels'),
+    # gather-then-attend
+    ref_cache = sep_cache if kv == "fp8" else cache.float()
+    ref_q, _ = rotary_embedding_and_cache_ref(positions, q.float(), k.float(), v.float(), cos_sin,
+                                              head_dim, ref_cache if kv != "fp8" else cache.clone(),
+                                              meta.slot_mapping, k_scale, v_scale)
+    ref = paged_attention_ref(ref_q.view(meta.num_seqs, num_heads, head_dim), ref_cache, meta,
+                              scale, k_scale, v_scale)
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel <= REL_TOL[dtype], f"relative error {rel:.2e}"
+
+
+def kernels_rotary_and_cache(positions, q, k, v, cos_sin, head_dim, cache, meta, k_scale, v_scale):
+    from tinyvllm.ops.layers import rotary_embedding_and_cache
+    return rotary_embedding_and_cache(positions, q, k, v, cos_sin, head_dim, cache,
+                                      meta.slot_mapping, k_scale, v_scale)
+
+
+def test_rotary_decode_padding_rows_write_nothing(kernels):
+    """Graph padding rows (slot -1, a context of 1 in the null block) attend but never write."""
+    query, cache, meta = make_batch([(1, 40), (1, 7)], 8, 2, 64, torch.bfloat16, seed=17)
+    meta.slot_mapping[1] = -1
+    _, (q, k, v), positions, cos_sin = make_new_tokens(meta, 8, 2, 64, torch.bfloat16, 17)
+    before = cache.clone()
+    out = rotary_paged_attention(positions, q, k, v, cos_sin, cache, meta, 0.125)
+    assert torch.isfinite(out).all()
+    changed = (cache != before).view(2, -1, 2 * 64).any(dim=(0, 2)).nonzero().flatten().tolist()
+    assert changed == [int(meta.slot_mapping[0])]
+
+
+def test_rotary_decode_graph_replay_sees_new_inputs(kernels):
+    """Captured once; replayed after qkv and positions change in place (the model runner's use)."""
+    _, cache, meta = make_batch([(1, 700), (1, 33)], 8, 2, 128, torch.bfloat16, seed=19)
+    qkv, (q, k, v), positions, cos_sin = make_new_tokens(meta, 8, 2, 128, torch.bfloat16, 19)
+    out = torch.empty(2, 8, 128, dtype=torch.bfloat16, device="cuda")
+    run = lambda c: attention_cuda.rotary_paged_attention_cuda(  # noqa: E731
+        kernels, positions, q, k, v, cos_sin, c, meta, 0.1, out=out)
+    run(cache.clone())
+    torch.cuda.synchronize()
+    graph_cache = cache.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(graph_cache)
+    qkv.copy_(torch.randn_like(qkv))
+    positions.sub_(3)
+    graph_cache.copy_(cache)
+    out.fill_(float("nan"))
+    graph.replay()
+    got, got_cache = out.clone(), graph_cache.clone()
+    eager_cache = cache.clone()
+    run(eager_cache)
+    torch.testing.assert_close(got, out, rtol=0, atol=0)
+    torch.testing.assert_close(got_cache, eager_cache, rtol=0, atol=0)
+
+
+def test_rotary_decode_rejects_prefill(kernels):
+    _, cache, meta = make_batch([(3, 20)], 4, 2, 64, torch.bfloat16, seed=2)
+    qkv = torch.randn(3, 8 * 64, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.split([256, 128, 128], dim=-1)
+    cos_sin = build_cos_sin_cache(64, 100, 10000.0, None, device="cuda")
+    with pytest.raises(ValueError, match="one new token per sequence"):
+        attention_cuda.rotary_paged_attention_cuda(kernels, torch.arange(3, device="cuda"), q, k,
+                                                   v, cos_sin, cache, meta, 0.1)

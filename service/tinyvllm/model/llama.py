@@ -19,8 +19,8 @@ from tinyvllm import ops
 from tinyvllm.model.arch import LlamaArch
 
 _FUSED_ROTARY_CACHE = os.environ.get("TINYVLLM_FUSED_ROTARY_CACHE", "1") != "0"
-"""One op for rotary + KV-cache write on the qkv views (no copies); 0 restores the separate ops
-with contiguous copies (for A/B timing)."""
+"""One op for rotary + KV-cache write + attention on the qkv views (no copies; on CUDA decode a
+single launch); 0 restores the separate ops with contiguous copies (for A/B timing)."""
 
 _FUSED_GEMV = os.environ.get("TINYVLLM_FUSED_GEMV", "1") != "0"
 """Decode-sized CUDA batches (<= ops.GEMV_MAX_ROWS tokens) run each projection with its norm /
@@ -75,18 +75,17 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         num_tokens = qkv.shape[0]
         if _FUSED_ROTARY_CACHE:
-            # Strided views into qkv: rotary in place, rotated K and V straight into the cache.
-            q, _ = ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, a.head_dim,
-                                                  kv_cache, meta.slot_mapping, self.k_scale,
-                                                  self.v_scale)
+            # Strided views into qkv; on CUDA decode one launch rotates, caches and attends.
+            out = ops.rotary_paged_attention(positions, q, k, v, cos_sin_cache, kv_cache, meta,
+                                             self.scale, self.k_scale, self.v_scale)
         else:
             q, k = ops.rotary_embedding(positions, q.contiguous(), k.contiguous(), cos_sin_cache,
                                         a.head_dim)
             k = k.view(num_tokens, a.num_kv_heads, a.head_dim)
             v = v.contiguous().view(num_tokens, a.num_kv_heads, a.head_dim)
             ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        out = ops.paged_attention(q.view(num_tokens, a.num_heads, a.head_dim), kv_cache, meta,
-                                  self.scale, self.k_scale, self.v_scale)
+            out = ops.paged_attention(q.view(num_tokens, a.num_heads, a.head_dim), kv_cache, meta,
+                                      self.scale, self.k_scale, self.v_scale)
         return out.reshape(num_tokens, a.q_size)
 
 

@@ -68,6 +68,38 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     return paged_attention_ref(query, kv_cache, meta, scale, k_scale, v_scale)
 
 
+def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                           value: torch.Tensor, cos_sin_cache: torch.Tensor,
+                           kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                           k_scale: Optional[torch.Tensor] = None,
+                           v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`rotary_embedding_and_cache` then `paged_attention`: rotary on the new queries and keys,
+    the new keys and values written to their cache slots, attention over the cache.
+
+    On CUDA a pure-decode batch runs as one launch that reads the raw q, k and v; query and key may
+    or may not be rotated in place afterwards (the caller treats them as consumed).
+
+    Shape:
+        positions, meta.slot_mapping: [num_tokens] int64 (negative slots: padding, not written)
+        query: [num_tokens, num_heads * head_dim]; key, value: [num_tokens, num_kv_heads * head_dim]
+            (rows may be strided views into a fused qkv output)
+        cos_sin_cache: [max_position, head_dim] float32
+        kv_cache: KV_CACHE_LAYOUT, query's dtype or FP8 (quantised with the scales)
+        returns: [num_tokens, num_heads, head_dim]
+    """
+    kernel = use_kernel(query, kv_cache)
+    if kernel is not None and meta.is_pure_decode and hasattr(kernel, "paged_attention_decode"):
+        from tinyvllm.ops.attention_cuda import rotary_paged_attention_cuda
+        return rotary_paged_attention_cuda(kernel, positions, query, key, value, cos_sin_cache,
+                                           kv_cache, meta, scale, k_scale, v_scale)
+    from tinyvllm.ops.layers import rotary_embedding_and_cache
+    head_dim = cos_sin_cache.shape[-1]
+    query, _ = rotary_embedding_and_cache(positions, query, key, value, cos_sin_cache, head_dim,
+                                          kv_cache, meta.slot_mapping, k_scale, v_scale)
+    return paged_attention(query.reshape(query.shape[0], -1, head_dim), kv_cache, meta, scale,
+                           k_scale, v_scale)
+
+
 def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                         scale: float, k_scale: Optional[torch.Tensor] = None,
                         v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 Decode (every sequence has one new query) runs the split-K kernel: the context is cut into
 partitions so that even a few long sequences fill the GPU, and a second kernel merges them.
+`rotary_paged_attention_cuda` is the same launch with the step's new token fused in (rotary,
+cache write, attention).
 Anything else runs the flash-attention-style prefill kernel, which also serves mixed batches.
 Both read a cache of the query's dtype or an FP8 (E4M3) one with per-layer K/V scales.
 """
@@ -76,7 +78,9 @@ def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
 
 
 def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
-            scales: tuple[int, int]) -> None:
+            scales: tuple[int, int], new_token: tuple[int, ...] = (0, 0, 0, 0, 0, 0)) -> None:
+    """new_token: (key, value, kv_stride, positions, slot_mapping, cos_sin_cache) pointers and
+    stride of a fused new token (rotary_paged_attention_cuda), zeros for none."""
     num_seqs = meta.num_seqs
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
@@ -94,8 +98,54 @@ def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
         meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), _ptr(split_out), _ptr(split_max),
         _ptr(split_sum), num_seqs, num_heads, num_kv_heads, head_dim, kv_cache.shape[2],
         query.stride(0), query.stride(1), meta.block_tables.shape[1], num_splits, partition,
-        scale, *scales, _dtype_code(query.dtype), _dtype_code(kv_cache.dtype),
-        stream_handle(query.device))
+        scale, *scales, *new_token, _dtype_code(query.dtype),
+        _dtype_code(kv_cache.dtype), stream_handle(query.device))
+
+
+def rotary_paged_attention_cuda(kernel, positions: torch.Tensor, query: torch.Tensor,
+                                key: torch.Tensor, value: torch.Tensor,
+                                cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
+                                meta: AttentionMetadata, scale: float,
+                                k_scale: Optional[torch.Tensor] = None,
+                                v_scale: Optional[torch.Tensor] = None,
+                                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Pure decode with the step's new token fused in, one launch: the kernel rotates q and k,
+    writes k and v to their slots and attends. query, key and value are read, not modified.
+
+    Shape:
+        positions, meta.slot_mapping: [num_seqs] int64 (negative slot: padding, not written)
+        query: [num_seqs, num_heads * head_dim]; key, value: [num_seqs, num_kv_heads * head_dim]
+            (rows may be strided views into the qkv projection; each row contiguous)
+        cos_sin_cache: [max_position, head_dim] float32
+        returns: [num_seqs, num_heads, head_dim]
+    """
+    from tinyvllm.ops.layers_cuda import _check_rotary_tables, _check_rows
+    head_dim = cos_sin_cache.shape[-1]
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _check_rows(name, t)
+        if t.shape[0] != meta.num_seqs or t.dtype != query.dtype:
+            raise ValueError(f"{name}: expected {query.dtype} [{meta.num_seqs}, ...] (one new "
+                             f"token per sequence), got {t.dtype} {tuple(t.shape)}")
+    _check_rotary_tables(positions, cos_sin_cache, head_dim, query.device)
+    if key.stride(0) != value.stride(0) or key.shape != value.shape:
+        raise ValueError(f"key, value: expected the same shape and row stride, got "
+                         f"{tuple(key.shape)} / {key.stride(0)} and {tuple(value.shape)} / "
+                         f"{value.stride(0)}")
+    slots = meta.slot_mapping
+    if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape[0] < meta.num_seqs:
+        raise ValueError(f"meta.slot_mapping: expected contiguous int64 [{meta.num_seqs}], got "
+                         f"{slots.dtype} {tuple(slots.shape)}")
+    q = query.view(query.shape[0], -1, head_dim)
+    _check_inputs(q, kv_cache, meta)
+    if not meta.is_pure_decode:
+        raise ValueError("rotary_paged_attention_cuda: decode only (one new token per sequence)")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    new_token = (key.data_ptr(), value.data_ptr(), key.stride(0), positions.data_ptr(),
+                 slots.data_ptr(), cos_sin_cache.data_ptr())
+    _decode(kernel, out, q, kv_cache, meta, scale, kv_scale_ptrs(kv_cache, k_scale, v_scale),
+            new_token)
+    return out
 
 
 def _prefill(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
