@@ -214,11 +214,15 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Shape: hidden [num_seqs, hidden_size] -> [num_seqs, vocab_size] float32."""
+    def compute_logits(self, hidden: torch.Tensor,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Shape: hidden [num_seqs, hidden_size] -> [num_seqs, vocab_size] float32 (into `out`
+        when given: a static buffer of a CUDA graph)."""
         if _FUSED_GEMV:  # the GEMV kernel where it serves the batch, else F.linear
-            return ops.fused_linear(hidden, self.lm_head_weight).float()
-        return F.linear(hidden, self.lm_head_weight).float()
+            logits = ops.fused_linear(hidden, self.lm_head_weight)
+        else:
+            logits = F.linear(hidden, self.lm_head_weight)
+        return logits.float() if out is None else out.copy_(logits)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

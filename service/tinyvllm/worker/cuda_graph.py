@@ -15,8 +15,9 @@ mostly-empty partitions for short contexts. Prefill and mixed steps, larger batc
 contexts run eagerly.
 
 Graphs are captured largest first into one memory pool: a smaller graph's intermediates fit in
-what the larger ones freed. All graphs read the runner's persistent input buffers and write the
-final hidden states into one static buffer; sampling runs outside the graph.
+what the larger ones freed. All graphs read the runner's persistent input buffers (the layout of
+(batch size, batch size, tier width): `InputBuffers.begin`) and write every row's logits (float32)
+into one static buffer; sampling runs outside the graph.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class DecodeGraphs:
         self.seq_len_tiers = sorted(seq_len_tiers)
         self.block_size = block_size
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self.hidden: Optional[torch.Tensor] = None  # [max_bs, hidden_size], written by every graph
+        self.logits: Optional[torch.Tensor] = None  # [max_bs, vocab_size], written by every graph
 
     def key(self, batch_size: int, max_seq_len: int) -> GraphKey:
         return GraphKey(batch_size, max_seq_len, -(-max_seq_len // self.block_size))
@@ -95,17 +96,18 @@ class DecodeGraphs:
         start = time.perf_counter()
         before = torch.cuda.memory_reserved()
         device = self.kv_caches[0].device
-        hidden_size = self.model.arch.hidden_size
-        dtype = self.model.model.embed_tokens.weight.dtype  # not the cache's: that may be FP8
-        self.hidden = torch.empty(self.batch_sizes[-1], hidden_size, dtype=dtype, device=device)
-        self._fill_padding()
+        self.logits = torch.empty(self.batch_sizes[-1], self.model.arch.vocab_size,
+                                  dtype=torch.float32, device=device)
         keys = sorted((self.key(b, t) for b in self.batch_sizes for t in self.seq_len_tiers),
                       reverse=True)
         for bs in reversed(self.batch_sizes):  # warm-up: cuBLAS handles, lazy module loads
-            self._forward(self.key(bs, self.seq_len_tiers[-1]))
+            key = self.key(bs, self.seq_len_tiers[-1])
+            self._fill_padding(key)
+            self._forward(key)
         torch.cuda.synchronize()
         pool = None
         for key in keys:
+            self._fill_padding(key)  # also points the buffers at this graph's layout
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._forward(key)
@@ -117,15 +119,16 @@ class DecodeGraphs:
                     time.perf_counter() - start, (torch.cuda.memory_reserved() - before) / 2**20)
 
     def replay(self, key: GraphKey) -> torch.Tensor:
-        """Run the graph on whatever the input buffers hold. Returns [batch_size, hidden_size]."""
+        """Run the graph on whatever the input buffers hold. Returns [batch_size, vocab_size]."""
         self.graphs[key].replay()
-        return self.hidden[:key.batch_size]
+        return self.logits[:key.batch_size]
 
     def _forward(self, key: GraphKey) -> None:
         bs = key.batch_size
         b = self.buffers
-        self.hidden[:bs] = self.model(b.input_ids_device(bs), b.positions_device(bs),
-                                      self.kv_caches, self._metadata(key))
+        hidden = self.model(b.input_ids_device(bs), b.positions_device(bs), self.kv_caches,
+                            self._metadata(key))
+        self.model.compute_logits(hidden, out=self.logits[:bs])
 
     def _metadata(self, key: GraphKey) -> AttentionMetadata:
         """Capture-time metadata: max_seq_len is the tier, so the kernel's partitioning covers it."""
@@ -138,13 +141,18 @@ class DecodeGraphs:
             max_query_len=1, max_seq_len=key.max_seq_len,
             query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[key.max_seq_len] * bs)
 
-    def _fill_padding(self) -> None:
-        """Warm-up and capture run on padding rows only: nothing is written to the KV cache."""
+    def _fill_padding(self, key: GraphKey) -> None:
+        """Lay the buffers out for `key` and fill them with padding rows (warm-up and capture
+        write nothing to the KV cache): token 0 at position 0, no slot, a context of 1 token in
+        the null block."""
+        bs, width = key.batch_size, key.block_table_width
         b = self.buffers
-        b.input_ids.device.zero_()
-        b.positions.device.zero_()
-        b.slot_mapping.device.fill_(PADDING_SLOT)
-        b.seq_lens.device.fill_(1)
-        b.block_tables.device.zero_()
-        qsl = b.query_start_loc.device
-        qsl.copy_(torch.arange(qsl.numel(), dtype=qsl.dtype))
+        b.wait_until_writable()
+        b.begin(bs, bs, width)
+        b.input_ids.np[:bs] = 0
+        b.positions.np[:bs] = 0
+        b.slot_mapping.np[:bs] = PADDING_SLOT
+        b.query_start_loc.np[:bs + 1] = range(bs + 1)
+        b.seq_lens.np[:bs] = 1
+        b.block_table_rows(bs, width)
+        b.upload()

@@ -1,19 +1,22 @@
-"""Persistent per-step inputs of the model runner: host staging arrays and their device twins.
+"""Persistent per-step inputs of the model runner: one pinned host staging area and its device twin.
 
 Every input of a step (token ids, positions, slot mapping, query start offsets, context lengths,
-block tables, rows to sample) has one host buffer, pinned on CUDA, and one device buffer, both
-sized once for the largest step. The runner writes a step into the host arrays through numpy views,
-then `upload` copies the used prefixes with non-blocking copies that queue behind the previous
-step's kernels instead of synchronising. The device tensors never move, so that CUDA graphs
-captured over them see each step's values. On the CPU the two are the same tensor.
+block tables, rows to sample, the in-flight token fills below) is a section of one byte buffer,
+pinned on CUDA, with a device buffer of the same size. `begin(num_tokens, num_rows, width)` lays
+the step's sections out back to back at offsets that depend only on those three sizes; the runner
+writes the step into the host sections through numpy views, then `upload` queues a single
+non-blocking copy of the used bytes (one copy instead of one per input: each costs ~20 us of host
+time). The device buffer never moves and a layout's offsets are fixed, so a CUDA graph captured
+over the sections of (batch size, batch size, width) sees every later step of that shape. On the
+CPU the host buffer is the device buffer.
 
 A decode row whose input token was sampled by the step still in flight (async scheduling) gets a
 placeholder in the host array; `fill_prev_token_ids` then copies the id from that step's samples
 on the device, behind the upload and before the forward (graph replays read the same buffer).
 
-Block tables are kept flat: a step with `num_rows` rows of `width` entries uses the first
-`num_rows * width` elements, viewed as a contiguous [num_rows, width] tensor (what the kernels
-take). Graphs use their own fixed width; eager steps use the batch's longest table.
+Block tables are flat: a step with `num_rows` rows of `width` entries uses `num_rows * width`
+elements, viewed as a contiguous [num_rows, width] tensor (what the kernels take). Graphs use their
+own fixed width; eager steps use the batch's longest table.
 """
 
 from __future__ import annotations
@@ -25,32 +28,48 @@ import torch
 
 from tinyvllm.ops import AttentionMetadata
 
+_ALIGN = 16  # bytes: every section starts 16-byte aligned (vector loads in the kernels)
 
-class _Pair:
-    """A host tensor (pinned when the device is CUDA), its numpy view, and the device tensor."""
+# name, dtype, length in (tokens, rows, rows * width, constant) units: in this order in a layout,
+# so that the sections a decode graph reads (the first six) sit at offsets fixed by its shape.
+_SECTIONS = (
+    ("input_ids", torch.int64, (1, 0, 0, 0)),
+    ("positions", torch.int64, (1, 0, 0, 0)),
+    ("slot_mapping", torch.int64, (1, 0, 0, 0)),
+    ("query_start_loc", torch.int32, (0, 1, 0, 1)),
+    ("seq_lens", torch.int32, (0, 1, 0, 0)),
+    ("block_tables", torch.int32, (0, 0, 1, 0)),
+    ("logits_indices", torch.int64, (0, 1, 0, 0)),
+    ("prev_token_dst", torch.int64, (0, 1, 0, 0)),
+    ("prev_token_src", torch.int64, (0, 1, 0, 0)),
+)
 
-    def __init__(self, size: int, dtype: torch.dtype, device: torch.device):
-        on_gpu = device.type == "cuda"
-        self.host = torch.zeros(size, dtype=dtype, pin_memory=on_gpu)
-        self.np = self.host.numpy()
-        self.device = torch.zeros(size, dtype=dtype, device=device) if on_gpu else self.host
+_NP_DTYPES = {torch.int64: np.int64, torch.int32: np.int32}
 
-    def upload(self, n: int) -> None:
-        if self.device is not self.host:
-            self.device[:n].copy_(self.host[:n], non_blocking=True)
+_LAYOUT_CACHE_SIZE = 64  # layouts kept (graph shapes repeat; prefill shapes come and go)
+
+
+class _Section:
+    """One input in the current layout: a numpy view of its host bytes and the device tensor."""
+
+    __slots__ = ("np", "device")
+
+    def __init__(self, np_view: np.ndarray, device: torch.Tensor):
+        self.np = np_view
+        self.device = device
 
 
 class InputBuffers:
     """Host and device buffers for steps of up to `max_num_tokens` tokens and `max_num_seqs` rows.
 
-    Shape (device tensors, the used prefix of each):
+    Shape (device tensors of the current layout):
         input_ids, positions, slot_mapping: [num_tokens] int64
         query_start_loc: [num_rows + 1] int32
         seq_lens: [num_rows] int32
         block_tables: [num_rows * width] int32, viewed [num_rows, width]
-        logits_indices: [num_sampled] int64
-        prev_token_dst, prev_token_src: [num_prev_tokens] int64: input_ids positions to fill
-            from the previous step's sampled ids, and the rows of those ids
+        logits_indices: [num_rows] int64 (the first num_sampled used)
+        prev_token_dst, prev_token_src: [num_rows] int64 (the first num_prev_tokens used):
+            input_ids positions to fill from the previous step's sampled ids, and the rows of those
     """
 
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
@@ -58,23 +77,51 @@ class InputBuffers:
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.input_ids = _Pair(max_num_tokens, torch.int64, device)
-        self.positions = _Pair(max_num_tokens, torch.int64, device)
-        self.slot_mapping = _Pair(max_num_tokens, torch.int64, device)
-        self.query_start_loc = _Pair(max_num_seqs + 1, torch.int32, device)
-        self.seq_lens = _Pair(max_num_seqs, torch.int32, device)
-        self.block_tables = _Pair(max_num_seqs * max_blocks_per_seq, torch.int32, device)
-        self.logits_indices = _Pair(max_num_seqs, torch.int64, device)
-        self.prev_token_dst = _Pair(max_num_seqs, torch.int64, device)
-        self.prev_token_src = _Pair(max_num_seqs, torch.int64, device)
-        # Recorded after each upload: the host arrays may be rewritten once the copies have run.
-        self._uploaded: Optional[torch.cuda.Event] = (
-            torch.cuda.Event() if device.type == "cuda" else None)
+        on_gpu = device.type == "cuda"
+        size = self._sizes(max_num_tokens, max_num_seqs, max_blocks_per_seq)[-1][1]
+        self._host = torch.zeros(size, dtype=torch.uint8, pin_memory=on_gpu)
+        self._host_np = self._host.numpy()
+        self._device = torch.zeros(size, dtype=torch.uint8, device=device) if on_gpu else self._host
+        self._layouts: dict[tuple[int, int, int], tuple[int, list[_Section]]] = {}
+        self._used = 0  # bytes of the current layout
+        # Recorded after each upload: the host arrays may be rewritten once the copy has run.
+        self._uploaded: Optional[torch.cuda.Event] = torch.cuda.Event() if on_gpu else None
+        self.begin(max_num_tokens, max_num_seqs, max_blocks_per_seq)
+
+    @staticmethod
+    def _sizes(num_tokens: int, num_rows: int, width: int) -> list[tuple[int, int]]:
+        """(offset, end) in bytes of each section, in _SECTIONS order."""
+        out, offset = [], 0
+        for _, dtype, (per_token, per_row, per_entry, extra) in _SECTIONS:
+            count = per_token * num_tokens + per_row * num_rows + per_entry * num_rows * width + extra
+            end = offset + count * dtype.itemsize
+            out.append((offset, end))
+            offset = -(-end // _ALIGN) * _ALIGN
+        return out
+
+    def begin(self, num_tokens: int, num_rows: int, width: int) -> None:
+        """Point every section at its place in the layout of a step of this shape."""
+        assert (num_tokens <= self.max_num_tokens and num_rows <= self.max_num_seqs
+                and width <= self.max_blocks_per_seq), (num_tokens, num_rows, width)
+        key = (num_tokens, num_rows, width)
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) >= _LAYOUT_CACHE_SIZE:
+                self._layouts.pop(next(iter(self._layouts)))
+            sections = []
+            spans = self._sizes(num_tokens, num_rows, width)
+            for (_, dtype, _), (start, end) in zip(_SECTIONS, spans):
+                host = self._host_np[start:end].view(_NP_DTYPES[dtype])
+                sections.append(_Section(host, self._device[start:end].view(dtype)))
+            layout = self._layouts[key] = (spans[-1][1], sections)
+        self._used, sections = layout
+        for (name, _, _), section in zip(_SECTIONS, sections):
+            setattr(self, name, section)
 
     def wait_until_writable(self) -> None:
-        """Block until the previous step's copies have read the host arrays.
+        """Block until the previous step's copy has read the host buffer.
 
-        Usually free or short: the copies come first in the previous step's device work, which
+        Usually free or short: the copy comes first in the previous step's device work, which
         starts once the step before it is done, and the engine has usually waited for that one
         already (it processes a step's samples before launching the step after next).
         """
@@ -83,24 +130,14 @@ class InputBuffers:
 
     def block_table_rows(self, num_rows: int, width: int) -> np.ndarray:
         """The host block tables as a writable [num_rows, width] view, zeroed (0 = null block)."""
-        assert num_rows <= self.max_num_seqs and width <= self.max_blocks_per_seq, (num_rows, width)
         rows = self.block_tables.np[:num_rows * width].reshape(num_rows, width)
         rows.fill(0)
         return rows
 
-    def upload(self, num_tokens: int, num_rows: int, width: int, num_sampled: int,
-               num_prev_tokens: int = 0) -> None:
-        """Queue the host-to-device copies of the used prefixes (non-blocking)."""
-        for pair in (self.input_ids, self.positions, self.slot_mapping):
-            pair.upload(num_tokens)
-        self.query_start_loc.upload(num_rows + 1)
-        self.seq_lens.upload(num_rows)
-        self.block_tables.upload(num_rows * width)
-        self.logits_indices.upload(num_sampled)
-        if num_prev_tokens:
-            self.prev_token_dst.upload(num_prev_tokens)
-            self.prev_token_src.upload(num_prev_tokens)
+    def upload(self) -> None:
+        """Queue the host-to-device copy of the current layout (non-blocking)."""
         if self._uploaded is not None:
+            self._device[:self._used].copy_(self._host[:self._used], non_blocking=True)
             self._uploaded.record()
 
     def fill_prev_token_ids(self, num_prev_tokens: int, prev_sampled: torch.Tensor) -> None:

@@ -61,6 +61,10 @@ class ModelInputs:
     sampled_requests: list[Request]
 
 
+_IDS_RING_SIZE = 3
+"""Pinned buffers for sampled ids in rotation: at most two steps are unread at once (async)."""
+
+
 @dataclass
 class _PrevSampled:
     """The last launched step's sampled ids, kept on the device for the next step's inputs."""
@@ -72,11 +76,11 @@ class _PrevSampled:
 class ModelRunner:
     """Owns the model, the KV cache, the input buffers and (on CUDA) the decode graphs.
 
-    A step: host arrays filled from the SchedulerOutput -> non-blocking copies into the device
+    A step: host arrays filled from the SchedulerOutput -> one non-blocking copy into the device
     buffers -> (async scheduling) input ids of decodes whose token the previous step sampled,
-    copied on the device from its samples -> forward (a graph replay for pure-decode batches that
-    fit a bucket, else eager) -> logits of the completed sequences -> sampler -> non-blocking copy
-    of the sampled ids to pinned host memory. `execute_async` returns without a host sync; the
+    copied on the device from its samples -> forward and logits (one graph replay for pure-decode
+    batches that fit a bucket, else eager, then the logits of the completed sequences) -> sampler
+    -> non-blocking copy of the sampled ids to pinned host memory. `execute_async` returns without a host sync; the
     step's one sync is `StepHandle.result()`.
     """
 
@@ -107,6 +111,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.sampling_states: dict[str, SamplingState] = {}
         self._prev_sampled: Optional[_PrevSampled] = None
+        self._ids_ring: list[torch.Tensor] = []
         self.num_blocks = self._determine_num_blocks(config.cache)
         self.kv_caches = allocate_kv_caches(
             self.arch.num_layers, self.num_blocks, self.block_size, self.arch.num_kv_heads,
@@ -183,13 +188,14 @@ class ModelRunner:
                                     self.kv_cache_dtype, self.device)
         b = self.buffers
         b.wait_until_writable()
+        b.begin(num_tokens, 1, num_blocks)
         b.input_ids.np[:num_tokens] = 0
         b.positions.np[:num_tokens] = np.arange(num_tokens) % self.max_model_len
         b.slot_mapping.np[:num_tokens] = np.arange(bs, bs + num_tokens)  # block 0 stays null
         b.query_start_loc.np[:2] = (0, num_tokens)
         b.seq_lens.np[0] = num_tokens
         b.block_table_rows(1, num_blocks)[0] = np.arange(1, num_blocks + 1)
-        b.upload(num_tokens, 1, num_blocks, 0)
+        b.upload()
         meta = b.metadata(num_tokens, 1, num_blocks, num_tokens, num_tokens)
         hidden = self.model(b.input_ids_device(num_tokens), b.positions_device(num_tokens), caches,
                             meta)
@@ -216,25 +222,42 @@ class ModelRunner:
         if out.is_empty:
             return StepHandle.done()
         inputs = self._prepare_inputs(out)
-        hidden = self._forward(inputs)
+        logits = self._forward(inputs)
         requests = inputs.sampled_requests
         self._prev_sampled = None
         if not requests:
             return StepHandle.done()
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
         states = [self._sampling_state(r) for r in requests]
         sampled = self.sampler.sample(logits, states)
         self._prev_sampled = _PrevSampled(sampled.token_ids,
                                           {r.request_id: i for i, r in enumerate(requests)})
-        return StepHandle.launch(requests, states, sampled)
+        return StepHandle.launch(requests, states, sampled, self._next_ids_buffer())
 
-    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """[>= num_tokens, hidden_size]: graph rows past the real batch are padding."""
+    def _next_ids_buffer(self) -> Optional[torch.Tensor]:
+        """Pinned host memory for a step's sampled ids, from a ring of _IDS_RING_SIZE: the engine
+        reads a step's result before it launches the step after next, so a buffer is free again
+        by the time the ring comes back to it (a fresh pinned tensor costs ~50 us of host time)."""
+        if self.device.type != "cuda":
+            return None
+        if not self._ids_ring:
+            self._ids_ring = [torch.empty(self.max_num_seqs, dtype=torch.int64, pin_memory=True)
+                              for _ in range(_IDS_RING_SIZE)]
+        self._ids_ring.append(self._ids_ring.pop(0))
+        return self._ids_ring[-1]
+
+    def _forward(self, inputs: ModelInputs) -> Optional[torch.Tensor]:
+        """Logits [num_sampled, vocab_size] float32 of the step's sampled rows (None: none)."""
+        num_sampled = len(inputs.sampled_requests)
         if inputs.graph is not None:
-            return self.graphs.replay(inputs.graph)
+            logits = self.graphs.replay(inputs.graph)  # every row's, padding included
+            # Decode row i samples at logits row i: when every row samples, a slice will do.
+            if num_sampled == inputs.num_tokens:
+                return logits[:num_sampled]
+            return logits[inputs.logits_indices] if num_sampled else None
         b = self.buffers
-        return self.model(b.input_ids_device(inputs.num_tokens),
-                          b.positions_device(inputs.num_tokens), self.kv_caches, inputs.meta)
+        hidden = self.model(b.input_ids_device(inputs.num_tokens),
+                            b.positions_device(inputs.num_tokens), self.kv_caches, inputs.meta)
+        return self.model.compute_logits(hidden[inputs.logits_indices]) if num_sampled else None
 
     def _prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         scheduled = out.scheduled
@@ -253,10 +276,11 @@ class ModelRunner:
             num_rows, width = num_seqs, max(len(s.request.block_ids) for s in scheduled)
         b = self.buffers
         b.wait_until_writable()
+        b.begin(max(num_tokens, num_rows), num_rows, width)
         sampled, num_prev = self._fill_host(scheduled, b.block_table_rows(num_rows, width))
         if num_rows > num_seqs:
             self._fill_padding(num_seqs, num_rows)
-        b.upload(max(num_tokens, num_rows), num_rows, width, len(sampled), num_prev)
+        b.upload()
         if num_prev:
             b.fill_prev_token_ids(num_prev, self._prev_sampled.token_ids)
         meta = None

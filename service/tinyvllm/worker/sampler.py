@@ -117,14 +117,17 @@ class SampledTensors:
     token_ids: torch.Tensor
     logprobs: Optional[LogprobsTensors]
 
-    def to_pinned_host(self) -> "SampledTensors":
-        """Queue non-blocking copies into fresh pinned host tensors (CUDA only); the copies are
-        done once an event recorded after this call has completed."""
+    def to_pinned_host(self, ids_buffer: Optional[torch.Tensor] = None) -> "SampledTensors":
+        """Queue non-blocking copies into pinned host tensors (CUDA only): the token ids into
+        `ids_buffer` (a pinned int64 tensor of at least num_rows, free until the copy's event
+        has completed and the result been read) or, like the logprobs, into fresh ones. The
+        copies are done once an event recorded after this call has completed."""
         def copy(t: torch.Tensor) -> torch.Tensor:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             return host.copy_(t, non_blocking=True)
-        return SampledTensors(copy(self.token_ids),
-                              self.logprobs.map(copy) if self.logprobs is not None else None)
+        ids = (copy(self.token_ids) if ids_buffer is None else
+               ids_buffer[:self.token_ids.shape[0]].copy_(self.token_ids, non_blocking=True))
+        return SampledTensors(ids, self.logprobs.map(copy) if self.logprobs is not None else None)
 
     def to_output(self, states: list[SamplingState]) -> SamplerOutput:
         """Python lists, one transfer per tensor (a host sync for device tensors)."""

@@ -37,11 +37,13 @@ class StepHandle:
 
     @classmethod
     def launch(cls, requests: list[Request], states: list[SamplingState],
-               sampled: SampledTensors) -> "StepHandle":
-        """Start the device-to-host copies of `sampled` (CUDA) and record when they are done."""
+               sampled: SampledTensors,
+               ids_buffer: Optional[torch.Tensor] = None) -> "StepHandle":
+        """Start the device-to-host copies of `sampled` (CUDA) and record when they are done.
+        ids_buffer: pinned host memory for the token ids (SampledTensors.to_pinned_host)."""
         if sampled.token_ids.device.type != "cuda":
             return cls(requests, states, sampled, None)
-        host = sampled.to_pinned_host()
+        host = sampled.to_pinned_host(ids_buffer)
         ready = torch.cuda.Event()
         ready.record()
         return cls(requests, states, host, ready)
