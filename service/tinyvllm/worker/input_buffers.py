@@ -93,7 +93,8 @@ class InputBuffers:
         """(offset, end) in bytes of each section, in _SECTIONS order."""
         out, offset = [], 0
         for _, dtype, (per_token, per_row, per_entry, extra) in _SECTIONS:
-            count = per_token * num_tokens + per_row * num_rows + per_entry * num_rows * width + extra
+            count = (per_token * num_tokens + per_row * num_rows + per_entry * num_rows * width
+                     + extra)
             end = offset + count * dtype.itemsize
             out.append((offset, end))
             offset = -(-end // _ALIGN) * _ALIGN
@@ -146,9 +147,14 @@ class InputBuffers:
 
         Shape: prev_sampled [num_rows of the previous step] int64, on the buffers' device.
         """
-        dst = self.prev_token_dst.device[:num_prev_tokens]
-        src = self.prev_token_src.device[:num_prev_tokens]
-        self.input_ids.device.index_copy_(0, dst, prev_sampled.index_select(0, src))
+        n = num_prev_tokens
+        dst, src = self.prev_token_dst.np[:n], self.prev_token_src.np[:n]
+        if _is_run(dst) and _is_run(src):  # the usual decode batch: one copy, no gather
+            d, s = int(dst[0]), int(src[0])
+            self.input_ids.device[d:d + n].copy_(prev_sampled[s:s + n])
+            return
+        gathered = prev_sampled.index_select(0, self.prev_token_src.device[:n])
+        self.input_ids.device.index_copy_(0, self.prev_token_dst.device[:n], gathered)
 
     def metadata(self, num_tokens: int, num_rows: int, width: int, max_query_len: int,
                  max_seq_len: int) -> AttentionMetadata:
@@ -175,6 +181,11 @@ class InputBuffers:
 
     def logits_indices_device(self, num_sampled: int) -> torch.Tensor:
         return self.logits_indices.device[:num_sampled]
+
+
+def _is_run(a: np.ndarray) -> bool:
+    """a is a, a + 1, a + 2, ... (non-empty)."""
+    return len(a) == 1 or int(a[-1]) - int(a[0]) == len(a) - 1 and bool((np.diff(a) == 1).all())
 
 
 class BlockTableCache:

@@ -80,8 +80,8 @@ class ModelRunner:
     buffers -> (async scheduling) input ids of decodes whose token the previous step sampled,
     copied on the device from its samples -> forward and logits (one graph replay for pure-decode
     batches that fit a bucket, else eager, then the logits of the completed sequences) -> sampler
-    -> non-blocking copy of the sampled ids to pinned host memory. `execute_async` returns without a host sync; the
-    step's one sync is `StepHandle.result()`.
+    -> non-blocking copy of the sampled ids to pinned host memory. `execute_async` returns
+    without a host sync; the step's one sync is `StepHandle.result()`.
     """
 
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None):
