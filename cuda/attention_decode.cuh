@@ -110,6 +110,16 @@ struct DecodeCta {
     return b * kDecodeBlockSize + i * kTokensPerLoad + lane_token;
   }
 
+  // q . k of one token, summed over the token's kLanesPerToken lanes (every one of them gets it).
+  __device__ __forceinline__ static float token_dot(const float (&q)[kVec], const float (&k)[kVec]) {
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) s = fmaf(q[e], k[e], s);
+#pragma unroll
+    for (int off = kLanesPerToken / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    return s;
+  }
+
   // Rotates this lane's chunk of a head row (GPT-NeoX halves) at position `pos` and rounds it to T,
   // as rotary_embedding_and_cache stores it. The partner half sits kLanesPerToken / 2 lanes away.
   // Every lane of the warp must call it (shuffles).
@@ -187,13 +197,7 @@ struct DecodeCta {
 #pragma unroll
     for (int g = 0; g < MAX_G; ++g) {
       if (g >= num_g) break;
-      float s = 0.f;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) s = fmaf(q[g][e], k[e], s);
-#pragma unroll
-      for (int off = kLanesPerToken / 2; off > 0; off >>= 1) {
-        s += __shfl_xor_sync(0xffffffffu, s, off);
-      }
+      const float s = token_dot(q[g], k);
       if (lane == 0) logits[g * p.partition_size + fresh] = s;
     }
     if (lane_token == 0) {
@@ -241,13 +245,7 @@ struct DecodeCta {
 #pragma unroll
         for (int g = 0; g < MAX_G; ++g) {
           if (g >= num_g) break;
-          float s = 0.f;
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) s = fmaf(q[g][e], kf[e], s);
-#pragma unroll
-          for (int off = kLanesPerToken / 2; off > 0; off >>= 1) {
-            s += __shfl_xor_sync(0xffffffffu, s, off);
-          }
+          const float s = token_dot(q[g], kf);
           // The fused new token's slot is stale: take_new_token writes its score.
           if (lane_chunk == 0 && t != fresh) {
             logits[g * p.partition_size + t] = t < len ? s : -CUDART_INF_F;

@@ -25,6 +25,17 @@ HEADS = [(9, 3), (32, 8), (12, 1), (4, 4), (20, 2)]  # GQA 3, 4, 12 (two CTAs), 
 FP8_SCALES = (0.37, 0.009)  # K, V: the largest V values (~N(0, 1) / 0.009) saturate at +-448
 
 
+def every_variant(test):
+    """Parametrize over cache kind, dtype, head size and head layout."""
+    for mark in reversed([
+            pytest.mark.parametrize("kv", ["same", "fp8"]),
+            pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"]),
+            pytest.mark.parametrize("head_dim", [64, 128]),
+            pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")]):
+        test = mark(test)
+    return test
+
+
 @pytest.fixture(scope="module")
 def kernels():
     module = cuda_ops()
@@ -106,10 +117,7 @@ DECODE_CASES = {
 }
 
 
-@pytest.mark.parametrize("kv", ["same", "fp8"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@every_variant
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 def test_decode_matches_reference(kernels, case, heads, head_dim, dtype, kv):
     seed = hash((case, heads, head_dim, str(dtype))) % 2**31
@@ -125,10 +133,7 @@ PREFILL_CASES = {
 }
 
 
-@pytest.mark.parametrize("kv", ["same", "fp8"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@every_variant
 @pytest.mark.parametrize("case", list(PREFILL_CASES))
 def test_prefill_matches_reference(kernels, case, heads, head_dim, dtype, kv):
     seed = hash((case, heads, head_dim, str(dtype), "prefill")) % 2**31
@@ -249,10 +254,7 @@ def stale_new_slots(cache, meta):
         flat[:, slots] = float("nan")
 
 
-@pytest.mark.parametrize("kv", ["same", "fp8"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@every_variant
 @pytest.mark.parametrize("case", list(FUSED_CASES))
 def test_rotary_decode_matches_separate_ops(kernels, case, heads, head_dim, dtype, kv):
     """One launch against rotary_embedding_and_cache + paged attention: same cache bytes (up to
