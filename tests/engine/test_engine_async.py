@@ -9,13 +9,11 @@ synchronous one does, emit nothing past a finish, and leak no block.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
 from tinyvllm.engine.request import EngineCoreRequest
 from tinyvllm.model.loader import LoadedModel
-from tinyvllm.model.synthetic import make_random_model, synthetic_tokenizer, tiny_arch
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.model_runner import ModelRunner
 
@@ -27,11 +25,8 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def tiny() -> LoadedModel:
-    arch = tiny_arch(vocab_size=512)
-    model = make_random_model(arch, seed=3, dtype=torch.float32, device=torch.device("cpu"))
-    return LoadedModel(model=model, arch=arch, tokenizer=synthetic_tokenizer(512, "tiny"),
-                       name="tiny", path=None, max_model_len=arch.max_position_embeddings)
+def tiny(tiny_model) -> LoadedModel:
+    return tiny_model
 
 
 def make_engine(tiny, async_scheduling=True, **kwargs) -> EngineCore:

@@ -11,7 +11,7 @@ from tinyvllm.ops.attention import AttentionMetadata, paged_attention_ref
 from tinyvllm.ops.kv_cache import (FP8_DTYPE, FP8_E4M3_MAX, PADDING_SLOT, allocate_kv_caches,
                                    dequantize_kv, quantize_kv, reshape_and_cache_ref,
                                    resolve_kv_cache_dtype)
-from tinyvllm.ops.layers import build_cos_sin_cache, rotary_embedding_and_cache_ref
+from tinyvllm.ops.layers import rotary_embedding_and_cache_ref
 
 NAN_BYTE = 0x7F  # E4M3 'fn' NaN: the poison of unwritten FP8 slots
 MIN_NORMAL = 2.0 ** -6  # smallest normal E4M3 magnitude
@@ -138,15 +138,11 @@ def test_paged_attention_ref_reads_fp8(seqs):
     assert rel < 0.05, f"relative error {rel:.3f} against the unquantised cache"
 
 
-def test_rotary_embedding_and_cache_ref_fp8():
+def test_rotary_embedding_and_cache_ref_fp8(rotary_case):
     """The fused op's reference quantises the rotated key and the value with their scales."""
-    torch.manual_seed(0)
-    t, h, hkv, d = 7, 6, 2, 16
-    qkv = torch.randn(t, (h + 2 * hkv) * d)
-    q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
-    positions = torch.randint(0, 100, (t,))
-    slots = torch.tensor([3, -1, 0, 17, 9, -1, 30])
-    cos_sin = build_cos_sin_cache(d, 128, 10000.0, None)
+    c = rotary_case
+    hkv, d, q, k, v, positions, slots, cos_sin = (c.hkv, c.d, c.q, c.k, c.v, c.positions,
+                                                  c.slots, c.cos_sin)
     cache = torch.zeros((2, 2, 16, hkv, d), dtype=FP8_DTYPE)
     k_scale, v_scale = torch.tensor(0.5), torch.tensor(2.0)
     _, got_k = rotary_embedding_and_cache_ref(positions, q, k, v, cos_sin, d, cache, slots,

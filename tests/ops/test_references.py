@@ -164,18 +164,13 @@ def test_rms_norm_with_residual(dtype):
     assert isinstance(plain, torch.Tensor) and plain.shape == x.shape
 
 
-def test_rotary_embedding_and_cache_ref_equals_separate_ops():
+def test_rotary_embedding_and_cache_ref_equals_separate_ops(rotary_case):
     """The fused op's reference is rotary_embedding_ref then reshape_and_cache_ref (CPU)."""
     from tinyvllm.ops.kv_cache import reshape_and_cache_ref
-    from tinyvllm.ops.layers import (build_cos_sin_cache, rotary_embedding_and_cache,
-                                     rotary_embedding_ref)
-    torch.manual_seed(0)
-    t, h, hkv, d = 7, 6, 2, 16
-    qkv = torch.randn(t, (h + 2 * hkv) * d)
-    q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
-    positions = torch.randint(0, 100, (t,))
-    slots = torch.tensor([3, -1, 0, 17, 9, -1, 30])
-    cos_sin = build_cos_sin_cache(d, 128, 10000.0, None)
+    from tinyvllm.ops.layers import rotary_embedding_and_cache, rotary_embedding_ref
+    c = rotary_case
+    t, hkv, d, q, k, v, positions, slots, cos_sin = (c.t, c.hkv, c.d, c.q, c.k, c.v, c.positions,
+                                                     c.slots, c.cos_sin)
     cache = torch.full((2, 2, 16, hkv, d), 7.0)
     got_q, got_k = rotary_embedding_and_cache(positions, q, k, v, cos_sin, d, cache, slots)
     ref_cache = torch.full_like(cache, 7.0)

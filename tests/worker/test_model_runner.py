@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
 from tinyvllm.engine.request import Request
 from tinyvllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tinyvllm.model.loader import LoadedModel
-from tinyvllm.model.synthetic import make_random_model, synthetic_tokenizer, tiny_arch
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_sizes,
                                         decode_seq_len_tiers)
@@ -32,11 +30,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    arch = tiny_arch(vocab_size=512)
-    model = make_random_model(arch, seed=3, dtype=torch.float32, device=torch.device("cpu"))
-    return LoadedModel(model=model, arch=arch, tokenizer=synthetic_tokenizer(512, "tiny"),
-                       name="tiny", path=None, max_model_len=arch.max_position_embeddings)
+def loaded(tiny_model) -> LoadedModel:
+    return tiny_model
 
 
 def make_runner(loaded, **kwargs) -> ModelRunner:
