@@ -15,8 +15,20 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
+DecodePartitions partitions_of(const DecodeParams& p, int head_dim) {
+  return DecodePartitions{p.split_out, p.split_max, p.split_sum, p.seq_lens,
+                          p.num_heads, head_dim,    p.num_splits, p.partition_size};
+}
+
+template <typename T>
+void launch_merge(T* out, const DecodePartitions& parts, int num_seqs, cudaStream_t stream) {
+  launch_pdl(paged_decode_reduce_kernel<T>, dim3(parts.num_heads, num_seqs), dim3(parts.head_dim),
+             0, stream, out, parts);
+}
+
 template <typename T, typename Cache, int HEAD_DIM, int MAX_G>
-void launch_decode(DecodeParams p, const DecodeNewToken& nt, int num_seqs, cudaStream_t stream) {
+void launch_decode(DecodeParams p, const DecodeNewToken& nt, int num_seqs, bool merge,
+                   cudaStream_t stream) {
   p.head_chunks = (p.group_size + MAX_G - 1) / MAX_G;
   const size_t smem = decode_smem_floats<MAX_G>(p.partition_size, HEAD_DIM) * sizeof(float);
   auto kernel = paged_decode_kernel<T, Cache, HEAD_DIM, MAX_G>;
@@ -28,30 +40,28 @@ void launch_decode(DecodeParams p, const DecodeNewToken& nt, int num_seqs, cudaS
   const dim3 grid(p.num_kv_heads * p.head_chunks, num_seqs, p.num_splits);
   // PDL launches: each kernel's launch overlaps the previous kernel's tail (see common.cuh).
   launch_pdl(kernel, grid, dim3(kDecodeThreads), smem, stream, p, nt);
-  if (p.num_splits > 1) {
-    launch_pdl(paged_decode_reduce_kernel<T>, dim3(p.num_heads, num_seqs), dim3(HEAD_DIM), 0,
-               stream, static_cast<T*>(p.out), p.split_out, p.split_max, p.split_sum, p.seq_lens,
-               p.num_heads, HEAD_DIM, p.num_splits, p.partition_size);
+  if (p.num_splits > 1 && merge) {
+    launch_merge(static_cast<T*>(p.out), partitions_of(p, HEAD_DIM), num_seqs, stream);
   }
 }
 
 template <typename T, typename Cache, int HEAD_DIM>
-void dispatch_group(const DecodeParams& p, const DecodeNewToken& nt, int num_seqs,
+void dispatch_group(const DecodeParams& p, const DecodeNewToken& nt, int num_seqs, bool merge,
                     cudaStream_t stream) {
   if (p.group_size <= 4) {
-    launch_decode<T, Cache, HEAD_DIM, 4>(p, nt, num_seqs, stream);
+    launch_decode<T, Cache, HEAD_DIM, 4>(p, nt, num_seqs, merge, stream);
   } else {
-    launch_decode<T, Cache, HEAD_DIM, 8>(p, nt, num_seqs, stream);
+    launch_decode<T, Cache, HEAD_DIM, 8>(p, nt, num_seqs, merge, stream);
   }
 }
 
 template <typename T, typename Cache>
 void dispatch_head_dim(const DecodeParams& p, const DecodeNewToken& nt, int num_seqs,
-                       int head_dim, cudaStream_t stream) {
+                       int head_dim, bool merge, cudaStream_t stream) {
   if (head_dim == 64) {
-    dispatch_group<T, Cache, 64>(p, nt, num_seqs, stream);
+    dispatch_group<T, Cache, 64>(p, nt, num_seqs, merge, stream);
   } else {
-    dispatch_group<T, Cache, 128>(p, nt, num_seqs, stream);
+    dispatch_group<T, Cache, 128>(p, nt, num_seqs, merge, stream);
   }
 }
 
@@ -99,6 +109,7 @@ void paged_attention_decode(
     ptr_t positions,     // [num_seqs] int64
     ptr_t slot_mapping,  // [num_seqs] int64, negative: not written
     ptr_t cos_sin_cache, // [max_position, head_dim] float32; 0: no fused new token
+    int merge_splits,    // 0: leave split partitions for paged_decode_merge / gemv_merge
     int dtype, int cache_dtype, stream_t stream) {
   DecodeNewToken nt{};
   nt.key = reinterpret_cast<const void*>(new_key);
@@ -139,10 +150,22 @@ void paged_attention_decode(
   const cudaStream_t s = as_stream(stream);
   TINYVLLM_DISPATCH_HALF(dtype, "paged_attention_decode", {
     if (cache_dtype == kFloat8E4M3) {
-      dispatch_head_dim<scalar_t, fp8_e4m3>(p, nt, num_seqs, head_dim, s);
+      dispatch_head_dim<scalar_t, fp8_e4m3>(p, nt, num_seqs, head_dim, merge_splits != 0, s);
     } else {
-      dispatch_head_dim<scalar_t, scalar_t>(p, nt, num_seqs, head_dim, s);
+      dispatch_head_dim<scalar_t, scalar_t>(p, nt, num_seqs, head_dim, merge_splits != 0, s);
     }
+  });
+}
+
+void paged_decode_merge(ptr_t out, ptr_t split_out, ptr_t split_max, ptr_t split_sum,
+                        ptr_t seq_lens, int num_seqs, int num_heads, int head_dim,
+                        int num_splits, int partition_size, int dtype, stream_t stream) {
+  const DecodePartitions parts = checked_partitions("paged_decode_merge: ", split_out, split_max,
+                                                    split_sum, seq_lens, num_seqs, num_heads,
+                                                    head_dim, num_splits, partition_size);
+  if (num_seqs == 0) return;
+  TINYVLLM_DISPATCH_HALF(dtype, "paged_decode_merge", {
+    launch_merge(reinterpret_cast<scalar_t*>(out), parts, num_seqs, as_stream(stream));
   });
 }
 

@@ -7,7 +7,8 @@
 //   phase 2  max and sum per head over the partition (exact softmax inside it)
 //   phase 3  probability-weighted sum of V                                         (reads V once)
 // With several partitions, each writes (normalised out, max, sum) and `paged_decode_reduce_kernel`
-// merges them; with one, the CTA writes the final output.
+// merges them (or the o_proj GEMV does, as its prologue: decode_merge.cuh); with one, the CTA
+// writes the final output.
 //
 // Fused new token (DecodeNewToken, the engine's decode step): q, k and v arrive straight from the
 // qkv projection. The kernel rotates q and k (GPT-NeoX halves, as rotary_embedding_and_cache),
@@ -25,6 +26,7 @@
 
 #include <math_constants.h>
 
+#include "decode_merge.cuh"
 #include "kv_cache.cuh"
 
 namespace tinyvllm {
@@ -120,36 +122,52 @@ struct DecodeCta {
     return s;
   }
 
-  // Rotates this lane's chunk of a head row (GPT-NeoX halves) at position `pos` and rounds it to T,
-  // as rotary_embedding_and_cache stores it. The partner half sits kLanesPerToken / 2 lanes away.
-  // Every lane of the warp must call it (shuffles).
-  __device__ __forceinline__ void rotate(float (&x)[kVec], const float* cos_sin, int64_t pos) const {
+  // This lane's rotary factors at the new token's position (GPT-NeoX halves: x1 c - x2 s |
+  // x2 c + x1 s, the partner half kLanesPerToken / 2 lanes away) and the token's cache slot:
+  // step inputs, loaded before the wait on the kernel before.
+  struct NewToken {
+    float cos[kVec], sin[kVec];  // sin carries the sign of this lane's half
+    int64_t slot;
+  };
+
+  __device__ __forceinline__ NewToken load_new_token(const DecodeNewToken& nt) const {
     constexpr int kHalfLanes = kLanesPerToken / 2;
-    const float* cos = cos_sin + pos * HEAD_DIM + (lane_chunk % kHalfLanes) * kVec;
-    const float* sin = cos + HEAD_DIM / 2;
-    const float sign = lane_chunk < kHalfLanes ? -1.f : 1.f;  // x1 c - x2 s | x2 c + x1 s
+    NewToken t;
+    const float* cos = nt.cos_sin + nt.positions[seq] * HEAD_DIM + (lane_chunk % kHalfLanes) * kVec;
+    const float sign = lane_chunk < kHalfLanes ? -1.f : 1.f;
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
-      const float partner = __shfl_xor_sync(0xffffffffu, x[e], kHalfLanes);
-      x[e] = round_to<T>(x[e] * __ldg(cos + e) + sign * partner * __ldg(sin + e));
+      t.cos[e] = __ldg(cos + e);
+      t.sin[e] = sign * __ldg(cos + HEAD_DIM / 2 + e);
+    }
+    t.slot = nt.slot_mapping[seq];
+    return t;
+  }
+
+  // Rotates this lane's chunk of a head row and rounds it to T, as rotary_embedding_and_cache
+  // stores it. Every lane of the warp must call it (shuffles).
+  __device__ __forceinline__ static void rotate(float (&x)[kVec], const NewToken& t) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const float partner = __shfl_xor_sync(0xffffffffu, x[e], kLanesPerToken / 2);
+      x[e] = round_to<T>(x[e] * t.cos[e] + partner * t.sin[e]);
     }
   }
 
   // q pre-scaled by scale * log2(e), times the K scale of an FP8 cache (rotated first when the new
-  // token is fused).
-  __device__ __forceinline__ void load_query(float (&q)[MAX_G][kVec],
-                                             const DecodeNewToken& nt) const {
+  // token is fused: `fused`).
+  __device__ __forceinline__ void load_query(float (&q)[MAX_G][kVec], bool fused,
+                                             const NewToken& t) const {
     const T* base = static_cast<const T*>(p.query) + int64_t(seq) * p.q_stride_token +
                     lane_chunk * kVec;
     float scale = p.scale_log2;
     if constexpr (is_fp8_cache<Cache>()) scale *= __ldg(p.k_scale);
-    const int64_t pos = nt.cos_sin != nullptr ? nt.positions[seq] : 0;
 #pragma unroll
     for (int g = 0; g < MAX_G; ++g) {
       float f[kVec] = {};
       if (g < num_g) {
         unpack8<T>(*reinterpret_cast<const uint4*>(base + int64_t(head0 + g) * p.q_stride_head), f);
-        if (nt.cos_sin != nullptr) rotate(f, nt.cos_sin, pos);
+        if (fused) rotate(f, t);
       }
 #pragma unroll
       for (int i = 0; i < kVec; ++i) q[g][i] = f[i] * scale;
@@ -172,22 +190,28 @@ struct DecodeCta {
   // The fused new token, by warp 0: rotates its k, writes k and v to the token's cache slot (if
   // `writer`: chunk 0 of the KV head), writes its scores to `logits` and keeps v in fresh_v for
   // weighted_values, both as the cache holds them, so the stale slot is never read.
-  __device__ __forceinline__ void take_new_token(const DecodeNewToken& nt, bool writer,
-                                                 const float (&q)[MAX_G][kVec]) const {
+  // The new token's raw k and v rows of this lane (from the qkv projection: after the wait).
+  __device__ __forceinline__ void load_new_kv(const DecodeNewToken& nt, uint4& k, uint4& v) const {
     const int64_t at = int64_t(seq) * nt.kv_stride + kv_head * HEAD_DIM + lane_chunk * kVec;
+    k = *reinterpret_cast<const uint4*>(static_cast<const T*>(nt.key) + at);
+    v = *reinterpret_cast<const uint4*>(static_cast<const T*>(nt.value) + at);
+  }
+
+  __device__ __forceinline__ void take_new_token(const NewToken& t, const uint4& raw_k,
+                                                 const uint4& raw_v, bool writer,
+                                                 const float (&q)[MAX_G][kVec]) const {
     float k[kVec], v[kVec];
-    unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const T*>(nt.key) + at), k);
-    unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const T*>(nt.value) + at), v);
-    rotate(k, nt.cos_sin, nt.positions[seq]);
+    unpack8<T>(raw_k, k);
+    unpack8<T>(raw_v, v);
+    rotate(k, t);
     float ks = 1.f, vs = 1.f;
     if constexpr (is_fp8_cache<Cache>()) {
       ks = __ldg(p.k_scale);
       vs = __ldg(p.v_scale);
     }
     const Vec kc = to_cache_vec(k, ks), vc = to_cache_vec(v, vs);
-    const int64_t slot = nt.slot_mapping[seq];
-    if (writer && slot >= 0 && lane_token == 0) {
-      const int64_t row = (slot * p.num_kv_heads + kv_head) * HEAD_DIM + lane_chunk * kVec;
+    if (writer && t.slot >= 0 && lane_token == 0) {
+      const int64_t row = (t.slot * p.num_kv_heads + kv_head) * HEAD_DIM + lane_chunk * kVec;
       *reinterpret_cast<Vec*>(const_cast<Cache*>(static_cast<const Cache*>(p.key_cache)) + row) = kc;
       *reinterpret_cast<Vec*>(const_cast<Cache*>(static_cast<const Cache*>(p.value_cache)) + row) =
           vc;
@@ -218,13 +242,23 @@ struct DecodeCta {
     }
   }
 
-  // Each warp walks blocks warp, warp + kDecodeWarps, ...; the next block's loads are issued
-  // before the current block's math (body(b, rows)) so that two blocks per warp are in flight.
-  // (Keeping three in flight for FP8 measured slower: more registers, spills, fewer CTAs/SM.)
+  // This warp's first block of K or V (block `warp`), which walk_blocks starts from.
+  __device__ __forceinline__ void load_first(const Cache* cache,
+                                             Vec (&first)[kLoadsPerBlock]) const {
+    if (warp < num_blocks) load_block(cache, warp, first);
+  }
+
+  // Each warp walks blocks warp, warp + kDecodeWarps, ... from `first` (load_first); the next
+  // block's loads are issued before the current block's math (body(b, rows)) so that two blocks
+  // per warp are in flight. (Keeping three in flight for FP8 measured slower: more registers,
+  // spills, fewer CTAs/SM.)
   template <typename Body>
-  __device__ __forceinline__ void walk_blocks(const Cache* cache, Body&& body) const {
+  __device__ __forceinline__ void walk_blocks(const Cache* cache,
+                                              const Vec (&first)[kLoadsPerBlock],
+                                              Body&& body) const {
     Vec next[kLoadsPerBlock];
-    if (warp < num_blocks) load_block(cache, warp, next);
+#pragma unroll
+    for (int i = 0; i < kLoadsPerBlock; ++i) next[i] = first[i];
     for (int b = warp; b < num_blocks; b += kDecodeWarps) {
       Vec rows[kLoadsPerBlock];
 #pragma unroll
@@ -234,8 +268,9 @@ struct DecodeCta {
     }
   }
 
-  __device__ __forceinline__ void scores(const float (&q)[MAX_G][kVec]) const {
-    walk_blocks(static_cast<const Cache*>(p.key_cache),
+  __device__ __forceinline__ void scores(const float (&q)[MAX_G][kVec],
+                                        const Vec (&first)[kLoadsPerBlock]) const {
+    walk_blocks(static_cast<const Cache*>(p.key_cache), first,
                 [&](int b, const Vec (&k)[kLoadsPerBlock]) {
 #pragma unroll
       for (int i = 0; i < kLoadsPerBlock; ++i) {
@@ -276,8 +311,9 @@ struct DecodeCta {
     }
   }
 
-  __device__ __forceinline__ void weighted_values(float (&acc)[MAX_G][kVec]) const {
-    walk_blocks(static_cast<const Cache*>(p.value_cache),
+  __device__ __forceinline__ void weighted_values(float (&acc)[MAX_G][kVec],
+                                                 const Vec (&first)[kLoadsPerBlock]) const {
+    walk_blocks(static_cast<const Cache*>(p.value_cache), first,
                 [&](int b, const Vec (&v)[kLoadsPerBlock]) {
 #pragma unroll
       for (int i = 0; i < kLoadsPerBlock; ++i) {
@@ -363,8 +399,6 @@ paged_decode_kernel(const DecodeParams p, const DecodeNewToken nt) {
   using Cta = DecodeCta<T, Cache, HEAD_DIM, MAX_G>;
   extern __shared__ float smem[];
   __shared__ float head_max[MAX_G], head_sum[MAX_G], fresh_v[HEAD_DIM];
-  wait_for_previous_grid();  // q and this step's K/V come from the kernel before (PDL launch)
-  allow_next_grid();
   Cta c{p};
   c.seq = blockIdx.y;
   c.split = blockIdx.z;
@@ -378,23 +412,45 @@ paged_decode_kernel(const DecodeParams p, const DecodeNewToken nt) {
   c.lane_chunk = c.lane % Cta::kLanesPerToken;
   c.logits = smem;
   c.reduce_buf = smem + MAX_G * p.partition_size;
+  // Step metadata is input, never written by the kernel before (PDL launch): read it at once.
   const int seq_len = p.seq_lens[c.seq];
   const int start = c.split * p.partition_size;
   c.len = max(0, min(seq_len - start, p.partition_size));
   c.fresh = nt.cos_sin != nullptr && start + c.len == seq_len ? c.len - 1 : -1;
   c.fresh_v = fresh_v;
+  c.num_blocks = (c.len + kDecodeBlockSize - 1) / kDecodeBlockSize;
+  c.table = p.block_tables + int64_t(c.seq) * p.max_num_blocks_per_seq + start / kDecodeBlockSize;
+  // With the new token fused in, the kernel before is the qkv projection: every cached token this
+  // CTA reads was written by an earlier step (the new token's slot is skipped), so the first
+  // blocks of K and V are loaded while that kernel drains. Unfused, the kernel before wrote the
+  // new token into the cache: wait first.
+  typename Cta::Vec k_first[Cta::kLoadsPerBlock], v_first[Cta::kLoadsPerBlock];
+  typename Cta::NewToken token{};
+  const bool fused = nt.cos_sin != nullptr;
+  if (fused) {
+    c.load_first(static_cast<const Cache*>(p.key_cache), k_first);
+    c.load_first(static_cast<const Cache*>(p.value_cache), v_first);
+    if (c.len > 0) token = c.load_new_token(nt);
+  }
+  wait_for_previous_grid();  // q, k, v (and, unfused, this step's cache rows) come from before
+  allow_next_grid();
+  if (!fused) {
+    c.load_first(static_cast<const Cache*>(p.key_cache), k_first);
+    c.load_first(static_cast<const Cache*>(p.value_cache), v_first);
+  }
   if (c.len > 0) {
-    c.num_blocks = (c.len + kDecodeBlockSize - 1) / kDecodeBlockSize;
-    c.table = p.block_tables + int64_t(c.seq) * p.max_num_blocks_per_seq + start / kDecodeBlockSize;
+    const bool takes_new = c.fresh >= 0 && c.warp == 0;
+    uint4 new_k, new_v;
+    if (takes_new) c.load_new_kv(nt, new_k, new_v);  // in flight with the query's loads
     float q[MAX_G][Cta::kVec];
-    c.load_query(q, nt);
-    if (c.fresh >= 0 && c.warp == 0) c.take_new_token(nt, chunk == 0, q);
-    c.scores(q);
+    c.load_query(q, fused, token);
+    if (takes_new) c.take_new_token(token, new_k, new_v, chunk == 0, q);
+    c.scores(q, k_first);
     __syncthreads();
     c.softmax(head_max, head_sum);
     __syncthreads();
     float acc[MAX_G][Cta::kVec] = {};
-    c.weighted_values(acc);
+    c.weighted_values(acc, v_first);
     if (c.fresh >= 0 && c.warp == 0) c.add_new_token(acc);
     c.reduce_acc(acc);
     __syncthreads();
@@ -406,31 +462,16 @@ paged_decode_kernel(const DecodeParams p, const DecodeNewToken nt) {
   }  // other empty partitions write nothing; the reduce skips them
 }
 
-// Grid (num_heads, num_seqs), HEAD_DIM threads: merges the partitions of one (seq, head).
+// Grid (num_heads, num_seqs), head_dim threads: merges the partitions of one (seq, head).
 template <typename T>
-__global__ void paged_decode_reduce_kernel(
-    T* __restrict__ out,                  // [num_seqs, num_heads, head_dim]
-    const float* __restrict__ split_out,  // [num_seqs, num_heads, num_splits, head_dim]
-    const float* __restrict__ split_max,  // [num_seqs, num_heads, num_splits]
-    const float* __restrict__ split_sum,  // [num_seqs, num_heads, num_splits]
-    const int* __restrict__ seq_lens,     // [num_seqs]
-    int num_heads, int head_dim, int num_splits, int partition_size) {
+__global__ void paged_decode_reduce_kernel(T* __restrict__ out,  // [num_seqs, num_heads, head_dim]
+                                           const DecodePartitions parts) {
   wait_for_previous_grid();  // the partitions come from the decode kernel (PDL launch)
   allow_next_grid();
   const int seq = blockIdx.y, head = blockIdx.x, d = threadIdx.x;
-  const int64_t row = int64_t(seq) * num_heads + head;
-  const int used = min(num_splits, (seq_lens[seq] + partition_size - 1) / partition_size);
-  const float* mx = split_max + row * num_splits;
-  const float* sm = split_sum + row * num_splits;
-  float m = -CUDART_INF_F;
-  for (int s = 0; s < used; ++s) m = fmaxf(m, mx[s]);
-  float num = 0.f, den = 0.f;
-  for (int s = 0; s < used; ++s) {
-    const float w = sm[s] * exp2f(mx[s] - m);
-    den += w;
-    num = fmaf(w, split_out[(row * num_splits + s) * head_dim + d], num);
-  }
-  out[row * head_dim + d] = from_float<T>(used > 0 ? num / den : 0.f);
+  float val[1];
+  merge_partitions<1>(parts, seq, head, d, val);
+  out[(int64_t(seq) * parts.num_heads + head) * parts.head_dim + d] = from_float<T>(val[0]);
 }
 
 }  // namespace tinyvllm

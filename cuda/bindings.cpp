@@ -35,8 +35,13 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("max_num_blocks_per_seq"), py::arg("num_splits"), py::arg("partition_size"),
         py::arg("scale"), py::arg("k_scale"), py::arg("v_scale"), py::arg("new_key"),
         py::arg("new_value"), py::arg("new_kv_stride"), py::arg("positions"),
-        py::arg("slot_mapping"), py::arg("cos_sin_cache"),
+        py::arg("slot_mapping"), py::arg("cos_sin_cache"), py::arg("merge_splits"),
         py::arg("dtype"), py::arg("cache_dtype"), py::arg("stream"));
+
+  m.def("paged_decode_merge", &tinyvllm::paged_decode_merge, py::arg("out"),
+        py::arg("split_out"), py::arg("split_max"), py::arg("split_sum"), py::arg("seq_lens"),
+        py::arg("num_seqs"), py::arg("num_heads"), py::arg("head_dim"), py::arg("num_splits"),
+        py::arg("partition_size"), py::arg("dtype"), py::arg("stream"));
 
   m.def("rms_norm", &tinyvllm::rms_norm, py::arg("out"), py::arg("x"), py::arg("residual"),
         py::arg("weight"), py::arg("num_tokens"), py::arg("hidden"), py::arg("x_stride"),
@@ -64,6 +69,12 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("residual"), py::arg("norm_weight"), py::arg("m"), py::arg("n"), py::arg("k"),
         py::arg("x_stride"), py::arg("out_stride"), py::arg("residual_stride"), py::arg("eps"),
         py::arg("prologue"), py::arg("dtype"), py::arg("stream"));
+
+  m.def("gemv_merge", &tinyvllm::gemv_merge, py::arg("out"), py::arg("split_out"),
+        py::arg("split_max"), py::arg("split_sum"), py::arg("seq_lens"), py::arg("weight"),
+        py::arg("bias"), py::arg("residual"), py::arg("m"), py::arg("n"), py::arg("num_heads"),
+        py::arg("head_dim"), py::arg("num_splits"), py::arg("partition_size"),
+        py::arg("out_stride"), py::arg("residual_stride"), py::arg("dtype"), py::arg("stream"));
 
   m.def("sample", &tinyvllm::sample, py::arg("out"), py::arg("workspace"),
         py::arg("workspace_bytes"), py::arg("logits"), py::arg("logits_stride"),

@@ -2,7 +2,7 @@
 // grid so that every warp is resident at once, and launches with programmatic dependent launch so
 // that the weight prefetch overlaps the previous kernel's tail.
 //
-// Instantiations: {float16, bfloat16} x M {1, 2} x prologue {none, rmsnorm, silu_mul}.
+// Instantiations: {float16, bfloat16} x M {1, 2} x prologue {none, rmsnorm, silu_mul, merge}.
 #include <algorithm>
 #include <mutex>
 #include <string>
@@ -45,27 +45,41 @@ int resident_ctas(int smem) {
 template <typename T, int M, int P>
 void launch(T* out, const T* x, const T* weight, const T* bias, const T* residual,
             const T* norm_weight, int m, int n, int k, int64_t x_stride, int64_t out_stride,
-            int64_t residual_stride, float eps, cudaStream_t stream) {
+            int64_t residual_stride, float eps, const DecodePartitions& parts,
+            cudaStream_t stream) {
   const int smem = M * k * int(sizeof(T));
   // At least one row per warp; at most what is resident at once.
   const int64_t wanted = (int64_t(n) + kGemvWarps - 1) / kGemvWarps;
   const int grid = int(std::min<int64_t>(wanted, int64_t(num_sms()) * resident_ctas<T, M, P>(smem)));
   launch_pdl(gemv_kernel<T, M, P>, dim3(grid), dim3(kGemvWarps * 32), smem, stream, out, x,
              weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride, residual_stride,
-             eps);
+             eps, parts);
 }
 
 template <typename T, int P>
 void launch_m(int m, T* out, const T* x, const T* weight, const T* bias, const T* residual,
               const T* norm_weight, int n, int k, int64_t x_stride, int64_t out_stride,
-              int64_t residual_stride, float eps, cudaStream_t s) {
+              int64_t residual_stride, float eps, cudaStream_t s,
+              const DecodePartitions& parts = {}) {
   if (m == 1) {
     launch<T, 1, P>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
-                    residual_stride, eps, s);
+                    residual_stride, eps, parts, s);
   } else {
     launch<T, 2, P>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
-                    residual_stride, eps, s);
+                    residual_stride, eps, parts, s);
   }
+}
+
+// Sizes every GEMV entry point checks ("gemv: ..." / "gemv_merge: ...").
+void check_shape(const std::string& where, int64_t m, int64_t n, int64_t k) {
+  require(m >= 0 && m <= kGemvMaxM, where + "m=" + std::to_string(m) + " rows; at most " +
+                                        std::to_string(kGemvMaxM) + " are served");
+  require(n > 0 && n <= INT32_MAX, where + "n=" + std::to_string(n) + " out of range");
+  require(k > 0 && k % 8 == 0 && k <= INT32_MAX / 2,
+          where + "k=" + std::to_string(k) + " must be a positive multiple of 8");
+  require(m * k * 2 <= kGemvSmemBytes, where + "m * k = " + std::to_string(m * k) +
+                                           " activations exceed the staging buffer (" +
+                                           std::to_string(kGemvSmemBytes / 2) + ")");
 }
 
 }  // namespace
@@ -74,19 +88,12 @@ void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t no
           int64_t m, int64_t n, int64_t k, int64_t x_stride, int64_t out_stride,
           int64_t residual_stride, float eps, int prologue, int dtype, stream_t stream) {
   const std::string where = "gemv: ";
-  require(m >= 0 && m <= kGemvMaxM, where + "m=" + std::to_string(m) + " rows; at most " +
-                                        std::to_string(kGemvMaxM) + " are served");
-  require(n > 0 && n <= INT32_MAX, where + "n=" + std::to_string(n) + " out of range");
-  require(k > 0 && k % 8 == 0 && k <= INT32_MAX / 2,
-          where + "k=" + std::to_string(k) + " must be a positive multiple of 8");
+  check_shape(where, m, n, k);
   require(prologue >= kGemvNone && prologue <= kGemvSiluMul,
           where + "prologue=" + std::to_string(prologue) + " unknown");
   require(x_stride % 8 == 0, where + "x_stride=" + std::to_string(x_stride) +
                                  " must be a multiple of 8 elements (16-byte rows)");
   require(prologue != kGemvRmsNorm || norm_weight != 0, where + "rmsnorm needs norm_weight");
-  require(m * k * 2 <= kGemvSmemBytes, where + "m * k = " + std::to_string(m * k) +
-                                           " activations exceed the staging buffer (" +
-                                           std::to_string(kGemvSmemBytes / 2) + ")");
   for (ptr_t p : {x, weight, norm_weight}) {
     require(p == 0 || aligned16(reinterpret_cast<void*>(p)),
             where + "x, weight and norm_weight must be 16-byte aligned");
@@ -111,6 +118,27 @@ void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t no
       launch_m<scalar_t, kGemvSiluMul>(mi, o, xi, w, b, r, nw, ni, ki, x_stride, out_stride,
                                        residual_stride, eps, s);
     }
+  });
+}
+
+void gemv_merge(ptr_t out, ptr_t split_out, ptr_t split_max, ptr_t split_sum, ptr_t seq_lens,
+                ptr_t weight, ptr_t bias, ptr_t residual, int64_t m, int64_t n, int num_heads,
+                int head_dim, int num_splits, int partition_size, int64_t out_stride,
+                int64_t residual_stride, int dtype, stream_t stream) {
+  const std::string where = "gemv_merge: ";
+  const DecodePartitions parts =
+      checked_partitions(where, split_out, split_max, split_sum, seq_lens, int(m), num_heads,
+                         head_dim, num_splits, partition_size);
+  const int64_t k = int64_t(num_heads) * head_dim;
+  check_shape(where, m, n, k);
+  require(aligned16(reinterpret_cast<void*>(weight)), where + "weight must be 16-byte aligned");
+  if (m == 0) return;
+  TINYVLLM_DISPATCH_HALF(dtype, "gemv_merge", {
+    launch_m<scalar_t, kGemvMergeSplits>(
+        int(m), reinterpret_cast<scalar_t*>(out), nullptr,
+        reinterpret_cast<const scalar_t*>(weight), reinterpret_cast<const scalar_t*>(bias),
+        reinterpret_cast<const scalar_t*>(residual), nullptr, int(n), int(k), k, out_stride,
+        residual_stride, 0.f, as_stream(stream), parts);
   });
 }
 

@@ -7,6 +7,8 @@
 //   prologue  kNone      act(x) = x
 //             kRmsNorm   act(x) = rmsnorm(x) * norm_weight   (input_layernorm before qkv_proj, ...)
 //             kSiluMul   act(x) = silu(x[:, :k]) * x[:, k:]  (SwiGLU before down_proj)
+//             kMergeSplits act(x) = the merge of a split decode's partitions (decode_merge.cuh):
+//                        o_proj takes the place of the attention's reduce launch; x is unused
 //   epilogue  residual   out = residual + x . W^T, in place  (the residual stream after o/down_proj)
 // Rounding points follow the unfused ops (the normalised / activated value and the product are
 // rounded to T before the next step), so results equal norm -> cuBLAS -> add up to the order of
@@ -18,10 +20,16 @@
 #pragma once
 
 #include "common.cuh"
+#include "decode_merge.cuh"
 
 namespace tinyvllm {
 
-enum GemvPrologue : int { kGemvNone = 0, kGemvRmsNorm = 1, kGemvSiluMul = 2 };
+enum GemvPrologue : int {
+  kGemvNone = 0,
+  kGemvRmsNorm = 1,
+  kGemvSiluMul = 2,
+  kGemvMergeSplits = 3,
+};
 
 constexpr int kGemvWarps = 8;   // warps per CTA
 constexpr int kGemvRows = 2;    // weight rows a warp streams together
@@ -97,6 +105,20 @@ __device__ __forceinline__ void gemv_stage(uint4* act, int k8, const T* x, int64
         act[idx] = pack8<T>(of);
       }
     }
+  }
+}
+
+// kMergeSplits: act = the merged attention output of the M sequences (head after head, as the
+// decode kernel lays out [num_heads, head_dim]); rows at or past m are zero.
+template <typename T, int M>
+__device__ __forceinline__ void gemv_stage_merged(uint4* act, int k8, const DecodePartitions& parts,
+                                                  int m) {
+  const int vecs_per_head = parts.head_dim / 8;
+  for (int idx = threadIdx.x; idx < M * k8; idx += blockDim.x) {
+    const int row = idx / k8, v = idx - row * k8;
+    float f[8] = {};
+    if (row < m) merge_partitions<8>(parts, row, v / vecs_per_head, (v % vecs_per_head) * 8, f);
+    act[idx] = pack8<T>(f);
   }
 }
 
@@ -193,6 +215,11 @@ __device__ __forceinline__ void gemv_stage_rmsnorm_one_pass(uint4* act, int k8, 
   }
 }
 
+// Asks L2 for the 16-byte vector at p (no registers, no wait).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 template <int R, int U>
 __device__ __forceinline__ void gemv_load(uint4 (&w)[R][U], const uint4* const (&rows)[R],
                                           const bool (&live)[R], int v0, int k8) {
@@ -215,7 +242,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(
     const T* residual,                  // [m, residual_stride] or null; may be `out` itself
     const T* __restrict__ norm_weight,  // [k] (kRmsNorm)
     int m, int n, int k, int64_t x_stride, int64_t out_stride, int64_t residual_stride,
-    float eps) {
+    float eps,
+    const DecodePartitions parts) {     // kMergeSplits: k = num_heads * head_dim
   constexpr int R = kGemvRows, U = kGemvUnroll;
   extern __shared__ uint4 act[];  // [M][k / 8]: act(x), the rows every warp multiplies
   __shared__ float inv_rms[M];
@@ -246,6 +274,19 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(
   uint4 w[R][U];
   // The weights do not depend on the previous kernel: start streaming them before waiting on it.
   gemv_load<R, U>(w, rows, live, lane, total > 0 ? k8 : 0);
+  if (total == 2) {  // a small matrix: its second (and last) pass heads for L2 as well
+    const int group = 1 / iters, v0 = lane + (1 - group * iters) * 32 * U;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int row = row_begin + group * R + r;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (row < row_end && v0 + u * 32 < k8) {
+          prefetch_l2(reinterpret_cast<const uint4*>(weight + int64_t(row) * k) + v0 + u * 32);
+        }
+      }
+    }
+  }
   wait_for_previous_grid();
 
   if constexpr (P == kGemvRmsNorm) {
@@ -255,6 +296,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(
       gemv_row_scale<T, M>(inv_rms, x, x_stride, k8, m, eps);
       gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m);
     }
+  } else if constexpr (P == kGemvMergeSplits) {
+    gemv_stage_merged<T, M>(act, k8, parts, m);
   } else {
     gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m);
   }

@@ -29,7 +29,14 @@ void paged_attention_decode(ptr_t out, ptr_t query, ptr_t key_cache, ptr_t value
                             int max_num_blocks_per_seq, int num_splits, int partition_size,
                             float scale, ptr_t k_scale, ptr_t v_scale, ptr_t new_key,
                             ptr_t new_value, int64_t new_kv_stride, ptr_t positions,
-                            ptr_t slot_mapping, ptr_t cos_sin_cache, int dtype, int cache_dtype, stream_t stream);
+                            ptr_t slot_mapping, ptr_t cos_sin_cache, int merge_splits,
+                            int dtype, int cache_dtype, stream_t stream);
+
+// attention_decode.cu: the merge of a split decode's partitions (what paged_attention_decode does
+// itself when merge_splits is set): out [num_seqs, num_heads, head_dim].
+void paged_decode_merge(ptr_t out, ptr_t split_out, ptr_t split_max, ptr_t split_sum,
+                        ptr_t seq_lens, int num_seqs, int num_heads, int head_dim,
+                        int num_splits, int partition_size, int dtype, stream_t stream);
 
 // attention_prefill.cu: any number of new queries per sequence, causal over cached + new keys.
 void paged_attention_prefill(ptr_t out, ptr_t query, ptr_t key_cache, ptr_t value_cache,
@@ -57,11 +64,18 @@ void rotary_embedding_and_cache(ptr_t positions, ptr_t query, ptr_t key, ptr_t v
                                 int64_t key_stride, int64_t value_stride, int dtype,
                                 int cache_dtype, ptr_t k_scale, ptr_t v_scale, stream_t stream);
 
-// gemv.cu: out[m, n] = act(x) . weight^T (+ bias) (+ residual, in place) for m <= 8 (decode);
+// gemv.cu: out[m, n] = act(x) . weight^T (+ bias) (+ residual, in place) for m <= 2 (decode);
 // prologue 0 none, 1 rmsnorm(x) * norm_weight, 2 silu(x[:, :k]) * x[:, k:].
 void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t norm_weight,
           int64_t m, int64_t n, int64_t k, int64_t x_stride, int64_t out_stride,
           int64_t residual_stride, float eps, int prologue, int dtype, stream_t stream);
+
+// gemv.cu: the same with a split decode's partitions, merged in the prologue, as x (o_proj after
+// paged_attention_decode with merge_splits = 0): k = num_heads * head_dim.
+void gemv_merge(ptr_t out, ptr_t split_out, ptr_t split_max, ptr_t split_sum, ptr_t seq_lens,
+                ptr_t weight, ptr_t bias, ptr_t residual, int64_t m, int64_t n, int num_heads,
+                int head_dim, int num_splits, int partition_size, int64_t out_stride,
+                int64_t residual_stride, int dtype, stream_t stream);
 
 // sampling.cu: one token per row after penalties (greedy, temperature, top-k, top-p, min-p, the
 // exponential race with Philox or given noise), no sort, no host sync. 0 = absent for top_k,

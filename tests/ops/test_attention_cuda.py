@@ -10,8 +10,8 @@ import torch
 
 from tinyvllm.ops import attention_cuda
 from tinyvllm.ops._dispatch import cuda_ops
-from tinyvllm.ops.attention import (AttentionMetadata, paged_attention, paged_attention_ref,
-                                    rotary_paged_attention)
+from tinyvllm.ops.attention import (AttentionMetadata, DecodePartitions, paged_attention,
+                                    paged_attention_ref, rotary_paged_attention)
 from tinyvllm.ops.kv_cache import FP8_DTYPE, quantize_kv, reshape_and_cache_ref
 from tinyvllm.ops.layers import build_cos_sin_cache, rotary_embedding_and_cache_ref
 
@@ -354,3 +354,29 @@ def test_rotary_decode_rejects_prefill(kernels):
     with pytest.raises(ValueError, match="one new token per sequence"):
         attention_cuda.rotary_paged_attention_cuda(kernels, torch.arange(3, device="cuda"), q, k,
                                                    v, cos_sin, cache, meta, 0.1)
+
+
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((32, 8), 128)], ids=["smollm2", "8b"])
+def test_rotary_decode_unmerged_partitions(kernels, heads, head_dim):
+    """merge=False: a split launch leaves its partitions, and merging them gives the merged
+    launch's output bit for bit (same cache writes); a launch that does not split returns the
+    output itself."""
+    num_heads, num_kv_heads = heads
+    _, cache, meta = make_batch([(1, 2049), (1, 70), (1, 1)], num_heads, num_kv_heads, head_dim,
+                                torch.bfloat16, seed=23)
+    _, (q, k, v), positions, cos_sin = make_new_tokens(meta, num_heads, num_kv_heads, head_dim,
+                                                       torch.bfloat16, 23)
+    run = lambda c, merge: rotary_paged_attention(  # noqa: E731
+        positions, q, k, v, cos_sin, c, meta, 0.1, merge=merge)
+    merged_cache, parts_cache = cache.clone(), cache.clone()
+    out = run(merged_cache, True)
+    parts = run(parts_cache, False)
+    assert isinstance(parts, DecodePartitions) and parts.num_splits > 1
+    assert torch.equal(parts_cache, merged_cache)
+    assert torch.equal(parts.merge(), out)
+
+    _, cache, meta = make_batch([(1, 40)] * 100, num_heads, num_kv_heads, head_dim,
+                                torch.bfloat16, seed=29)  # enough CTAs: one partition each
+    _, (q, k, v), positions, cos_sin = make_new_tokens(meta, num_heads, num_kv_heads, head_dim,
+                                                       torch.bfloat16, 29)
+    assert isinstance(run(cache, False), torch.Tensor)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tinyvllm import ops
+from tinyvllm.ops.attention import DecodePartitions
 from tinyvllm.ops.linear import fused_linear, fused_linear_ref, fused_linear_supported
 
 pytestmark = [pytest.mark.gpu,
@@ -153,3 +154,49 @@ def test_dependent_chain_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static, eager)
+
+
+def random_partitions(m, num_heads, head_dim, dtype, seed, num_splits=6, partition=64):
+    """A split decode's partitions for m sequences of ragged lengths; partitions past a
+    sequence's end hold NaN (never read)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    seq_lens = torch.tensor([300, 64, 1][:m], dtype=torch.int32, device="cuda")
+    out = torch.randn(m, num_heads, num_splits, head_dim, generator=gen, device="cuda")
+    stats = torch.randn(2, m, num_heads, num_splits, generator=gen, device="cuda")
+    mx, sm = stats[0] * 4, stats[1].abs() * 5 + 1
+    for i, n in enumerate(seq_lens.tolist()):
+        used = -(-n // partition)
+        out[i, :, used:] = mx[i, :, used:] = sm[i, :, used:] = float("nan")
+    return DecodePartitions(out, mx, sm, seq_lens, partition, dtype)
+
+
+def merge_ref(parts: DecodePartitions) -> torch.Tensor:
+    """Float64 softmax-weighted mean of each sequence's used partitions."""
+    rows = []
+    for i, n in enumerate(parts.seq_lens.tolist()):
+        used = -(-n // parts.partition_size)
+        mx, sm = parts.max[i, :, :used].double(), parts.sum[i, :, :used].double()
+        w = sm * torch.exp2(mx - mx.max(dim=-1, keepdim=True).values)
+        rows.append((w[..., None] * parts.out[i, :, :used].double()).sum(1) / w.sum(-1)[:, None])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3])  # 3: more rows than the GEMV serves, merged first
+@pytest.mark.parametrize("num_heads,head_dim", [(9, 64), (8, 128), (32, 128)])
+def test_fused_linear_merges_decode_partitions(dtype, m, num_heads, head_dim):
+    """o_proj straight from a split decode's partitions: the merge launch's result bit for bit
+    (same roundings), which matches the float64 merge; the residual is updated in place."""
+    seed = m * 101 + num_heads
+    parts = random_partitions(m, num_heads, head_dim, dtype, seed)
+    merged = parts.merge()
+    assert rel_err(merged, merge_ref(parts)) <= REL_TOL[dtype]
+    k = num_heads * head_dim
+    weight = rand(576, k, dtype=dtype, seed=seed + 1, scale=k ** -0.5)
+    residual = rand(m, 576, dtype=dtype, seed=seed + 2)
+    expected = fused_linear(merged.view(m, k), weight, residual=residual.clone())
+    got = fused_linear(parts, weight, residual=residual)
+    assert got is residual
+    assert torch.equal(got, expected)
+    plain = fused_linear(parts, weight)  # no residual: a new tensor
+    assert torch.equal(plain, fused_linear(merged.view(m, k), weight))

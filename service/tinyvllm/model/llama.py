@@ -26,6 +26,10 @@ _FUSED_GEMV = os.environ.get("TINYVLLM_FUSED_GEMV", "1") != "0"
 """Decode-sized CUDA batches (<= ops.GEMV_MAX_ROWS tokens) run each projection with its norm /
 SwiGLU / residual add as one GEMV launch; 0 restores cuBLAS plus separate ops (for A/B timing)."""
 
+_MERGE_IN_O_PROJ = os.environ.get("TINYVLLM_MERGE_IN_O_PROJ", "1") != "0"
+"""In those batches the o_proj GEMV merges a split decode's partitions as its prologue (no merge
+launch); 0 keeps the attention's own merge launch (for A/B timing)."""
+
 _KV_SCALE_BUFFERS = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale")
 """Our names of the FP8 KV-cache scales (`kv_scale`: one scale for both, older checkpoints)."""
 
@@ -68,16 +72,20 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attend(positions, qkv, kv_cache, meta, cos_sin_cache))
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor,
-               meta: ops.AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+               meta: ops.AttentionMetadata, cos_sin_cache: torch.Tensor, *,
+               merge: bool = True) -> torch.Tensor | ops.DecodePartitions:
         """Rotary, K/V cache write and attention of the projected qkv [T, q_size + 2 * kv_size];
-        returns the attention output [T, q_size], before o_proj."""
+        returns the attention output [T, q_size], before o_proj (with merge=False, a split CUDA
+        decode's unmerged partitions, for ops.fused_linear)."""
         a = self.arch
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         num_tokens = qkv.shape[0]
         if _FUSED_ROTARY_CACHE:
             # Strided views into qkv; on CUDA decode one launch rotates, caches and attends.
             out = ops.rotary_paged_attention(positions, q, k, v, cos_sin_cache, kv_cache, meta,
-                                             self.scale, self.k_scale, self.v_scale)
+                                             self.scale, self.k_scale, self.v_scale, merge=merge)
+            if isinstance(out, ops.DecodePartitions):
+                return out
         else:
             q, k = ops.rotary_embedding(positions, q.contiguous(), k.contiguous(), cos_sin_cache,
                                         a.head_dim)
@@ -128,11 +136,13 @@ class LlamaDecoderLayer(nn.Module):
                       cos_sin_cache) -> None:
         """The same block for decode-sized batches: four fused projections (norm -> qkv,
         o_proj + add, norm -> gate_up, SwiGLU -> down_proj + add) update the residual stream
-        [T, hidden] in place; no separate norm, activation or add launches."""
+        [T, hidden] in place; no separate norm, activation or add launches, and o_proj merges a
+        split decode's partitions itself."""
         attn, mlp = self.self_attn, self.mlp
         qkv = ops.fused_linear(residual, attn.qkv_proj.weight, attn.qkv_proj.bias,
                                norm_weight=self.input_layernorm, eps=self.eps)
-        out = attn.attend(positions, qkv, kv_cache, meta, cos_sin_cache)
+        out = attn.attend(positions, qkv, kv_cache, meta, cos_sin_cache,
+                          merge=not _MERGE_IN_O_PROJ)
         ops.fused_linear(out, attn.o_proj.weight, residual=residual)
         gate_up = ops.fused_linear(residual, mlp.gate_up_proj.weight,
                                    norm_weight=self.post_attention_layernorm, eps=self.eps)

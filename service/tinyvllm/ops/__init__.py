@@ -5,8 +5,8 @@ CUDA device and the kernel supports them; otherwise the torch reference runs (th
 path). On CUDA an unsupported input raises rather than silently falling back.
 """
 
-from tinyvllm.ops.attention import (AttentionMetadata, paged_attention, paged_attention_ref,
-                                    rotary_paged_attention)
+from tinyvllm.ops.attention import (AttentionMetadata, DecodePartitions, paged_attention,
+                                    paged_attention_ref, rotary_paged_attention)
 from tinyvllm.ops.kv_cache import KV_CACHE_LAYOUT, allocate_kv_caches, reshape_and_cache
 from tinyvllm.ops.layers import (build_cos_sin_cache, rms_norm, rotary_embedding,
                                  rotary_embedding_and_cache, silu_and_mul)
@@ -14,7 +14,8 @@ from tinyvllm.ops.linear import GEMV_MAX_ROWS, fused_linear, fused_linear_suppor
 from tinyvllm.ops.sampling import sample, sample_ref
 
 __all__ = [
-    "AttentionMetadata", "paged_attention", "paged_attention_ref", "rotary_paged_attention",
+    "AttentionMetadata", "DecodePartitions", "paged_attention", "paged_attention_ref",
+    "rotary_paged_attention",
     "KV_CACHE_LAYOUT",
     "allocate_kv_caches", "reshape_and_cache", "rms_norm", "rotary_embedding",
     "rotary_embedding_and_cache", "silu_and_mul",

@@ -49,6 +49,48 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+@dataclass
+class DecodePartitions:
+    """A split decode's partitions, not yet merged (`rotary_paged_attention(..., merge=False)` on
+    CUDA): each partition's normalised output with its softmax max (log2 domain) and sum.
+    `merge()` gives the attention output; `ops.fused_linear` (o_proj) merges them in its prologue
+    instead, which saves the merge launch.
+
+    Shape:
+        out: [num_seqs, num_heads, num_splits, head_dim] float32
+        max, sum: [num_seqs, num_heads, num_splits] float32
+        seq_lens: [num_seqs] int32 (a sequence uses ceil(seq_len / partition_size) partitions)
+    """
+
+    out: torch.Tensor
+    max: torch.Tensor
+    sum: torch.Tensor
+    seq_lens: torch.Tensor
+    partition_size: int
+    dtype: torch.dtype  # of the merged output
+
+    @property
+    def num_seqs(self) -> int:
+        return self.out.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.out.shape[1]
+
+    @property
+    def num_splits(self) -> int:
+        return self.out.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.out.shape[3]
+
+    def merge(self) -> torch.Tensor:
+        """The attention output, [num_seqs, num_heads, head_dim] in `dtype` (one launch)."""
+        from tinyvllm.ops.attention_cuda import merge_decode_partitions
+        return merge_decode_partitions(self)
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, k_scale: Optional[torch.Tensor] = None,
                     v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -72,12 +114,15 @@ def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: to
                            value: torch.Tensor, cos_sin_cache: torch.Tensor,
                            kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                            k_scale: Optional[torch.Tensor] = None,
-                           v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           v_scale: Optional[torch.Tensor] = None, *,
+                           merge: bool = True) -> torch.Tensor | DecodePartitions:
     """`rotary_embedding_and_cache` then `paged_attention`: rotary on the new queries and keys,
     the new keys and values written to their cache slots, attention over the cache.
 
     On CUDA a pure-decode batch runs as one launch that reads the raw q, k and v; query and key may
-    or may not be rotated in place afterwards (the caller treats them as consumed).
+    or may not be rotated in place afterwards (the caller treats them as consumed). With
+    merge=False such a launch whose context is split returns its `DecodePartitions` unmerged
+    (for `ops.fused_linear`); everything else returns the output tensor.
 
     Shape:
         positions, meta.slot_mapping: [num_tokens] int64 (negative slots: padding, not written)
@@ -91,7 +136,7 @@ def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: to
     if kernel is not None and meta.is_pure_decode and hasattr(kernel, "paged_attention_decode"):
         from tinyvllm.ops.attention_cuda import rotary_paged_attention_cuda
         return rotary_paged_attention_cuda(kernel, positions, query, key, value, cos_sin_cache,
-                                           kv_cache, meta, scale, k_scale, v_scale)
+                                           kv_cache, meta, scale, k_scale, v_scale, merge=merge)
     from tinyvllm.ops.layers import rotary_embedding_and_cache
     head_dim = cos_sin_cache.shape[-1]
     query, _ = rotary_embedding_and_cache(positions, query, key, value, cos_sin_cache, head_dim,

@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
-from tinyvllm.ops._dispatch import stream_handle
-from tinyvllm.ops.attention import AttentionMetadata
+from tinyvllm.ops._dispatch import cuda_ops, stream_handle
+from tinyvllm.ops.attention import AttentionMetadata, DecodePartitions
 from tinyvllm.ops.kv_cache import FP8_DTYPE, _dtype_code, kv_scale_ptrs
 
 MAX_PARTITION = 512
@@ -78,9 +78,11 @@ def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
 
 
 def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
-            scales: tuple[int, int], new_token: tuple[int, ...] = (0, 0, 0, 0, 0, 0)) -> None:
+            scales: tuple[int, int], new_token: tuple[int, ...] = (0, 0, 0, 0, 0, 0),
+            merge: bool = True) -> Optional[DecodePartitions]:
     """new_token: (key, value, kv_stride, positions, slot_mapping, cos_sin_cache) pointers and
-    stride of a fused new token (rotary_paged_attention_cuda), zeros for none."""
+    stride of a fused new token (rotary_paged_attention_cuda), zeros for none. merge=False: a
+    split launch leaves its partitions unmerged and returns them (out is not written)."""
     num_seqs = meta.num_seqs
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
@@ -98,8 +100,24 @@ def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
         meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), _ptr(split_out), _ptr(split_max),
         _ptr(split_sum), num_seqs, num_heads, num_kv_heads, head_dim, kv_cache.shape[2],
         query.stride(0), query.stride(1), meta.block_tables.shape[1], num_splits, partition,
-        scale, *scales, *new_token, _dtype_code(query.dtype),
+        scale, *scales, *new_token, int(merge), _dtype_code(query.dtype),
         _dtype_code(kv_cache.dtype), stream_handle(query.device))
+    if merge or num_splits == 1:
+        return None
+    return DecodePartitions(split_out, split_max, split_sum, meta.seq_lens[:num_seqs], partition,
+                            query.dtype)
+
+
+def merge_decode_partitions(parts: DecodePartitions) -> torch.Tensor:
+    """DecodePartitions.merge on CUDA: [num_seqs, num_heads, head_dim] in parts.dtype."""
+    out = torch.empty((parts.num_seqs, parts.num_heads, parts.head_dim), dtype=parts.dtype,
+                      device=parts.out.device)
+    cuda_ops().paged_decode_merge(
+        out.data_ptr(), parts.out.data_ptr(), parts.max.data_ptr(), parts.sum.data_ptr(),
+        parts.seq_lens.data_ptr(), parts.num_seqs, parts.num_heads, parts.head_dim,
+        parts.num_splits, parts.partition_size, _dtype_code(parts.dtype),
+        stream_handle(out.device))
+    return out
 
 
 def rotary_paged_attention_cuda(kernel, positions: torch.Tensor, query: torch.Tensor,
@@ -108,9 +126,14 @@ def rotary_paged_attention_cuda(kernel, positions: torch.Tensor, query: torch.Te
                                 meta: AttentionMetadata, scale: float,
                                 k_scale: Optional[torch.Tensor] = None,
                                 v_scale: Optional[torch.Tensor] = None,
-                                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                                out: Optional[torch.Tensor] = None, *,
+                                merge: bool = True) -> torch.Tensor | DecodePartitions:
     """Pure decode with the step's new token fused in, one launch: the kernel rotates q and k,
     writes k and v to their slots and attends. query, key and value are read, not modified.
+    merge=False: a context split into partitions comes back as its unmerged DecodePartitions.
+
+    The kernel reads the cached K/V before it waits on the kernel before it (PDL): that kernel
+    (in the model, the qkv projection) must not write this cache.
 
     Shape:
         positions, meta.slot_mapping: [num_seqs] int64 (negative slot: padding, not written)
@@ -143,9 +166,9 @@ def rotary_paged_attention_cuda(kernel, positions: torch.Tensor, query: torch.Te
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     new_token = (key.data_ptr(), value.data_ptr(), key.stride(0), positions.data_ptr(),
                  slots.data_ptr(), cos_sin_cache.data_ptr())
-    _decode(kernel, out, q, kv_cache, meta, scale, kv_scale_ptrs(kv_cache, k_scale, v_scale),
-            new_token)
-    return out
+    parts = _decode(kernel, out, q, kv_cache, meta, scale,
+                    kv_scale_ptrs(kv_cache, k_scale, v_scale), new_token, merge)
+    return out if parts is None else parts
 
 
 def _prefill(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,

@@ -12,6 +12,10 @@ residual add that consumes it:
 On CUDA with at most `GEMV_MAX_ROWS` rows of float16 / bfloat16 it is one launch of the GEMV kernel
 (cuda/gemv.cuh), which streams the weight once; `fused_linear_supported` says when that applies.
 Elsewhere the torch reference runs: the unfused ops in the same order and with the same roundings.
+
+x may also be a split decode's unmerged `DecodePartitions` (o_proj after
+`rotary_paged_attention(..., merge=False)`): the GEMV merges them as its prologue, which takes the
+place of the attention's merge launch; where the GEMV does not serve, they are merged first.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyvllm.ops._dispatch import cuda_ops, stream_handle
+from tinyvllm.ops.attention import DecodePartitions
 from tinyvllm.ops.kv_cache import _dtype_code
 from tinyvllm.ops.layers import rms_norm_ref, silu_and_mul_ref
 
@@ -41,20 +46,26 @@ def fused_linear_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
                for w in weights)
 
 
-def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+def fused_linear(x: torch.Tensor | DecodePartitions, weight: torch.Tensor,
+                 bias: Optional[torch.Tensor] = None, *,
                  norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
                  silu_mul: bool = False, residual: Optional[torch.Tensor] = None,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One projection with its prologue and epilogue (see the module docstring).
 
     Shape:
-        x: [m, k], or [m, 2k] with silu_mul (gate | up); rows contiguous
+        x: [m, k], or [m, 2k] with silu_mul (gate | up); rows contiguous; or DecodePartitions of
+            m sequences with num_heads * head_dim = k
         weight: [n, k] contiguous; bias: [n]; norm_weight: [k]; residual: [m, n]
     Returns: [m, n]: `residual` itself (updated) when given, else `out` (an optional [m, n]
     buffer with contiguous rows) or a new tensor.
     """
     if norm_weight is not None and silu_mul:
         raise ValueError("fused_linear: norm_weight and silu_mul exclude each other")
+    if isinstance(x, DecodePartitions):
+        if norm_weight is None and not silu_mul and _merge_supported(x, weight):
+            return _merged_linear_cuda(x, weight, bias, residual, out)
+        x = x.merge().view(x.num_seqs, -1)
     if fused_linear_supported(x, weight):
         return _fused_linear_cuda(x, weight, bias, norm_weight, eps, silu_mul, residual, out)
     y = fused_linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
@@ -85,24 +96,8 @@ def _fused_linear_cuda(x, weight, bias, norm_weight, eps, silu_mul, residual,
         raise ValueError(f"x: expected [m, {want_cols}] with contiguous rows for weight "
                          f"{tuple(weight.shape)}{' and silu_mul' if silu_mul else ''}, got "
                          f"{tuple(x.shape)} strides {x.stride()}")
-    for name, t, shape in (("weight", weight, (n, k)), ("bias", bias, (n,)),
-                           ("norm_weight", norm_weight, (k,))):
-        if t is not None and (tuple(t.shape) != shape or t.dtype != x.dtype
-                              or not t.is_contiguous() or t.device != x.device):
-            raise ValueError(f"{name}: expected a contiguous {x.dtype} {shape} tensor on "
-                             f"{x.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    if residual is not None:
-        if (tuple(residual.shape) != (m, n) or residual.dtype != x.dtype
-                or residual.stride(-1) != 1 or residual.device != x.device):
-            raise ValueError(f"residual: expected {x.dtype} ({m}, {n}) with contiguous rows, got "
-                             f"{residual.dtype} {tuple(residual.shape)}")
-        out = residual
-    elif out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif (tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(-1) != 1
-          or out.device != x.device):
-        raise ValueError(f"out: expected {x.dtype} ({m}, {n}) with contiguous rows, got "
-                         f"{out.dtype} {tuple(out.shape)}")
+    _check_params(x.dtype, x.device, n, k, weight=weight, bias=bias, norm_weight=norm_weight)
+    out = _output(m, n, x.dtype, x.device, residual, out)
     cuda_ops().gemv(
         out.data_ptr(), x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
         0 if residual is None else residual.data_ptr(),
@@ -111,4 +106,61 @@ def _fused_linear_cuda(x, weight, bias, norm_weight, eps, silu_mul, residual,
         out.stride(0) if m > 1 else n, eps,
         _PROLOGUE["rms_norm" if norm_weight is not None else "silu_mul" if silu_mul else None],
         _dtype_code(x.dtype), stream_handle(x.device))
+    return out
+
+
+_MERGE_BYTES_PER_CTA = 64 * 1024
+"""Partitions a GEMV CTA may read to merge them itself: every CTA merges all of them, so large
+ones (many heads and splits: 8B-sized models) cost more than the merge launch they replace."""
+
+
+def _merge_supported(parts: DecodePartitions, weight: torch.Tensor) -> bool:
+    k = parts.num_heads * parts.head_dim
+    return (parts.num_seqs <= GEMV_MAX_ROWS and parts.dtype in (torch.float16, torch.bfloat16)
+            and parts.num_seqs * k * parts.num_splits * 4 <= _MERGE_BYTES_PER_CTA
+            and cuda_ops() is not None and hasattr(cuda_ops(), "gemv_merge")
+            and weight.dim() == 2 and weight.shape[1] == k and weight.is_contiguous()
+            and parts.num_seqs * k * weight.element_size() <= _GEMV_STAGING_BYTES)
+
+
+def _merged_linear_cuda(parts: DecodePartitions, weight, bias, residual, out) -> torch.Tensor:
+    m, n, k = parts.num_seqs, weight.shape[0], weight.shape[1]
+    device = parts.out.device
+    _check_params(parts.dtype, device, n, k, weight=weight, bias=bias)
+    out = _output(m, n, parts.dtype, device, residual, out)
+    cuda_ops().gemv_merge(
+        out.data_ptr(), parts.out.data_ptr(), parts.max.data_ptr(), parts.sum.data_ptr(),
+        parts.seq_lens.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+        0 if residual is None else residual.data_ptr(), m, n, parts.num_heads, parts.head_dim,
+        parts.num_splits, parts.partition_size, out.stride(0) if m > 1 else n,
+        out.stride(0) if m > 1 else n, _dtype_code(parts.dtype), stream_handle(device))
+    return out
+
+
+def _check_params(dtype: torch.dtype, device: torch.device, n: int, k: int,
+                  **tensors: Optional[torch.Tensor]) -> None:
+    """weight [n, k], bias [n] and norm_weight [k]: contiguous, of the activations' dtype."""
+    shapes = {"weight": (n, k), "bias": (n,), "norm_weight": (k,)}
+    for name, t in tensors.items():
+        if t is not None and (tuple(t.shape) != shapes[name] or t.dtype != dtype
+                              or not t.is_contiguous() or t.device != device):
+            raise ValueError(f"{name}: expected a contiguous {dtype} {shapes[name]} tensor on "
+                             f"{device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def _output(m: int, n: int, dtype: torch.dtype, device: torch.device,
+            residual: Optional[torch.Tensor], out: Optional[torch.Tensor]) -> torch.Tensor:
+    """Where the kernel writes: residual (updated in place), else `out`, else a new tensor."""
+    if residual is not None:
+        if (tuple(residual.shape) != (m, n) or residual.dtype != dtype
+                or residual.stride(-1) != 1 or residual.device != device):
+            raise ValueError(f"residual: expected {dtype} ({m}, {n}) with contiguous rows, got "
+                             f"{residual.dtype} {tuple(residual.shape)}")
+        return residual
+    if out is None:
+        return torch.empty((m, n), dtype=dtype, device=device)
+    if (tuple(out.shape) != (m, n) or out.dtype != dtype or out.stride(-1) != 1
+            or out.device != device):
+        raise ValueError(f"out: expected {dtype} ({m}, {n}) with contiguous rows, got "
+                         f"{out.dtype} {tuple(out.shape)}")
     return out
