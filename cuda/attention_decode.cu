@@ -1,9 +1,9 @@
 // Launcher for paged decode attention: checks sizes, picks the instantiation.
 //
 // Instantiations: {float16, bfloat16} x cache {same, FP8 E4M3} x head_dim {64, 128} x MAX_G {4, 8}
-// (16 kernels), block size 16. MAX_G is how many query heads of one KV head a CTA serves: 4 covers
-// GQA ratios up to 4 with fewer registers; ratios above 4 use 8 and, above 8, several CTAs per KV
-// head. The reduce kernel does not depend on the cache (2 kernels).
+// x new token {fused, not} (32 kernels), block size 16. MAX_G is how many query heads of one KV
+// head a CTA serves: 4 covers GQA ratios up to 4 with fewer registers; ratios above 4 use 8 and,
+// above 8, several CTAs per KV head. The reduce kernel does not depend on the cache (2 kernels).
 #include <cmath>
 
 #include "attention_args.h"
@@ -26,17 +26,25 @@ void launch_merge(T* out, const DecodePartitions& parts, int num_seqs, cudaStrea
              0, stream, out, parts);
 }
 
-template <typename T, typename Cache, int HEAD_DIM, int MAX_G>
-void launch_decode(DecodeParams p, const DecodeNewToken& nt, int num_seqs, bool merge,
-                   cudaStream_t stream) {
-  p.head_chunks = (p.group_size + MAX_G - 1) / MAX_G;
-  const size_t smem = decode_smem_floats<MAX_G>(p.partition_size, HEAD_DIM) * sizeof(float);
-  auto kernel = paged_decode_kernel<T, Cache, HEAD_DIM, MAX_G>;
+// The instantiation for a launch with (FUSED) or without the new token, shared memory set up.
+template <typename T, typename Cache, int HEAD_DIM, int MAX_G, bool FUSED>
+auto decode_kernel() {
+  auto kernel = paged_decode_kernel<T, Cache, HEAD_DIM, MAX_G, FUSED>;
   // Once per instantiation, for the largest partition (a magic static is thread-safe).
   static const cudaError_t smem_ok = cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
       static_cast<int>(decode_smem_floats<MAX_G>(kDecodeMaxPartition, HEAD_DIM) * sizeof(float)));
   check_cuda(smem_ok, "paged_decode_kernel: shared memory");
+  return kernel;
+}
+
+template <typename T, typename Cache, int HEAD_DIM, int MAX_G>
+void launch_decode(DecodeParams p, const DecodeNewToken& nt, int num_seqs, bool merge,
+                   cudaStream_t stream) {
+  p.head_chunks = (p.group_size + MAX_G - 1) / MAX_G;
+  const size_t smem = decode_smem_floats<MAX_G>(p.partition_size, HEAD_DIM) * sizeof(float);
+  auto kernel = nt.cos_sin != nullptr ? decode_kernel<T, Cache, HEAD_DIM, MAX_G, true>()
+                                      : decode_kernel<T, Cache, HEAD_DIM, MAX_G, false>();
   const dim3 grid(p.num_kv_heads * p.head_chunks, num_seqs, p.num_splits);
   // PDL launches: each kernel's launch overlaps the previous kernel's tail (see common.cuh).
   launch_pdl(kernel, grid, dim3(kDecodeThreads), smem, stream, p, nt);

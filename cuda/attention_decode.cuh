@@ -95,15 +95,23 @@ struct DecodeCta {
   float* logits;     // [MAX_G][partition_size]
   float* reduce_buf; // [kDecodeWarps][MAX_G][HEAD_DIM]
 
-  // K or V rows of one block for this lane: kLoadsPerBlock vectors of kVec elements.
+  // K or V rows of one block for this lane: kLoadsPerBlock vectors of kVec elements, load i at
+  // row_of(cache, b) + i * kTokensPerLoad * token_stride.
+  __device__ __forceinline__ const Cache* row_of(const Cache* cache, int b) const {
+    return cache + (int64_t(table[b]) * kDecodeBlockSize + lane_token) * token_stride() +
+           kv_head * HEAD_DIM + lane_chunk * kVec;
+  }
+
+  __device__ __forceinline__ int64_t token_stride() const {
+    return int64_t(p.num_kv_heads) * HEAD_DIM;
+  }
+
   __device__ __forceinline__ void load_block(const Cache* cache, int b,
                                              Vec (&v)[kLoadsPerBlock]) const {
-    const int64_t token_stride = int64_t(p.num_kv_heads) * HEAD_DIM;
-    const Cache* base = cache + (int64_t(table[b]) * kDecodeBlockSize + lane_token) * token_stride +
-                        kv_head * HEAD_DIM + lane_chunk * kVec;
+    const Cache* base = row_of(cache, b);
 #pragma unroll
     for (int i = 0; i < kLoadsPerBlock; ++i) {
-      v[i] = __ldg(reinterpret_cast<const Vec*>(base + i * kTokensPerLoad * token_stride));
+      v[i] = __ldg(reinterpret_cast<const Vec*>(base + i * kTokensPerLoad * token_stride()));
     }
   }
 
@@ -393,7 +401,8 @@ struct DecodeCta {
   }
 };
 
-template <typename T, typename Cache, int HEAD_DIM, int MAX_G>
+// FUSED: nt carries the step's new token (nt.cos_sin != nullptr).
+template <typename T, typename Cache, int HEAD_DIM, int MAX_G, bool FUSED>
 __global__ void __launch_bounds__(kDecodeThreads)
 paged_decode_kernel(const DecodeParams p, const DecodeNewToken nt) {
   using Cta = DecodeCta<T, Cache, HEAD_DIM, MAX_G>;
@@ -420,36 +429,36 @@ paged_decode_kernel(const DecodeParams p, const DecodeNewToken nt) {
   c.fresh_v = fresh_v;
   c.num_blocks = (c.len + kDecodeBlockSize - 1) / kDecodeBlockSize;
   c.table = p.block_tables + int64_t(c.seq) * p.max_num_blocks_per_seq + start / kDecodeBlockSize;
-  // With the new token fused in, the kernel before is the qkv projection: every cached token this
-  // CTA reads was written by an earlier step (the new token's slot is skipped), so the first
-  // blocks of K and V are loaded while that kernel drains. Unfused, the kernel before wrote the
-  // new token into the cache: wait first.
+  // FUSED (the new token fused in): the kernel before is the qkv projection, and every cached
+  // token this CTA reads was written by an earlier step (the new token's slot is skipped), so the
+  // first blocks of K and V are loaded while that kernel drains. Unfused, the kernel before wrote
+  // the new token into the cache: wait first, and load V's first block only after the scores
+  // (an instantiation of its own, so that these registers cost no occupancy there).
+  const Cache* key_cache = static_cast<const Cache*>(p.key_cache);
+  const Cache* value_cache = static_cast<const Cache*>(p.value_cache);
   typename Cta::Vec k_first[Cta::kLoadsPerBlock], v_first[Cta::kLoadsPerBlock];
   typename Cta::NewToken token{};
-  const bool fused = nt.cos_sin != nullptr;
-  if (fused) {
-    c.load_first(static_cast<const Cache*>(p.key_cache), k_first);
-    c.load_first(static_cast<const Cache*>(p.value_cache), v_first);
+  if constexpr (FUSED) {
+    c.load_first(key_cache, k_first);
+    c.load_first(value_cache, v_first);
     if (c.len > 0) token = c.load_new_token(nt);
   }
   wait_for_previous_grid();  // q, k, v (and, unfused, this step's cache rows) come from before
   allow_next_grid();
-  if (!fused) {
-    c.load_first(static_cast<const Cache*>(p.key_cache), k_first);
-    c.load_first(static_cast<const Cache*>(p.value_cache), v_first);
-  }
+  if constexpr (!FUSED) c.load_first(key_cache, k_first);
   if (c.len > 0) {
     const bool takes_new = c.fresh >= 0 && c.warp == 0;
     uint4 new_k, new_v;
     if (takes_new) c.load_new_kv(nt, new_k, new_v);  // in flight with the query's loads
     float q[MAX_G][Cta::kVec];
-    c.load_query(q, fused, token);
+    c.load_query(q, FUSED, token);
     if (takes_new) c.take_new_token(token, new_k, new_v, chunk == 0, q);
     c.scores(q, k_first);
     __syncthreads();
     c.softmax(head_max, head_sum);
     __syncthreads();
     float acc[MAX_G][Cta::kVec] = {};
+    if constexpr (!FUSED) c.load_first(value_cache, v_first);
     c.weighted_values(acc, v_first);
     if (c.fresh >= 0 && c.warp == 0) c.add_new_token(acc);
     c.reduce_acc(acc);

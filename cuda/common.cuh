@@ -108,6 +108,11 @@ __device__ __forceinline__ float warp_max(float x) {
 // anything that kernel wrote (the wait returns once it has completed and its writes are visible;
 // without a PDL launch it returns at once). allow_next_grid() lets the next PDL-launched kernel
 // start early; it changes nothing about what that kernel may read.
+// Asks L2 for the line holding p (no registers, no wait): for data a kernel will read soon.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 __device__ __forceinline__ void wait_for_previous_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
