@@ -475,8 +475,10 @@ paged_decode_kernel(const DecodeParams p, const DecodeNewToken nt) {
 template <typename T>
 __global__ void paged_decode_reduce_kernel(T* __restrict__ out,  // [num_seqs, num_heads, head_dim]
                                            const DecodePartitions parts) {
-  wait_for_previous_grid();  // the partitions come from the decode kernel (PDL launch)
+  // The next kernel (o_proj) may launch at once: it streams its weights while this one waits on
+  // the decode kernel, and its own wait still covers both.
   allow_next_grid();
+  wait_for_previous_grid();  // the partitions come from the decode kernel (PDL launch)
   const int seq = blockIdx.y, head = blockIdx.x, d = threadIdx.x;
   float val[1];
   merge_partitions<1>(parts, seq, head, d, val);

@@ -45,7 +45,7 @@ int resident_ctas(int smem) {
 template <typename T, int M, int P>
 void launch(T* out, const T* x, const T* weight, const T* bias, const T* residual,
             const T* norm_weight, int m, int n, int k, int64_t x_stride, int64_t out_stride,
-            int64_t residual_stride, float eps, const DecodePartitions& parts,
+            int64_t residual_stride, float eps, bool prefetch_all, const DecodePartitions& parts,
             cudaStream_t stream) {
   const int smem = M * k * int(sizeof(T));
   // At least one row per warp; at most what is resident at once.
@@ -53,20 +53,20 @@ void launch(T* out, const T* x, const T* weight, const T* bias, const T* residua
   const int grid = int(std::min<int64_t>(wanted, int64_t(num_sms()) * resident_ctas<T, M, P>(smem)));
   launch_pdl(gemv_kernel<T, M, P>, dim3(grid), dim3(kGemvWarps * 32), smem, stream, out, x,
              weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride, residual_stride,
-             eps, parts);
+             eps, parts, prefetch_all);
 }
 
 template <typename T, int P>
 void launch_m(int m, T* out, const T* x, const T* weight, const T* bias, const T* residual,
               const T* norm_weight, int n, int k, int64_t x_stride, int64_t out_stride,
-              int64_t residual_stride, float eps, cudaStream_t s,
+              int64_t residual_stride, float eps, bool prefetch_all, cudaStream_t s,
               const DecodePartitions& parts = {}) {
   if (m == 1) {
     launch<T, 1, P>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
-                    residual_stride, eps, parts, s);
+                    residual_stride, eps, prefetch_all, parts, s);
   } else {
     launch<T, 2, P>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
-                    residual_stride, eps, parts, s);
+                    residual_stride, eps, prefetch_all, parts, s);
   }
 }
 
@@ -86,7 +86,8 @@ void check_shape(const std::string& where, int64_t m, int64_t n, int64_t k) {
 
 void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t norm_weight,
           int64_t m, int64_t n, int64_t k, int64_t x_stride, int64_t out_stride,
-          int64_t residual_stride, float eps, int prologue, int dtype, stream_t stream) {
+          int64_t residual_stride, float eps, int prologue, int prefetch_weight, int dtype,
+          stream_t stream) {
   const std::string where = "gemv: ";
   check_shape(where, m, n, k);
   require(prologue >= kGemvNone && prologue <= kGemvSiluMul,
@@ -110,13 +111,13 @@ void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t no
     const int mi = int(m), ni = int(n), ki = int(k);
     if (prologue == kGemvNone) {
       launch_m<scalar_t, kGemvNone>(mi, o, xi, w, b, r, nw, ni, ki, x_stride, out_stride,
-                                    residual_stride, eps, s);
+                                    residual_stride, eps, prefetch_weight != 0, s);
     } else if (prologue == kGemvRmsNorm) {
       launch_m<scalar_t, kGemvRmsNorm>(mi, o, xi, w, b, r, nw, ni, ki, x_stride, out_stride,
-                                       residual_stride, eps, s);
+                                       residual_stride, eps, prefetch_weight != 0, s);
     } else {
       launch_m<scalar_t, kGemvSiluMul>(mi, o, xi, w, b, r, nw, ni, ki, x_stride, out_stride,
-                                       residual_stride, eps, s);
+                                       residual_stride, eps, prefetch_weight != 0, s);
     }
   });
 }
@@ -138,7 +139,7 @@ void gemv_merge(ptr_t out, ptr_t split_out, ptr_t split_max, ptr_t split_sum, pt
         int(m), reinterpret_cast<scalar_t*>(out), nullptr,
         reinterpret_cast<const scalar_t*>(weight), reinterpret_cast<const scalar_t*>(bias),
         reinterpret_cast<const scalar_t*>(residual), nullptr, int(n), int(k), k, out_stride,
-        residual_stride, 0.f, as_stream(stream), parts);
+        residual_stride, 0.f, true, as_stream(stream), parts);
   });
 }
 

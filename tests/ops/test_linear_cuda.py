@@ -52,6 +52,21 @@ def test_fused_linear_matches_reference(dtype, m, n, k, prologue, epilogue):
     assert rel_err(got, expected) <= REL_TOL[dtype]
 
 
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("n,k", [(7, 8), (4096, 4096), (1001, 584), (96, 14336)])
+def test_fused_linear_prefetch_weight_changes_nothing(m, n, k):
+    """The L2 prefetch of the whole weight (o_proj after attention) moves no value: the output is
+    bit-identical to the launch without it, whatever the rows per warp (one, several, ragged)."""
+    seed = 17 * m + n + k
+    x = rand(m, k, dtype=torch.bfloat16, seed=seed)
+    weight = rand(n, k, dtype=torch.bfloat16, seed=seed + 1, scale=k ** -0.5)
+    residual = rand(m, n, dtype=torch.bfloat16, seed=seed + 2)
+    plain = fused_linear(x, weight, residual=residual.clone())
+    got = fused_linear(x, weight, residual=residual.clone(), prefetch_weight=True)
+    assert torch.equal(got, plain)
+    assert rel_err(got, fused_linear_ref(x, weight, residual=residual.clone())) <= 1e-2
+
+
 def test_fused_linear_strided_rows_and_large_vocab():
     """Rows picked out of a wider buffer (qkv views), and an lm_head-sized weight."""
     dtype = torch.bfloat16
@@ -70,10 +85,10 @@ def test_fused_linear_rejects_what_it_cannot_serve():
                                       rand(5, 16, dtype=torch.bfloat16, seed=10))
     with pytest.raises(ValueError, match="k=12"):
         cuda_ops().gemv(0, x.data_ptr(), weight.data_ptr(), 0, 0, 0, 2, 5, 12, 12, 5, 5, 1e-5, 0,
-                        2, 0)
+                        0, 2, 0)
     with pytest.raises(ValueError, match="m=3"):
         cuda_ops().gemv(0, x.data_ptr(), weight.data_ptr(), 0, 0, 0, 3, 5, 16, 16, 5, 5, 1e-5, 0,
-                        2, 0)
+                        0, 2, 0)
     x16, w16 = rand(2, 16, dtype=torch.bfloat16, seed=11), rand(5, 16, dtype=torch.bfloat16, seed=12)
     with pytest.raises(ValueError, match="norm_weight"):
         fused_linear(x16, w16, norm_weight=rand(8, dtype=torch.bfloat16, seed=13))

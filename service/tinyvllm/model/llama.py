@@ -143,7 +143,8 @@ class LlamaDecoderLayer(nn.Module):
                                norm_weight=self.input_layernorm, eps=self.eps)
         out = attn.attend(positions, qkv, kv_cache, meta, cos_sin_cache,
                           merge=not _MERGE_IN_O_PROJ)
-        ops.fused_linear(out, attn.o_proj.weight, residual=residual)
+        # The attention leaves the memory bus idle: o_proj's weight heads for L2 meanwhile.
+        ops.fused_linear(out, attn.o_proj.weight, residual=residual, prefetch_weight=True)
         gate_up = ops.fused_linear(residual, mlp.gate_up_proj.weight,
                                    norm_weight=self.post_attention_layernorm, eps=self.eps)
         ops.fused_linear(gate_up, mlp.down_proj.weight, silu_mul=True, residual=residual)
