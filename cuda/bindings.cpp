@@ -68,7 +68,8 @@ PYBIND11_MODULE(_cuda, m) {
   m.def("gemv", &tinyvllm::gemv, py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("residual"), py::arg("norm_weight"), py::arg("m"), py::arg("n"), py::arg("k"),
         py::arg("x_stride"), py::arg("out_stride"), py::arg("residual_stride"), py::arg("eps"),
-        py::arg("prologue"), py::arg("prefetch_weight"), py::arg("dtype"), py::arg("stream"));
+        py::arg("prologue"), py::arg("silu_mul_out"), py::arg("prefetch_weight"),
+        py::arg("dtype"), py::arg("stream"));
 
   m.def("gemv_merge", &tinyvllm::gemv_merge, py::arg("out"), py::arg("split_out"),
         py::arg("split_max"), py::arg("split_sum"), py::arg("seq_lens"), py::arg("weight"),

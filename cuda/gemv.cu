@@ -2,7 +2,8 @@
 // grid so that every warp is resident at once, and launches with programmatic dependent launch so
 // that the weight prefetch overlaps the previous kernel's tail.
 //
-// Instantiations: {float16, bfloat16} x M {1, 2} x prologue {none, rmsnorm, silu_mul, merge}.
+// Instantiations: {float16, bfloat16} x M {1, 2} x prologue {none, rmsnorm, silu_mul, merge}, and
+// the SwiGLU-product epilogue after {none, rmsnorm}.
 #include <algorithm>
 #include <mutex>
 #include <string>
@@ -27,9 +28,9 @@ int num_sms() {
 }
 
 // CTAs of one instantiation resident per SM with `smem` bytes of staging (set up once per kernel).
-template <typename T, int M, int P>
+template <typename T, int M, int P, bool S>
 int resident_ctas(int smem) {
-  auto kernel = gemv_kernel<T, M, P>;
+  auto kernel = gemv_kernel<T, M, P, S>;
   static std::once_flag once;
   std::call_once(once, [&] {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -42,30 +43,31 @@ int resident_ctas(int smem) {
   return std::max(1, ctas);
 }
 
-template <typename T, int M, int P>
+template <typename T, int M, int P, bool S>
 void launch(T* out, const T* x, const T* weight, const T* bias, const T* residual,
             const T* norm_weight, int m, int n, int k, int64_t x_stride, int64_t out_stride,
             int64_t residual_stride, float eps, bool prefetch_all, const DecodePartitions& parts,
             cudaStream_t stream) {
   const int smem = M * k * int(sizeof(T));
   // At least one row per warp; at most what is resident at once.
-  const int64_t wanted = (int64_t(n) + kGemvWarps - 1) / kGemvWarps;
-  const int grid = int(std::min<int64_t>(wanted, int64_t(num_sms()) * resident_ctas<T, M, P>(smem)));
-  launch_pdl(gemv_kernel<T, M, P>, dim3(grid), dim3(kGemvWarps * 32), smem, stream, out, x,
+  const int64_t wanted = (int64_t(S ? n / 2 : n) + kGemvWarps - 1) / kGemvWarps;
+  const int grid =
+      int(std::min<int64_t>(wanted, int64_t(num_sms()) * resident_ctas<T, M, P, S>(smem)));
+  launch_pdl(gemv_kernel<T, M, P, S>, dim3(grid), dim3(kGemvWarps * 32), smem, stream, out, x,
              weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride, residual_stride,
              eps, parts, prefetch_all);
 }
 
-template <typename T, int P>
+template <typename T, int P, bool S = false>
 void launch_m(int m, T* out, const T* x, const T* weight, const T* bias, const T* residual,
               const T* norm_weight, int n, int k, int64_t x_stride, int64_t out_stride,
               int64_t residual_stride, float eps, bool prefetch_all, cudaStream_t s,
               const DecodePartitions& parts = {}) {
   if (m == 1) {
-    launch<T, 1, P>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
+    launch<T, 1, P, S>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
                     residual_stride, eps, prefetch_all, parts, s);
   } else {
-    launch<T, 2, P>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
+    launch<T, 2, P, S>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
                     residual_stride, eps, prefetch_all, parts, s);
   }
 }
@@ -86,12 +88,15 @@ void check_shape(const std::string& where, int64_t m, int64_t n, int64_t k) {
 
 void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t norm_weight,
           int64_t m, int64_t n, int64_t k, int64_t x_stride, int64_t out_stride,
-          int64_t residual_stride, float eps, int prologue, int prefetch_weight, int dtype,
-          stream_t stream) {
+          int64_t residual_stride, float eps, int prologue, int silu_mul_out, int prefetch_weight,
+          int dtype, stream_t stream) {
   const std::string where = "gemv: ";
   check_shape(where, m, n, k);
   require(prologue >= kGemvNone && prologue <= kGemvSiluMul,
           where + "prologue=" + std::to_string(prologue) + " unknown");
+  require(!silu_mul_out || (n % 2 == 0 && residual == 0 && prologue != kGemvSiluMul),
+          where + "silu_mul_out needs an even n=" + std::to_string(n) +
+              ", no residual and no silu_mul prologue");
   require(x_stride % 8 == 0, where + "x_stride=" + std::to_string(x_stride) +
                                  " must be a multiple of 8 elements (16-byte rows)");
   require(prologue != kGemvRmsNorm || norm_weight != 0, where + "rmsnorm needs norm_weight");
@@ -109,15 +114,22 @@ void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t no
     auto* r = reinterpret_cast<const scalar_t*>(residual);
     auto* nw = reinterpret_cast<const scalar_t*>(norm_weight);
     const int mi = int(m), ni = int(n), ki = int(k);
-    if (prologue == kGemvNone) {
+    const bool pf = prefetch_weight != 0;
+    if (silu_mul_out && prologue == kGemvNone) {
+      launch_m<scalar_t, kGemvNone, true>(mi, o, xi, w, b, r, nw, ni, ki, x_stride, out_stride,
+                                          residual_stride, eps, pf, s);
+    } else if (silu_mul_out) {
+      launch_m<scalar_t, kGemvRmsNorm, true>(mi, o, xi, w, b, r, nw, ni, ki, x_stride,
+                                             out_stride, residual_stride, eps, pf, s);
+    } else if (prologue == kGemvNone) {
       launch_m<scalar_t, kGemvNone>(mi, o, xi, w, b, r, nw, ni, ki, x_stride, out_stride,
-                                    residual_stride, eps, prefetch_weight != 0, s);
+                                    residual_stride, eps, pf, s);
     } else if (prologue == kGemvRmsNorm) {
       launch_m<scalar_t, kGemvRmsNorm>(mi, o, xi, w, b, r, nw, ni, ki, x_stride, out_stride,
-                                       residual_stride, eps, prefetch_weight != 0, s);
+                                       residual_stride, eps, pf, s);
     } else {
       launch_m<scalar_t, kGemvSiluMul>(mi, o, xi, w, b, r, nw, ni, ki, x_stride, out_stride,
-                                       residual_stride, eps, prefetch_weight != 0, s);
+                                       residual_stride, eps, pf, s);
     }
   });
 }

@@ -10,6 +10,10 @@
 //             kMergeSplits act(x) = the merge of a split decode's partitions (decode_merge.cuh):
 //                        o_proj takes the place of the attention's reduce launch; x is unused
 //   epilogue  residual   out = residual + x . W^T, in place  (the residual stream after o/down_proj)
+//             SILU_MUL   y = act(x) . W^T over n = 2 * n_out rows; out[:, j] = silu(y[:, j]) *
+//                        y[:, n_out + j] (gate_up_proj writing the SwiGLU product, so that down_proj
+//                        stages n_out values with no exponentials instead of 2 * n_out): the two
+//                        rows a warp streams together are gate row j and up row n_out + j
 // prefetch_all: while the previous kernel runs, the whole weight is requested into L2 (one bulk
 // prefetch per warp), for a projection whose predecessor leaves the memory bus idle (o_proj after
 // decode attention: 33.5 MB at Llama-3-8B, which the attention's ~10 us of latency covers).
@@ -231,9 +235,9 @@ __device__ __forceinline__ void gemv_load(uint4 (&w)[R][U], const uint4* const (
   }
 }
 
-template <typename T, int M, int P>
+template <typename T, int M, int P, bool SILU_MUL>
 __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(
-    T* out,                             // [m, out_stride], n columns written
+    T* out,                             // [m, out_stride], n columns written (SILU_MUL: n / 2)
     const T* __restrict__ x,            // [m, x_stride]: k columns (2k for kSiluMul)
     const T* __restrict__ weight,       // [n, k], rows contiguous
     const T* __restrict__ bias,         // [n] or null
@@ -244,28 +248,37 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(
     const DecodePartitions parts,       // kMergeSplits: k = num_heads * head_dim
     bool prefetch_all) {                // the whole weight heads for L2 before the wait
   constexpr int R = kGemvRows, U = kGemvUnroll;
+  static_assert(!SILU_MUL || R == 2, "SILU_MUL streams a gate row and its up row together");
   extern __shared__ uint4 act[];  // [M][k / 8]: act(x), the rows every warp multiplies
   __shared__ float inv_rms[M];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int k8 = k / 8;
   const int iters = (k8 + 32 * U - 1) / (32 * U);  // per group of R rows
 
-  // This warp's rows, R at a time: `groups` passes of `iters` iterations, flattened so that the
-  // loads of iteration j + 1 are in flight while iteration j is multiplied.
+  // This warp's outputs [row_begin, row_end), R at a time (SILU_MUL: one, from two rows):
+  // `groups` passes of `iters` iterations, flattened so that the loads of iteration j + 1 are in
+  // flight while iteration j is multiplied.
+  const int n_out = SILU_MUL ? n / 2 : n;
+  const int per_group = SILU_MUL ? 1 : R;
   const int64_t num_warps = int64_t(gridDim.x) * kGemvWarps;
   const int64_t global_warp = int64_t(blockIdx.x) * kGemvWarps + warp;
-  const int row_begin = int(n * global_warp / num_warps);
-  const int row_end = int(n * (global_warp + 1) / num_warps);
-  const int groups = (row_end - row_begin + R - 1) / R;
+  const int row_begin = int(n_out * global_warp / num_warps);
+  const int row_end = int(n_out * (global_warp + 1) / num_warps);
+  const int groups = (row_end - row_begin + per_group - 1) / per_group;
   const int total = groups * iters;
+  // Weight row r of a group, or -1 past the warp's outputs.
+  auto row_of = [&](int group, int r) {
+    const int o = row_begin + group * per_group + (SILU_MUL ? 0 : r);
+    return o < row_end ? o + (SILU_MUL ? r * n_out : 0) : -1;
+  };
 
   const uint4* rows[R];
   bool live[R];
   auto point_at = [&](int group) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int row = row_begin + group * R + r;
-      live[r] = row < row_end;
+      const int row = row_of(group, r);
+      live[r] = row >= 0;
       rows[r] = reinterpret_cast<const uint4*>(weight + int64_t(live[r] ? row : 0) * k);
     }
   };
@@ -277,17 +290,18 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(
     const int group = 1 / iters, v0 = lane + (1 - group * iters) * 32 * U;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int row = row_begin + group * R + r;
+      const int row = row_of(group, r);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        if (row < row_end && v0 + u * 32 < k8) {
+        if (row >= 0 && v0 + u * 32 < k8) {
           prefetch_l2(reinterpret_cast<const uint4*>(weight + int64_t(row) * k) + v0 + u * 32);
         }
       }
     }
   }
-  if (prefetch_all && lane == 0 && total > 1) {  // the warp's rows are contiguous: one request
-    prefetch_l2_bulk(weight + int64_t(row_begin) * k,
+  // The warp's rows are contiguous (SILU_MUL: its gate rows and its up rows): one request each.
+  if (prefetch_all && lane < (SILU_MUL ? 2 : 1) && total > 1) {
+    prefetch_l2_bulk(weight + int64_t(row_begin + lane * n_out) * k,
                      uint32_t(row_end - row_begin) * uint32_t(k) * sizeof(T));
   }
   wait_for_previous_grid();
@@ -342,7 +356,20 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(
         }
       }
     }
-    if (group_done) {
+    if (SILU_MUL && group_done) {
+      // Rounded as the unfused ops round: y to T, silu(gate) to T, the product to T.
+      const int o = row_begin + group;
+#pragma unroll
+      for (int i = 0; i < M; ++i) {
+        const float g = warp_sum(acc[0][i]), u = warp_sum(acc[1][i]);
+        acc[0][i] = acc[1][i] = 0.f;
+        if (lane == i && cur_live[0] && i < m) {
+          const float gate = round_to<T>(g + (bias ? to_float(bias[o]) : 0.f));
+          const float up = round_to<T>(u + (bias ? to_float(bias[n_out + o]) : 0.f));
+          out[i * out_stride + o] = from_float<T>(round_to<T>(gate / (1.f + __expf(-gate))) * up);
+        }
+      }
+    } else if (group_done) {
       const int row0 = row_begin + group * R;
 #pragma unroll
       for (int r = 0; r < R; ++r) {

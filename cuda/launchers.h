@@ -65,13 +65,14 @@ void rotary_embedding_and_cache(ptr_t positions, ptr_t query, ptr_t key, ptr_t v
                                 int cache_dtype, ptr_t k_scale, ptr_t v_scale, stream_t stream);
 
 // gemv.cu: out[m, n] = act(x) . weight^T (+ bias) (+ residual, in place) for m <= 2 (decode);
-// prologue 0 none, 1 rmsnorm(x) * norm_weight, 2 silu(x[:, :k]) * x[:, k:]. prefetch_weight:
+// prologue 0 none, 1 rmsnorm(x) * norm_weight, 2 silu(x[:, :k]) * x[:, k:]. silu_mul_out: out
+// [m, n / 2] = silu(y[:, :n/2]) * y[:, n/2:] of y = act(x) . weight^T (+ bias). prefetch_weight:
 // the whole weight is requested into L2 while the previous kernel runs (for a projection after a
 // kernel that leaves the memory bus idle, such as decode attention).
 void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t norm_weight,
           int64_t m, int64_t n, int64_t k, int64_t x_stride, int64_t out_stride,
-          int64_t residual_stride, float eps, int prologue, int prefetch_weight, int dtype,
-          stream_t stream);
+          int64_t residual_stride, float eps, int prologue, int silu_mul_out, int prefetch_weight,
+          int dtype, stream_t stream);
 
 // gemv.cu: the same with a split decode's partitions, merged in the prologue, as x (o_proj after
 // paged_attention_decode with merge_splits = 0): k = num_heads * head_dim. It always follows

@@ -29,15 +29,20 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("n,k", [(7, 8), (1001, 584), (576, 1536), (4104, 4096), (96, 14336)])
 @pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
-@pytest.mark.parametrize("epilogue", ["plain", "bias", "residual"])
+@pytest.mark.parametrize("epilogue", ["plain", "bias", "residual", "silu_mul_out"])
 def test_fused_linear_matches_reference(dtype, m, n, k, prologue, epilogue):
+    if epilogue == "silu_mul_out" and prologue == "silu_mul":
+        pytest.skip("one SwiGLU per projection")
     seed = m * 7919 + n * 31 + k
+    swiglu = epilogue == "silu_mul_out"  # n outputs from 2n rows (gate | up)
+    rows = 2 * n if swiglu else n
     x = rand(m, 2 * k if prologue == "silu_mul" else k, dtype=dtype, seed=seed)
-    weight = rand(n, k, dtype=dtype, seed=seed + 1, scale=k ** -0.5)
-    bias = rand(n, dtype=dtype, seed=seed + 2) if epilogue == "bias" else None
+    weight = rand(rows, k, dtype=dtype, seed=seed + 1, scale=k ** -0.5)
+    bias = rand(rows, dtype=dtype, seed=seed + 2) if epilogue in ("bias", "silu_mul_out") else None
     norm_weight = rand(k, dtype=dtype, seed=seed + 3) if prologue == "rms_norm" else None
     residual = rand(m, n, dtype=dtype, seed=seed + 4) if epilogue == "residual" else None
-    kwargs = dict(norm_weight=norm_weight, eps=1e-5, silu_mul=prologue == "silu_mul")
+    kwargs = dict(norm_weight=norm_weight, eps=1e-5, silu_mul=prologue == "silu_mul",
+                  silu_mul_out=swiglu)
     assert fused_linear_supported(x, weight)
 
     expected = fused_linear_ref(x, weight, bias,
@@ -76,6 +81,22 @@ def test_fused_linear_strided_rows_and_large_vocab():
     assert rel_err(fused_linear(x, weight), fused_linear_ref(x, weight)) <= REL_TOL[dtype]
 
 
+def test_fused_linear_silu_mul_out_equals_the_two_step_path():
+    """gate_up with the SwiGLU epilogue writes exactly what gate_up then the silu_mul prologue's
+    rounding would give (y to T, silu(gate) to T, the product to T), for both row counts."""
+    for m in (1, 2):
+        x = rand(m, 4096, dtype=torch.bfloat16, seed=40 + m)
+        weight = rand(2 * 14336, 4096, dtype=torch.bfloat16, seed=50, scale=4096 ** -0.5)
+        norm_weight = rand(4096, dtype=torch.bfloat16, seed=51)
+        gate_up = fused_linear(x, weight, norm_weight=norm_weight, eps=1e-5)
+        got = fused_linear(x, weight, norm_weight=norm_weight, eps=1e-5, silu_mul_out=True)
+        g, u = gate_up.float().chunk(2, dim=-1)
+        want = (torch.nn.functional.silu(g).to(torch.bfloat16).float() * u).to(torch.bfloat16)
+        assert got.shape == (m, 14336)
+        assert rel_err(got, want) <= 1e-2
+        assert (got != want).float().mean() < 1e-3  # expf vs torch's exp: rare last-bit flips
+
+
 def test_fused_linear_rejects_what_it_cannot_serve():
     from tinyvllm.ops._dispatch import cuda_ops
     x = rand(2, 12, dtype=torch.bfloat16, seed=7)
@@ -85,13 +106,21 @@ def test_fused_linear_rejects_what_it_cannot_serve():
                                       rand(5, 16, dtype=torch.bfloat16, seed=10))
     with pytest.raises(ValueError, match="k=12"):
         cuda_ops().gemv(0, x.data_ptr(), weight.data_ptr(), 0, 0, 0, 2, 5, 12, 12, 5, 5, 1e-5, 0,
-                        0, 2, 0)
+                        0, 0, 2, 0)
     with pytest.raises(ValueError, match="m=3"):
         cuda_ops().gemv(0, x.data_ptr(), weight.data_ptr(), 0, 0, 0, 3, 5, 16, 16, 5, 5, 1e-5, 0,
-                        0, 2, 0)
+                        0, 0, 2, 0)
     x16, w16 = rand(2, 16, dtype=torch.bfloat16, seed=11), rand(5, 16, dtype=torch.bfloat16, seed=12)
     with pytest.raises(ValueError, match="norm_weight"):
         fused_linear(x16, w16, norm_weight=rand(8, dtype=torch.bfloat16, seed=13))
+    with pytest.raises(ValueError, match="silu_mul_out needs an even number of weight rows"):
+        fused_linear(x16, w16, silu_mul_out=True)  # 5 rows
+    with pytest.raises(ValueError, match="silu_mul_out"):
+        fused_linear(x16, rand(6, 16, dtype=torch.bfloat16, seed=14), silu_mul_out=True,
+                     residual=rand(2, 3, dtype=torch.bfloat16, seed=15))
+    with pytest.raises(ValueError, match="silu_mul_out"):
+        cuda_ops().gemv(0, x16.data_ptr(), w16.data_ptr(), 0, 0, 0, 2, 5, 16, 16, 5, 5, 1e-5, 0,
+                        1, 0, 2, 0)
     with pytest.raises(ValueError, match="x: expected"):
         fused_linear(x16, w16, silu_mul=True)
 

@@ -135,7 +135,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward_fused(self, positions, residual: torch.Tensor, kv_cache, meta,
                       cos_sin_cache) -> None:
         """The same block for decode-sized batches: four fused projections (norm -> qkv,
-        o_proj + add, norm -> gate_up, SwiGLU -> down_proj + add) update the residual stream
+        o_proj + add, norm -> gate_up -> SwiGLU, down_proj + add) update the residual stream
         [T, hidden] in place; no separate norm, activation or add launches, and o_proj merges a
         split decode's partitions itself."""
         attn, mlp = self.self_attn, self.mlp
@@ -145,9 +145,11 @@ class LlamaDecoderLayer(nn.Module):
                           merge=not _MERGE_IN_O_PROJ)
         # The attention leaves the memory bus idle: o_proj's weight heads for L2 meanwhile.
         ops.fused_linear(out, attn.o_proj.weight, residual=residual, prefetch_weight=True)
-        gate_up = ops.fused_linear(residual, mlp.gate_up_proj.weight,
-                                   norm_weight=self.post_attention_layernorm, eps=self.eps)
-        ops.fused_linear(gate_up, mlp.down_proj.weight, silu_mul=True, residual=residual)
+        # gate_up_proj writes the SwiGLU product itself: down_proj stages half the values.
+        hidden = ops.fused_linear(residual, mlp.gate_up_proj.weight,
+                                  norm_weight=self.post_attention_layernorm, eps=self.eps,
+                                  silu_mul_out=True)
+        ops.fused_linear(hidden, mlp.down_proj.weight, residual=residual)
 
 
 class LlamaModel(nn.Module):

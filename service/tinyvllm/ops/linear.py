@@ -7,7 +7,10 @@ residual add that consumes it:
         | silu(x[:, :k]) * x[:, k:]     (silu_mul: SwiGLU before down_proj)
         | x
     y = act @ weight.T + bias
-    residual += y  (in place, returned)  when residual is given, else y
+    residual += y  (in place, returned)  when residual is given,
+    silu(y[:, :n/2]) * y[:, n/2:]        with silu_mul_out (gate_up_proj writing the SwiGLU
+                                         product, so that down_proj needs no silu_mul prologue),
+    else y
 
 On CUDA with at most `GEMV_MAX_ROWS` rows of float16 / bfloat16 it is one launch of the GEMV kernel
 (cuda/gemv.cuh), which streams the weight once; `fused_linear_supported` says when that applies.
@@ -55,7 +58,7 @@ def fused_linear(x: torch.Tensor | DecodePartitions, weight: torch.Tensor,
                  bias: Optional[torch.Tensor] = None, *,
                  norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
                  silu_mul: bool = False, residual: Optional[torch.Tensor] = None,
-                 out: Optional[torch.Tensor] = None,
+                 out: Optional[torch.Tensor] = None, silu_mul_out: bool = False,
                  prefetch_weight: bool = False) -> torch.Tensor:
     """One projection with its prologue and epilogue (see the module docstring).
 
@@ -63,32 +66,38 @@ def fused_linear(x: torch.Tensor | DecodePartitions, weight: torch.Tensor,
         x: [m, k], or [m, 2k] with silu_mul (gate | up); rows contiguous; or DecodePartitions of
             m sequences with num_heads * head_dim = k
         weight: [n, k] contiguous; bias: [n]; norm_weight: [k]; residual: [m, n]
-    Returns: [m, n]: `residual` itself (updated) when given, else `out` (an optional [m, n]
-    buffer with contiguous rows) or a new tensor.
+    Returns: [m, n] ([m, n / 2] with silu_mul_out): `residual` itself (updated) when given, else
+    `out` (an optional buffer of that shape with contiguous rows) or a new tensor.
     """
     if norm_weight is not None and silu_mul:
         raise ValueError("fused_linear: norm_weight and silu_mul exclude each other")
+    if silu_mul_out and (silu_mul or residual is not None or weight.shape[0] % 2):
+        raise ValueError(f"fused_linear: silu_mul_out needs an even number of weight rows, got "
+                         f"{weight.shape[0]}, and neither silu_mul nor a residual")
     if isinstance(x, DecodePartitions):
-        if norm_weight is None and not silu_mul and _merge_supported(x, weight):
+        if (norm_weight is None and not silu_mul and not silu_mul_out
+                and _merge_supported(x, weight)):
             return _merged_linear_cuda(x, weight, bias, residual, out)
         x = x.merge().view(x.num_seqs, -1)
     if fused_linear_supported(x, weight):
         return _fused_linear_cuda(x, weight, bias, norm_weight, eps, silu_mul, residual, out,
-                                  prefetch_weight)
+                                  silu_mul_out, prefetch_weight)
     y = fused_linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
-                         residual=residual)
+                         residual=residual, silu_mul_out=silu_mul_out)
     return y if out is None or residual is not None else out.copy_(y)
 
 
 def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                      *, norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
-                     silu_mul: bool = False,
-                     residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     silu_mul: bool = False, residual: Optional[torch.Tensor] = None,
+                     silu_mul_out: bool = False) -> torch.Tensor:
     if norm_weight is not None:
         x = rms_norm_ref(x, norm_weight, eps)
     elif silu_mul:
         x = silu_and_mul_ref(x)
     y = F.linear(x, weight, bias)
+    if silu_mul_out:
+        return silu_and_mul_ref(y)
     if residual is None:
         return y
     residual.copy_(residual + y)
@@ -96,7 +105,7 @@ def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
 
 def _fused_linear_cuda(x, weight, bias, norm_weight, eps, silu_mul, residual, out,
-                       prefetch_weight) -> torch.Tensor:
+                       silu_mul_out, prefetch_weight) -> torch.Tensor:
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     want_cols = 2 * k if silu_mul else k
     if x.dim() != 2 or x.shape[1] != want_cols or (m and not x[0].is_contiguous()):
@@ -104,15 +113,16 @@ def _fused_linear_cuda(x, weight, bias, norm_weight, eps, silu_mul, residual, ou
                          f"{tuple(weight.shape)}{' and silu_mul' if silu_mul else ''}, got "
                          f"{tuple(x.shape)} strides {x.stride()}")
     _check_params(x.dtype, x.device, n, k, weight=weight, bias=bias, norm_weight=norm_weight)
-    out = _output(m, n, x.dtype, x.device, residual, out)
+    n_out = n // 2 if silu_mul_out else n
+    out = _output(m, n_out, x.dtype, x.device, residual, out)
     cuda_ops().gemv(
         out.data_ptr(), x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
         0 if residual is None else residual.data_ptr(),
         0 if norm_weight is None else norm_weight.data_ptr(), m, n, k,
-        x.stride(0) if m > 1 else want_cols, out.stride(0) if m > 1 else n,
-        out.stride(0) if m > 1 else n, eps,
+        x.stride(0) if m > 1 else want_cols, out.stride(0) if m > 1 else n_out,
+        out.stride(0) if m > 1 else n_out, eps,
         _PROLOGUE["rms_norm" if norm_weight is not None else "silu_mul" if silu_mul else None],
-        int(prefetch_weight), _dtype_code(x.dtype), stream_handle(x.device))
+        int(silu_mul_out), int(prefetch_weight), _dtype_code(x.dtype), stream_handle(x.device))
     return out
 
 
