@@ -209,18 +209,21 @@ def bench_silu(kernels, tokens, d, copy_gbps, gen) -> Row:
 
 # ---- decode projections -----------------------------------------------------------------------
 
-GEMV_SHAPES = {  # name: (n, k, prologue, residual) of each decoder projection at batch <= 8
-    "llama3-8b": [("qkv+norm", 6144, 4096, "rms_norm", False), ("o+add", 4096, 4096, None, True),
-                  ("gate_up+norm", 28672, 4096, "rms_norm", False),
-                  ("down+silu+add", 4096, 14336, "silu_mul", True),
-                  ("lm_head", 128256, 4096, None, False)],
-    "smollm2": [("qkv+norm", 960, 576, "rms_norm", False), ("o+add", 576, 576, None, True),
-                ("gate_up+norm", 3072, 576, "rms_norm", False),
-                ("down+silu+add", 576, 1536, "silu_mul", True), ("lm_head", 49152, 576, None, False)],
+GEMV_SHAPES = {  # name: (n, k, prologue, epilogue) of each decoder projection at batch <= 8, as
+    # LlamaDecoderLayer.forward_fused runs them (gate_up writes the SwiGLU product)
+    "llama3-8b": [("qkv+norm", 6144, 4096, "rms_norm", None),
+                  ("o+add", 4096, 4096, None, "residual"),
+                  ("gate_up+norm+silu", 28672, 4096, "rms_norm", "silu_mul_out"),
+                  ("down+add", 4096, 14336, None, "residual"),
+                  ("down+silu+add", 4096, 14336, "silu_mul", "residual"),
+                  ("lm_head", 128256, 4096, None, None)],
+    "smollm2": [("qkv+norm", 960, 576, "rms_norm", None), ("o+add", 576, 576, None, "residual"),
+                ("gate_up+norm+silu", 3072, 576, "rms_norm", "silu_mul_out"),
+                ("down+add", 576, 1536, None, "residual"), ("lm_head", 49152, 576, None, None)],
 }
 
 
-def bench_gemv(model, name, m, n, k, prologue, residual, copy_gbps, gen) -> Row:
+def bench_gemv(model, name, m, n, k, prologue, epilogue, copy_gbps, gen) -> Row:
     """The fused GEMV against cuBLAS (F.linear alone, and with the unfused ops around it), all
     timed as CUDA-graph replays over weight copies that L2 cannot hold."""
     from tinyvllm.ops.layers_cuda import rms_norm_cuda, silu_and_mul_cuda
@@ -233,15 +236,17 @@ def bench_gemv(model, name, m, n, k, prologue, residual, copy_gbps, gen) -> Row:
     x = torch.randn(m, 2 * k if prologue == "silu_mul" else k, generator=gen, device="cuda",
                     dtype=DTYPE)
     norm_w = torch.randn(k, generator=gen, device="cuda", dtype=DTYPE)
+    residual, swiglu = epilogue == "residual", epilogue == "silu_mul_out"
     res = torch.zeros(m, n, device="cuda", dtype=DTYPE) if residual else None
     out = torch.empty(m, n, device="cuda", dtype=DTYPE)
+    out_half = torch.empty(m, n // 2, device="cuda", dtype=DTYPE)
     act = torch.empty(m, k, device="cuda", dtype=DTYPE)
     kwargs = dict(norm_weight=norm_w if prologue == "rms_norm" else None,
-                  silu_mul=prologue == "silu_mul")
+                  silu_mul=prologue == "silu_mul", silu_mul_out=swiglu)
 
     def ours(i):
-        fused_linear(x, weights[i % copies], residual=res, out=None if residual else out,
-                     **kwargs)
+        fused_linear(x, weights[i % copies], residual=res,
+                     out=None if residual else out_half if swiglu else out, **kwargs)
 
     def cublas(i):
         torch.matmul(act, weights[i % copies].t(), out=out)
@@ -255,6 +260,8 @@ def bench_gemv(model, name, m, n, k, prologue, residual, copy_gbps, gen) -> Row:
         torch.matmul(a, weights[i % copies].t(), out=out)
         if residual:
             res.add_(out)
+        elif swiglu:
+            silu_and_mul_cuda(kernels, out, out=out_half)
 
     us = time_graph_us(ours, calls=copies)
     gbps = weight_bytes / us / 1e3
@@ -353,8 +360,8 @@ def run(quick: bool) -> tuple[float, list[Row]]:
     rows.append(bench_silu(kernels, 4096, 14336, copy_gbps, gen))
     for model, shapes in GEMV_SHAPES.items():
         for m in ([1] if quick else [1, 2]):
-            for name, n, k, prologue, residual in shapes:
-                rows.append(bench_gemv(model, name, m, n, k, prologue, residual, copy_gbps, gen))
+            for name, n, k, prologue, epilogue in shapes:
+                rows.append(bench_gemv(model, name, m, n, k, prologue, epilogue, copy_gbps, gen))
     for mode in ("top_k50+top_p0.9", "greedy", "temperature"):
         for num_rows in ([1, 256] if quick else [1, 64, 256]):
             rows.append(bench_sample(kernels, num_rows, mode, copy_gbps, gen))
