@@ -64,11 +64,11 @@ void launch_m(int m, T* out, const T* x, const T* weight, const T* bias, const T
               int64_t residual_stride, float eps, bool prefetch_all, cudaStream_t s,
               const DecodePartitions& parts = {}) {
   if (m == 1) {
-    launch<T, 1, P, S>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
-                    residual_stride, eps, prefetch_all, parts, s);
+    launch<T, 1, P, S>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride,
+                       out_stride, residual_stride, eps, prefetch_all, parts, s);
   } else {
-    launch<T, 2, P, S>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
-                    residual_stride, eps, prefetch_all, parts, s);
+    launch<T, 2, P, S>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride,
+                       out_stride, residual_stride, eps, prefetch_all, parts, s);
   }
 }
 

@@ -10,10 +10,11 @@
 //             kMergeSplits act(x) = the merge of a split decode's partitions (decode_merge.cuh):
 //                        o_proj takes the place of the attention's reduce launch; x is unused
 //   epilogue  residual   out = residual + x . W^T, in place  (the residual stream after o/down_proj)
-//             SILU_MUL   y = act(x) . W^T over n = 2 * n_out rows; out[:, j] = silu(y[:, j]) *
-//                        y[:, n_out + j] (gate_up_proj writing the SwiGLU product, so that down_proj
-//                        stages n_out values with no exponentials instead of 2 * n_out): the two
-//                        rows a warp streams together are gate row j and up row n_out + j
+//             SILU_MUL   y = act(x) . W^T over n = 2 * n_out rows; out[:, j] =
+//                        silu(y[:, j]) * y[:, n_out + j] (gate_up_proj writing the SwiGLU
+//                        product, so that down_proj stages n_out values with no exponentials
+//                        instead of 2 * n_out): the two rows a warp streams together are gate
+//                        row j and up row n_out + j
 // prefetch_all: while the previous kernel runs, the whole weight is requested into L2 (one bulk
 // prefetch per warp), for a projection whose predecessor leaves the memory bus idle (o_proj after
 // decode attention: 33.5 MB at Llama-3-8B, which the attention's ~10 us of latency covers).
