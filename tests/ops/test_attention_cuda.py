@@ -371,7 +371,7 @@ def test_rotary_decode_unmerged_partitions(kernels, heads, head_dim):
     merged_cache, parts_cache = cache.clone(), cache.clone()
     out = run(merged_cache, True)
     parts = run(parts_cache, False)
-    assert isinstance(parts, DecodePartitions) and parts.num_splits > 1
+    assert isinstance(parts, DecodePartitions) and parts.out.shape[2] > 1
     assert torch.equal(parts_cache, merged_cache)
     assert torch.equal(parts.merge(), out)
 

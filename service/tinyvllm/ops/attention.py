@@ -69,22 +69,6 @@ class DecodePartitions:
     partition_size: int
     dtype: torch.dtype  # of the merged output
 
-    @property
-    def num_seqs(self) -> int:
-        return self.out.shape[0]
-
-    @property
-    def num_heads(self) -> int:
-        return self.out.shape[1]
-
-    @property
-    def num_splits(self) -> int:
-        return self.out.shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.out.shape[3]
-
     def merge(self) -> torch.Tensor:
         """The attention output, [num_seqs, num_heads, head_dim] in `dtype` (one launch)."""
         from tinyvllm.ops.attention_cuda import merge_decode_partitions

@@ -110,13 +110,12 @@ def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
 
 def merge_decode_partitions(parts: DecodePartitions) -> torch.Tensor:
     """DecodePartitions.merge on CUDA: [num_seqs, num_heads, head_dim] in parts.dtype."""
-    out = torch.empty((parts.num_seqs, parts.num_heads, parts.head_dim), dtype=parts.dtype,
-                      device=parts.out.device)
+    num_seqs, num_heads, num_splits, head_dim = parts.out.shape
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=parts.dtype, device=parts.out.device)
     cuda_ops().paged_decode_merge(
         out.data_ptr(), parts.out.data_ptr(), parts.max.data_ptr(), parts.sum.data_ptr(),
-        parts.seq_lens.data_ptr(), parts.num_seqs, parts.num_heads, parts.head_dim,
-        parts.num_splits, parts.partition_size, _dtype_code(parts.dtype),
-        stream_handle(out.device))
+        parts.seq_lens.data_ptr(), num_seqs, num_heads, head_dim, num_splits,
+        parts.partition_size, _dtype_code(parts.dtype), stream_handle(out.device))
     return out
 
 

@@ -78,7 +78,7 @@ def fused_linear(x: torch.Tensor | DecodePartitions, weight: torch.Tensor,
         if (norm_weight is None and not silu_mul and not silu_mul_out
                 and _merge_supported(x, weight)):
             return _merged_linear_cuda(x, weight, bias, residual, out)
-        x = x.merge().view(x.num_seqs, -1)
+        x = x.merge().flatten(1)
     if fused_linear_supported(x, weight):
         return _fused_linear_cuda(x, weight, bias, norm_weight, eps, silu_mul, residual, out,
                                   silu_mul_out, prefetch_weight)
@@ -132,24 +132,26 @@ ones (many heads and splits: 8B-sized models) cost more than the merge launch th
 
 
 def _merge_supported(parts: DecodePartitions, weight: torch.Tensor) -> bool:
-    k = parts.num_heads * parts.head_dim
-    return (parts.num_seqs <= GEMV_MAX_ROWS and parts.dtype in (torch.float16, torch.bfloat16)
-            and parts.num_seqs * k * parts.num_splits * 4 <= _MERGE_BYTES_PER_CTA
+    m, heads, splits, head_dim = parts.out.shape
+    k = heads * head_dim
+    return (m <= GEMV_MAX_ROWS and parts.dtype in (torch.float16, torch.bfloat16)
+            and m * k * splits * 4 <= _MERGE_BYTES_PER_CTA
             and cuda_ops() is not None and hasattr(cuda_ops(), "gemv_merge")
             and weight.dim() == 2 and weight.shape[1] == k and weight.is_contiguous()
-            and parts.num_seqs * k * weight.element_size() <= _GEMV_STAGING_BYTES)
+            and m * k * weight.element_size() <= _GEMV_STAGING_BYTES)
 
 
 def _merged_linear_cuda(parts: DecodePartitions, weight, bias, residual, out) -> torch.Tensor:
-    m, n, k = parts.num_seqs, weight.shape[0], weight.shape[1]
+    m, heads, splits, head_dim = parts.out.shape
+    n, k = weight.shape
     device = parts.out.device
     _check_params(parts.dtype, device, n, k, weight=weight, bias=bias)
     out = _output(m, n, parts.dtype, device, residual, out)
     cuda_ops().gemv_merge(
         out.data_ptr(), parts.out.data_ptr(), parts.max.data_ptr(), parts.sum.data_ptr(),
         parts.seq_lens.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-        0 if residual is None else residual.data_ptr(), m, n, parts.num_heads, parts.head_dim,
-        parts.num_splits, parts.partition_size, out.stride(0) if m > 1 else n,
+        0 if residual is None else residual.data_ptr(), m, n, heads, head_dim, splits,
+        parts.partition_size, out.stride(0) if m > 1 else n,
         out.stride(0) if m > 1 else n, _dtype_code(parts.dtype), stream_handle(device))
     return out
 
