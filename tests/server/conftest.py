@@ -65,13 +65,19 @@ class ServerProcess:
             return e.code, e.read().decode()
 
     def metrics(self) -> dict[str, float]:
-        """Every unlabelled sample, plus labelled ones as `name{k=v}`."""
+        """Every unlabelled sample, plus labelled ones as `name{k=v}`.
+
+        Every tinyvllm series carries a non-empty `model_name` label (asserted here, then left
+        out of the key)."""
         status, text = self.http_get("/metrics")
         assert status == 200
         samples = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                labels = dict(s.labels)
+                if s.name.startswith("tinyvllm:"):
+                    assert labels.pop("model_name", ""), f"{s.name} has no model_name label"
+                labels = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
                 samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return samples
 

@@ -233,6 +233,20 @@ async def test_metrics_parse_and_counters_move(server, client):
     assert "tinyvllm:num_preemptions_total" in after and "tinyvllm:prefix_cache_hits_total" in after
 
 
+async def test_metrics_carry_model_name(server, client):
+    """Every series is labelled with the served model's name, as ModelInfo reports it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    info = await client.model_info()
+    status, text = server.http_get("/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(text)
+                if f.name.startswith("tinyvllm:")}
+    assert {"tinyvllm:num_requests_waiting", "tinyvllm:time_to_first_token_seconds"} <= set(families)
+    names = {s.labels.get("model_name") for f in families.values() for s in f.samples}
+    assert names == {info.model_name}
+
+
 async def test_soak_with_random_cancels(server, client):
     """200 short requests, 40% cancelled at random points: nothing leaks."""
     rng = random.Random(0)

@@ -120,6 +120,7 @@ class Server:
         except EngineUnavailableError as e:
             logger.error("engine failed to start: %s", e)
             return False
+        self.metrics.set_model_name(self.engine.runtime_info.model_name)
         if self._exit.done():
             return False
         for name in ("", SERVICE_NAME):

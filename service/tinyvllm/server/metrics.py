@@ -2,7 +2,9 @@
 
 Engine-side numbers (running, waiting, KV usage, prefix cache, preemptions, token counts) are read
 from the latest `EngineStats` at scrape time; request latencies are observed by the frontend as
-outputs arrive (`EngineObserver` hooks).
+outputs arrive (`EngineObserver` hooks). Every series carries a `model_name` label, as vLLM's do, so
+that dashboards and autoscalers can tell models apart; the engine's series appear once the model
+is loaded and its name known.
 """
 
 from __future__ import annotations
@@ -44,61 +46,89 @@ _COUNTERS = (
 )
 
 
+MODEL_LABEL = "model_name"
+
+
 class _EngineStatsCollector(Collector):
-    def __init__(self, get_stats: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, get_stats: Callable[[], dict[str, float]],
+                 get_model_name: Callable[[], Optional[str]]) -> None:
         self._get_stats = get_stats
+        self._get_model_name = get_model_name
 
     def collect(self) -> Iterator[Metric]:
+        model_name = self._get_model_name()
         stats = self._get_stats()
-        for suffix, key, help_text in _GAUGES:
-            yield GaugeMetricFamily(PREFIX + suffix, help_text, value=stats.get(key, 0))
-        for suffix, key, help_text in _COUNTERS:
-            yield CounterMetricFamily(PREFIX + suffix, help_text, value=stats.get(key, 0))
+        for kind, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
+            for suffix, key, help_text in table:
+                family = kind(PREFIX + suffix, help_text, labels=[MODEL_LABEL])
+                if model_name is not None:  # no sample before the model is loaded
+                    family.add_metric([model_name], stats.get(key, 0))
+                yield family
 
 
 class ServerMetrics(EngineObserver):
-    """All metrics of one server, in their own registry."""
+    """All metrics of one server, in their own registry.
 
-    def __init__(self) -> None:
+    Args:
+        model_name: the `model_name` label of every series; None until the engine reports the
+            loaded model's name (`set_model_name`), and no engine series is exported before.
+    """
+
+    def __init__(self, model_name: Optional[str] = None) -> None:
         disable_created_metrics()  # `*_created` series only confuse dashboards
         self.registry = CollectorRegistry()
         self.stats: dict[str, float] = {}
-        self.registry.register(_EngineStatsCollector(lambda: self.stats))
-        r = self.registry
+        self.model_name = model_name
+        self.registry.register(_EngineStatsCollector(lambda: self.stats, lambda: self.model_name))
+        r, m = self.registry, [MODEL_LABEL]
         self.request_success = Counter(
-            PREFIX + "request_success", "Finished requests by finish reason.", ["finished_reason"],
-            registry=r)
+            PREFIX + "request_success", "Finished requests by finish reason.",
+            m + ["finished_reason"], registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
-                              "Time from arrival to the first token.", buckets=LATENCY_BUCKETS_S,
-                              registry=r)
+                              "Time from arrival to the first token.", m,
+                              buckets=LATENCY_BUCKETS_S, registry=r)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
-                             "Time between consecutive outputs of a request.",
+                             "Time between consecutive outputs of a request.", m,
                              buckets=LATENCY_BUCKETS_S, registry=r)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
-                             "Time from arrival to the last token.", buckets=E2E_BUCKETS_S,
+                             "Time from arrival to the last token.", m, buckets=E2E_BUCKETS_S,
                              registry=r)
         self.queue = Histogram(PREFIX + "request_queue_time_seconds",
                                "Time from arrival to the start of the step that produced the "
-                               "first token.", buckets=LATENCY_BUCKETS_S, registry=r)
+                               "first token.", m, buckets=LATENCY_BUCKETS_S, registry=r)
         self.iteration_tokens = Histogram(PREFIX + "iteration_tokens_total",
-                                          "Tokens scheduled per engine step.",
+                                          "Tokens scheduled per engine step.", m,
                                           buckets=ITERATION_TOKEN_BUCKETS, registry=r)
+
+    def set_model_name(self, model_name: str) -> None:
+        """Label every series with the loaded model's name (called once the engine is ready).
+
+        The histograms get their series now, so that they read zero rather than absent before
+        the first request."""
+        self.model_name = model_name
+        for histogram in (self.ttft, self.itl, self.e2e, self.queue, self.iteration_tokens):
+            histogram.labels(model_name)
+
+    def _label(self) -> str:
+        # Observations come from requests, and requests only run once the engine (and so the
+        # model name) is known; the fallback keeps a stray observation from raising.
+        return self.model_name or "unknown"
 
     def on_step(self, stats: dict[str, float]) -> None:
         self.stats = stats
         if stats.get("num_scheduled_tokens"):
-            self.iteration_tokens.observe(stats["num_scheduled_tokens"])
+            self.iteration_tokens.labels(self._label()).observe(stats["num_scheduled_tokens"])
 
     def on_first_token(self, ttft_s: float, queue_s: float) -> None:
-        self.ttft.observe(ttft_s)
-        self.queue.observe(queue_s)
+        self.ttft.labels(self._label()).observe(ttft_s)
+        self.queue.labels(self._label()).observe(queue_s)
 
     def on_inter_token(self, latency_s: float) -> None:
-        self.itl.observe(latency_s)
+        self.itl.labels(self._label()).observe(latency_s)
 
     def on_finished(self, finish_reason: str, e2e_s: float) -> None:
-        self.request_success.labels(finished_reason=finish_reason).inc()
-        self.e2e.observe(e2e_s)
+        self.request_success.labels(self._label(), finish_reason).inc()
+        self.e2e.labels(self._label()).observe(e2e_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
