@@ -123,16 +123,10 @@ ALL_FEATURES: dict = {
     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     "serviceAccount": {"create": True},
     "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}, "interval": "30s"},
-    "autoscaling": {
-        "enabled": True, "minReplicas": 2, "maxReplicas": 6,
-        "metrics": [{
-            "type": "Pods",
-            "pods": {
-                "metric": {"name": "tinyvllm_num_requests_waiting"},
-                "target": {"type": "AverageValue", "averageValue": "8"},
-            },
-        }],
-    },
+    "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6,
+                    "queueDepth": {"targetAverageValue": "8"}},
+    "grafanaDashboard": {"enabled": True, "namespace": "monitoring",
+                         "annotations": {"grafana_folder": "LLM"}},
     "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1, "unhealthyPodEvictionPolicy": "AlwaysAllow"},
     "server": {"grpcPort": 50051, "metricsPort": 8000, "drainTimeoutSeconds": 120},
     "lifecycle": {"preStopSleepSeconds": 10, "preStopAction": "exec", "terminationGraceMarginSeconds": 15},
@@ -184,7 +178,7 @@ def test_all_features_render_optional_objects(helm, tmp_path):
     kinds = sorted(d["kind"] for d in render(helm, tmp_path, ALL_FEATURES))
     assert kinds == sorted([
         "Deployment", "Service", "ServiceAccount", "ServiceMonitor",
-        "HorizontalPodAutoscaler", "PodDisruptionBudget",
+        "HorizontalPodAutoscaler", "PodDisruptionBudget", "ConfigMap",
     ])
 
 
@@ -343,9 +337,97 @@ def test_hpa_owns_replicas(helm, tmp_path):
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
                                              "name": one(docs, "Deployment")["metadata"]["name"]}
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
-    types = [m["type"] for m in hpa["spec"]["metrics"]]
-    assert types == ["Resource", "Pods"]
+    assert hpa["spec"]["metrics"] == [{"type": "Pods", "pods": {
+        "metric": {"name": "tinyvllm_num_requests_waiting"},
+        "target": {"type": "AverageValue", "averageValue": "8"}}}]
     assert one(render(helm, tmp_path, DEFAULT), "Deployment")["spec"]["replicas"] == 1
+
+
+def test_hpa_scales_on_queue_depth_not_cpu(helm, tmp_path):
+    """Autoscaling by default follows requests waiting per pod; CPU and extra metrics are opt-in."""
+    hpa = one(render(helm, tmp_path, {"autoscaling": {"enabled": True}}), "HorizontalPodAutoscaler")
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    assert metric["pods"]["metric"]["name"] == "tinyvllm_num_requests_waiting"
+    assert metric["pods"]["target"] == {"type": "AverageValue", "averageValue": "4"}
+    external = {"type": "External", "external": {
+        "metric": {"name": "tinyvllm_num_requests_waiting_total"},
+        "target": {"type": "Value", "value": "32"}}}
+    hpa = one(render(helm, tmp_path, {"autoscaling": {
+        "enabled": True, "queueDepth": {"enabled": False}, "targetCPUUtilizationPercentage": 70,
+        "metrics": [external]}}), "HorizontalPodAutoscaler")
+    assert [m["type"] for m in hpa["spec"]["metrics"]] == ["Resource", "External"]
+    assert hpa["spec"]["metrics"][1] == external
+
+
+def test_adapter_rule_in_readme_serves_the_hpa_metric():
+    """The Prometheus adapter rule documented in the chart README maps the server's gauge to the
+    name the HPA asks for."""
+    import re
+
+    readme = (CHART / "README.md").read_text()
+    block = re.search(r"```yaml\n(rules:.*?)```", readme, re.S)
+    assert block, "no adapter rules block in the chart README"
+    (rule,) = yaml.safe_load(block.group(1))["rules"]["custom"]
+    assert rule["seriesQuery"].startswith("tinyvllm:num_requests_waiting")
+    # the adapter substitutes with Go's regexp syntax (${1}); Python's is \g<1>
+    replacement = re.sub(r"\$\{(\d+)\}", r"\\g<\1>", rule["name"]["as"])
+    served = re.sub(rule["name"]["matches"], replacement, "tinyvllm:num_requests_waiting")
+    default = yaml.safe_load((CHART / "values.yaml").read_text())["autoscaling"]["queueDepth"]
+    assert served == default["metricName"]
+
+
+def test_default_image_is_what_the_dockerfiles_build(helm, tmp_path):
+    """appVersion, the package version and the tags in the images' build commands agree."""
+    import tomllib
+
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"] == version
+    cpu = server_container(render(helm, tmp_path, DEFAULT))["image"]
+    gpu = server_container(render(helm, tmp_path, {"gpu": {"enabled": True}}))["image"]
+    assert (cpu, gpu) == (f"tinyvllm:{version}", f"tinyvllm:{version}-cuda")
+    images = REPO / "helm" / "images"
+    assert f"-t {cpu} " in (images / "Dockerfile.cpu").read_text()
+    assert f"-t {gpu} " in (images / "Dockerfile.cuda").read_text()
+    pinned = server_container(render(helm, tmp_path, {"gpu": {"enabled": True},
+                                                      "image": {"tag": "nightly"}}))["image"]
+    assert pinned == "tinyvllm:nightly"
+
+
+def _exported_metric_samples() -> set[str]:
+    """Sample names the server's /metrics carries once a request has finished."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tinyvllm.server.metrics import ServerMetrics
+
+    m = ServerMetrics()
+    m.set_model_name("m")
+    m.on_step({"num_scheduled_tokens": 3})
+    m.on_first_token(0.1, 0.01)
+    m.on_inter_token(0.02)
+    m.on_finished("length", 0.5)
+    return {s.name for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+
+
+def test_grafana_dashboard_configmap(helm, tmp_path):
+    import json
+    import re
+
+    (cm,) = [d for d in render(helm, tmp_path, ALL_FEATURES) if d["kind"] == "ConfigMap"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["namespace"] == "monitoring"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+    dashboard = json.loads(cm["data"]["tinyvllm.json"])
+    assert dashboard == json.loads((CHART / "dashboards" / "tinyvllm.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {name for e in exprs for name in re.findall(r"tinyvllm:[a-z0-9_]+", e)}
+    exported = _exported_metric_samples()
+    assert used <= exported, f"dashboard queries series the server does not export: {used - exported}"
+    families = {re.sub(r"_(bucket|sum|count)$", "", n) for n in exported if n.startswith("tinyvllm:")}
+    shown = {re.sub(r"_(bucket|sum|count)$", "", n) for n in used}
+    assert families <= shown, f"exported but on no panel: {families - shown}"
+    assert all('model_name=~"$model_name"' in e for e in exprs)
+    assert "ConfigMap" not in {d["kind"] for d in render(helm, tmp_path, DEFAULT)}
 
 
 def test_pdb(helm, tmp_path):
@@ -435,7 +517,8 @@ def test_schema_rejects_bad_values(helm, tmp_path, name):
 @pytest.mark.parametrize("values,needle", [
     ({"podDisruptionBudget": {"enabled": True, "minAvailable": 1, "maxUnavailable": 1}}, "only one"),
     ({"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}, "minReplicas"),
-    ({"autoscaling": {"enabled": True, "targetCPUUtilizationPercentage": None, "metrics": []}}, "autoscaling"),
+    ({"autoscaling": {"enabled": True, "queueDepth": {"enabled": False},
+                      "targetCPUUtilizationPercentage": None, "metrics": []}}, "autoscaling"),
 ])
 def test_template_rejects_inconsistent_values(helm, tmp_path, values, needle):
     proc = template(helm, tmp_path, values)

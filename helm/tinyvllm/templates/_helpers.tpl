@@ -47,11 +47,13 @@ app.kubernetes.io/component: server
 {{- end }}
 {{- end }}
 
+{{/* The image; by default the tag helm/images/ builds: appVersion, "-cuda" when GPUs are asked. */}}
 {{- define "tinyvllm.image" -}}
 {{- if .Values.image.digest }}
 {{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
 {{- else }}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- $default := printf "%s%s" .Chart.AppVersion (ternary "-cuda" "" .Values.gpu.enabled) }}
+{{- printf "%s:%s" .Values.image.repository (default $default .Values.image.tag) }}
 {{- end }}
 {{- end }}
 
@@ -90,8 +92,8 @@ app.kubernetes.io/component: server
 {{- if gt (int $a.minReplicas) (int $a.maxReplicas) }}
 {{- fail "autoscaling.minReplicas must be <= autoscaling.maxReplicas" }}
 {{- end }}
-{{- if and (kindIs "invalid" $a.targetCPUUtilizationPercentage) (empty $a.metrics) }}
-{{- fail "autoscaling needs targetCPUUtilizationPercentage or at least one entry in autoscaling.metrics" }}
+{{- if and (not $a.queueDepth.enabled) (kindIs "invalid" $a.targetCPUUtilizationPercentage) (empty $a.metrics) }}
+{{- fail "autoscaling needs queueDepth.enabled, targetCPUUtilizationPercentage or at least one entry in autoscaling.metrics" }}
 {{- end }}
 {{- end }}
 {{- $p := .Values.podDisruptionBudget }}
