@@ -10,6 +10,10 @@ namespace py = pybind11;
 
 PYBIND11_MODULE(_cuda, m) {
   m.doc() = "tinyvllm CUDA kernels (raw device pointers, sizes and stream handles)";
+#ifdef TINYVLLM_CUDA_ARCHS
+  // CMAKE_CUDA_ARCHITECTURES of this build, comma-separated: ops/_dispatch.py checks the GPU.
+  m.attr("cuda_archs") = TINYVLLM_CUDA_ARCHS;
+#endif
 
   m.def("reshape_and_cache", &tinyvllm::reshape_and_cache, py::arg("key"), py::arg("value"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),

@@ -103,7 +103,8 @@ __device__ __forceinline__ float warp_max(float x) {
   return x;
 }
 
-// Programmatic dependent launch (sm_90). A kernel launched by launch_pdl may start while the
+// Programmatic dependent launch (sm_90; compiled out for older architectures, where the waits
+// below are no-ops and launch_pdl launches plainly). A kernel launched by launch_pdl may start while the
 // previous kernel in the stream drains: it must call wait_for_previous_grid() before reading
 // anything that kernel wrote (the wait returns once it has completed and its writes are visible;
 // without a PDL launch it returns at once). allow_next_grid() lets the next PDL-launched kernel
@@ -133,7 +134,28 @@ __device__ __forceinline__ void allow_next_grid() {
 #endif
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...) with the programmatic-serialization attribute.
+// Whether the current device runs the sm_90a code, the only image with the griddepcontrol
+// instructions: other GPUs run sm_80/sm_89 code, or PTX compiled for them, whose kernels never
+// wait for the previous grid, so they must not be launched early. Asked once per device.
+inline bool device_has_pdl_code() {
+  constexpr int kMaxDevices = 64;
+  static int8_t known[kMaxDevices] = {};  // 0 not asked yet, 1 yes, 2 no (a race writes alike)
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  if (device >= kMaxDevices) return false;
+  if (known[device] == 0) {
+    int major = 0, minor = 0;
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+               "compute capability");
+    check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+               "compute capability");
+    known[device] = (major == 9 && minor == 0) ? 1 : 2;
+  }
+  return known[device] == 1;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) with the programmatic-serialization attribute
+// where the device runs the code that honours it (device_has_pdl_code), plainly elsewhere.
 template <typename... Params, typename... Args>
 void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                 cudaStream_t stream, Args&&... args) {
@@ -146,7 +168,7 @@ void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
-  config.numAttrs = 1;
+  config.numAttrs = device_has_pdl_code() ? 1 : 0;
   check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), "launch_pdl");
 }
 

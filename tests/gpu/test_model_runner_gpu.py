@@ -153,14 +153,14 @@ def test_fp32_on_gpu_matches_cpu(path, prompts, monkeypatch):
 
     # The CUDA attention kernels are half precision only: fp32 runs the torch references.
     monkeypatch.setenv("TINYVLLM_DISABLE_CUDA_KERNELS", "1")
-    _dispatch.cuda_ops.cache_clear()
+    _dispatch.clear_cache()
     try:
         gpu = engine(path, dtype="float32", enforce_eager=True)
         assert generate(gpu, prompts, [first] * len(prompts)) == expected
         release(gpu)
     finally:
         monkeypatch.delenv("TINYVLLM_DISABLE_CUDA_KERNELS")
-        _dispatch.cuda_ops.cache_clear()
+        _dispatch.clear_cache()
 
 
 def test_profiled_kv_cache_fits_the_budget(path, prompts):

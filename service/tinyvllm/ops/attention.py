@@ -86,7 +86,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         k_scale, v_scale: one-element float32 tensors (None: 1.0), read only for an FP8 cache
         returns: [num_tokens, num_heads, head_dim]
     """
-    kernel = use_kernel(query, kv_cache)
+    kernel = use_kernel("paged_attention", query, kv_cache)
     if kernel is not None and hasattr(kernel, "paged_attention"):
         from tinyvllm.ops.attention_cuda import paged_attention_cuda
         return paged_attention_cuda(kernel, query, kv_cache, meta, scale, k_scale=k_scale,
@@ -116,7 +116,7 @@ def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: to
         kv_cache: KV_CACHE_LAYOUT, query's dtype or FP8 (quantised with the scales)
         returns: [num_tokens, num_heads, head_dim]
     """
-    kernel = use_kernel(query, kv_cache)
+    kernel = use_kernel("paged_attention", query, kv_cache)
     if kernel is not None and meta.is_pure_decode and hasattr(kernel, "paged_attention_decode"):
         from tinyvllm.ops.attention_cuda import rotary_paged_attention_cuda
         return rotary_paged_attention_cuda(kernel, positions, query, key, value, cos_sin_cache,

@@ -81,7 +81,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         slot_mapping: [num_tokens] int64; PADDING_SLOT entries are skipped.
         k_scale, v_scale: one-element float32 tensors on kv_cache's device (None: 1.0); FP8 only.
     """
-    kernel = use_kernel(key, value, kv_cache, slot_mapping)
+    kernel = use_kernel("reshape_and_cache", key, value, kv_cache, slot_mapping)
     if kernel is not None and hasattr(kernel, "reshape_and_cache"):
         _reshape_and_cache_cuda(kernel, key, value, kv_cache, slot_mapping, k_scale, v_scale)
         return

@@ -18,7 +18,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     Shape: x, residual: [num_tokens, hidden]; weight: [hidden].
     Returns: normed x, or (normed(x + residual), x + residual) when residual is given.
     """
-    kernel = use_kernel(x, weight)
+    kernel = use_kernel("rms_norm", x, weight)
     if kernel is not None and hasattr(kernel, "rms_norm"):
         from tinyvllm.ops.layers_cuda import rms_norm_cuda
         return rms_norm_cuda(kernel, x, weight, eps, residual)
@@ -37,7 +37,7 @@ def rms_norm_ref(x, weight, eps, residual=None):
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation. Shape: x [num_tokens, 2 * d] (gate | up) -> [num_tokens, d]."""
-    kernel = use_kernel(x)
+    kernel = use_kernel("silu_and_mul", x)
     if kernel is not None and hasattr(kernel, "silu_and_mul"):
         from tinyvllm.ops.layers_cuda import silu_and_mul_cuda
         return silu_and_mul_cuda(kernel, x)
@@ -94,7 +94,7 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         cos_sin_cache: [max_position, head_dim] float32
     Returns: (query, key) rotated, same shapes (in place on CUDA).
     """
-    kernel = use_kernel(positions, query, key)
+    kernel = use_kernel("rotary_embedding", positions, query, key)
     if kernel is not None and hasattr(kernel, "rotary_embedding"):
         from tinyvllm.ops.layers_cuda import rotary_embedding_cuda
         return rotary_embedding_cuda(kernel, positions, query, key, cos_sin_cache, head_dim)
@@ -131,7 +131,8 @@ def rotary_embedding_and_cache(positions: torch.Tensor, query: torch.Tensor, key
         k_scale, v_scale: one-element float32 tensors (None: 1.0), read only for an FP8 cache
     Returns: (query, key) rotated (in place on CUDA).
     """
-    kernel = use_kernel(positions, query, key, value, kv_cache, slot_mapping)
+    kernel = use_kernel("rotary_embedding_and_cache", positions, query, key, value,
+                        kv_cache, slot_mapping)
     if kernel is not None and hasattr(kernel, "rotary_embedding_and_cache"):
         from tinyvllm.ops.layers_cuda import rotary_embedding_and_cache_cuda
         return rotary_embedding_and_cache_cuda(kernel, positions, query, key, value,

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tinyvllm.ops._dispatch import cuda_ops, stream_handle
+from tinyvllm.ops._dispatch import cuda_ops, kernel_enabled, stream_handle
 from tinyvllm.ops.attention import DecodePartitions
 from tinyvllm.ops.kv_cache import _dtype_code
 from tinyvllm.ops.layers import rms_norm_ref, silu_and_mul_ref
@@ -47,7 +47,8 @@ def fused_linear_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `fused_linear` runs as the GEMV kernel for activations like x and these weights."""
     if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if x.shape[0] > GEMV_MAX_ROWS or cuda_ops() is None or not hasattr(cuda_ops(), "gemv"):
+    if (x.shape[0] > GEMV_MAX_ROWS or not kernel_enabled("fused_linear")
+            or not hasattr(cuda_ops(), "gemv")):
         return False
     return all(w.shape[-1] % 8 == 0 and w.is_contiguous()
                and x.shape[0] * w.shape[-1] * x.element_size() <= _GEMV_STAGING_BYTES
@@ -136,7 +137,7 @@ def _merge_supported(parts: DecodePartitions, weight: torch.Tensor) -> bool:
     k = heads * head_dim
     return (m <= GEMV_MAX_ROWS and parts.dtype in (torch.float16, torch.bfloat16)
             and m * k * splits * 4 <= _MERGE_BYTES_PER_CTA
-            and cuda_ops() is not None and hasattr(cuda_ops(), "gemv_merge")
+            and kernel_enabled("fused_linear") and hasattr(cuda_ops(), "gemv_merge")
             and weight.dim() == 2 and weight.shape[1] == k and weight.is_contiguous()
             and m * k * weight.element_size() <= _GEMV_STAGING_BYTES)
 

@@ -55,7 +55,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor,
     """
     if kernel_available(logits):
         from tinyvllm.ops.sampling_cuda import sample_cuda
-        return sample_cuda(use_kernel(logits), logits, temperature, top_k, top_p, min_p,
+        return sample_cuda(use_kernel("sample", logits), logits, temperature, top_k, top_p, min_p,
                            seed, offset, noise)
     if noise is None:
         raise ValueError("noise: the reference sampler needs an Exp(1) noise tensor")
@@ -64,7 +64,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor,
 
 def kernel_available(logits: torch.Tensor) -> bool:
     """Whether `sample` runs the CUDA kernel for these logits (then noise is optional)."""
-    kernel = use_kernel(logits)
+    kernel = use_kernel("sample", logits)
     return kernel is not None and hasattr(kernel, "sample")
 
 

@@ -21,7 +21,7 @@ from tinyvllm.engine.request import Request
 from tinyvllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tinyvllm.model.loader import LoadedModel, load_model
 from tinyvllm.ops import AttentionMetadata, allocate_kv_caches
-from tinyvllm.ops._dispatch import cuda_ops
+from tinyvllm.ops._dispatch import cuda_ops, device_support
 from tinyvllm.ops.kv_cache import FP8_DTYPE, PADDING_SLOT, resolve_kv_cache_dtype
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_sizes,
@@ -89,6 +89,8 @@ class ModelRunner:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
+        if self.device.type == "cuda":
+            device_support()  # checks the GPU once; warns about kernels that cannot run on it
         if (self.kv_cache_dtype == FP8_DTYPE and self.dtype == torch.float32
                 and self.device.type == "cuda" and cuda_ops() is not None):
             raise ValueError("kv_cache_dtype: fp8 on CUDA needs dtype bfloat16 or float16 "
