@@ -19,7 +19,7 @@ _ENGINE_BENCHMARKS = {
 }
 _DELEGATED = {  # modules with their own argument parser: the rest of the command line goes there
     "kernels": ("tinyvllm.bench.kernels", "GPU kernels against torch / cuBLAS baselines."),
-    "serve": ("tinyvllm.bench.serve", "The gRPC service against LLM.generate."),
+    "serve": ("tinyvllm.bench.serve", "The gRPC service under Poisson arrivals: TTFT, TPOT, ITL."),
 }
 
 
