@@ -64,6 +64,7 @@ def test_per_kernel_minimum():
 def test_module_archs():
     assert module_archs(types.SimpleNamespace(cuda_archs="80,89-real,90a-real")) == DEFAULT_ARCHS
     assert module_archs(types.SimpleNamespace()) is None  # built before it said: not checked
+    assert module_archs(types.SimpleNamespace(cuda_archs="native")) is None  # CMake resolved it
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 from types import ModuleType
 from typing import Optional, Sequence
 
@@ -89,10 +90,15 @@ def kernel_support(capability: Capability, archs: Optional[Sequence[str]],
     return KernelSupport(capability, frozenset(table) - frozenset(disabled), disabled)
 
 
+_ARCH = re.compile(r"^\d+[af]?(-real|-virtual)?$")
+
+
 def module_archs(module: ModuleType) -> Optional[list[str]]:
-    """The CUDA architectures the module was built for (its `cuda_archs`), None if it says not."""
-    archs = getattr(module, "cuda_archs", None)
-    return [a for a in archs.replace(";", ",").split(",") if a] if archs else None
+    """The CUDA architectures the module was built for (its `cuda_archs`); None when it does not
+    say, or names them in a way only CMake resolves ("native", "all")."""
+    archs = [a for a in (getattr(module, "cuda_archs", None) or "").replace(";", ",").split(",")
+             if a]
+    return archs if archs and all(_ARCH.match(a) for a in archs) else None
 
 
 def warn_fallbacks(support: KernelSupport, device_name: str) -> None:
