@@ -12,7 +12,8 @@ from tinyvllm.sampling_params import SamplingParams
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64, help="Most tokens to generate.")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="Most tokens to generate (default: up to the context length).")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy.")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 disables.")
