@@ -64,7 +64,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"tinyvllm generate: {e}", file=sys.stderr)
         return 2
     config = engine_config_from_args(args)
-    llm = LLM.from_config(config)
+    try:
+        llm = LLM.from_config(config)
+    except (FileNotFoundError, ValueError, NotImplementedError) as e:  # model absent or refused
+        print(f"tinyvllm generate: {e}", file=sys.stderr)
+        return 1
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:

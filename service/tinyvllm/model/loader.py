@@ -96,7 +96,7 @@ _QUANTIZED_HINT = ("load an unquantized (float32/float16/bfloat16) checkpoint or
 def _open_hf_dir(path: Path):
     config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     _refuse_quantized(config, path)
-    arch = LlamaArch.from_hf_config(config, name=path.name)
+    arch = LlamaArch.from_hf_config(config, name=model_name(path))
     files = _safetensors_files(path)
     tokenizer = tokenizer_from_hf_dir(path)
     tokenizer.vocab_size = arch.vocab_size

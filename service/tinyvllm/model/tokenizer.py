@@ -11,7 +11,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
-from tinyvllm.model.paths import is_gguf, read_gguf, resolve_model_path
+from tinyvllm.model.paths import is_gguf, model_name, read_gguf, resolve_model_path
 
 
 class Tokenizer:
@@ -143,11 +143,6 @@ def load_tokenizer(model: Optional[str]) -> Tokenizer:
     return tokenizer_from_hf_dir(path)
 
 
-def model_name(path: Path) -> str:
-    """The name the server reports: the GGUF file's stem or the HF directory's name."""
-    return path.stem if is_gguf(path) else path.name
-
-
 def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], vocab_size: Optional[int],
                                  name: str) -> Tokenizer:
     from tinyvllm.model.gguf_tokenizer import tokenizer_from_gguf
@@ -182,7 +177,8 @@ def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
         found = source.get("eos_token_id")
         eos_ids += found if isinstance(found, list) else [found]
     return Tokenizer(
-        backend, name=path.name, vocab_size=config.get("vocab_size") or backend.get_vocab_size(),
+        backend, name=model_name(path),
+        vocab_size=config.get("vocab_size") or backend.get_vocab_size(),
         bos_token_id=bos, eos_token_ids=[i for i in eos_ids if i is not None],
         chat_template=_hf_chat_template(path, tok_config),
         add_bos_token=bool(tok_config.get("add_bos_token", False)))
