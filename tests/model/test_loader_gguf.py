@@ -124,13 +124,6 @@ def test_gguf_tokenizer(tiny):
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "[user]x"
 
 
-def test_sentencepiece_gguf_is_refused(tmp_path):
-    from tinyvllm.model.gguf_tokenizer import tokenizer_from_gguf
-
-    with pytest.raises(NotImplementedError, match="'llama'"):
-        tokenizer_from_gguf({"tokenizer.ggml.model": "llama"})
-
-
 def test_unknown_gguf_architecture_is_named(tmp_path):
     path = tmp_path / "falcon.gguf"
     w = gguf.GGUFWriter(str(path), "falcon")

@@ -157,7 +157,9 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], vocab_size: Optional[i
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[int(i) for i in eos_ids if i is not None],
         chat_template=meta.get("tokenizer.chat_template"),
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+        # SentencePiece (Llama 2, Mistral) models start with <s> unless the file says otherwise.
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token",
+                                    meta.get("tokenizer.ggml.model") == "llama")))
 
 
 def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
