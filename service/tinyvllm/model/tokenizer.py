@@ -10,6 +10,7 @@ from typing import Any, Mapping, Optional, Sequence
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.decoders import DecodeStream
 
 from tinyvllm.model.paths import is_gguf, model_name, read_gguf, resolve_model_path
 
@@ -62,6 +63,17 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """The decoded text each token adds, special tokens included: their concatenation is
+        `decode(ids, skip_special_tokens=False)`. A character split over byte tokens comes out
+        whole at its last byte; the tokens before it get ""."""
+        stream = DecodeStream(skip_special_tokens=False)
+        return [stream.step(self.backend, i) or "" for i in ids]
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary entry of each token ("Ġworld", "▁world", "<0xE6>")."""
+        return [self.backend.id_to_token(i) or "" for i in ids]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: Optional[list[dict]] = None, **kwargs: Any) -> str:
