@@ -124,6 +124,9 @@ class ServerConfig:
         30.0, "On SIGTERM, how long in-flight streams may run before they are cancelled."
     )
     max_concurrent_streams: int = _f(1024, "Most concurrent Generate streams.")
+    log_stats_interval_s: float = _f(
+        10.0, "Seconds between engine-stats log lines (throughput, running/waiting requests, KV "
+        "and prefix cache); 0 disables them. Nothing is logged while the engine is idle.")
 
 
 @dataclass(frozen=True)
