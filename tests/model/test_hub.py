@@ -91,3 +91,14 @@ def test_reported_name_is_the_repo(hub):
 
     snapshot = hub / "hub" / "models--tinyvllm-test--tiny-mistral" / "snapshots" / COMMIT
     assert model_name(snapshot) == "tinyvllm-test/tiny-mistral"
+
+
+def test_serve_refuses_an_absent_name_before_listening(hub):
+    env = {**os.environ, "HF_HOME": str(hub), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "tinyvllm.entrypoints.serve", "--model", "tinyvllm-test/absent",
+         "--port", "0", "--metrics-port", "0"], capture_output=True, text=True, env=env,
+        timeout=120)
+    assert result.returncode == 1
+    assert "tinyvllm serve: model 'tinyvllm-test/absent' is not in the Hugging Face cache" in \
+        result.stderr

@@ -43,9 +43,22 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
     server_config = config_from_args(args, ServerConfig)
     engine_config = engine_config_from_args(args)
+    try:  # before any port opens: a missing model (or Hub download) is found here, once
+        resolve_model(engine_config.model.model)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"tinyvllm serve: {e}", file=sys.stderr)
+        return 1
     from tinyvllm.server.app import serve  # grpc and zmq only when serving
 
     return _run_event_loop(serve(server_config, engine_config))
+
+
+def resolve_model(model):
+    """The model's files (downloading a Hub name); a synthetic model name has none."""
+    from tinyvllm.model.paths import resolve_model_path
+    from tinyvllm.model.synthetic import SYNTHETIC_MODELS
+
+    return None if model in SYNTHETIC_MODELS else resolve_model_path(model)
 
 
 def _run_event_loop(main) -> int:

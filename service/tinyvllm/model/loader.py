@@ -88,7 +88,7 @@ def _load_synthetic(name: str, dtype: torch.dtype, device: torch.device, seed: i
 
 # --- Hugging Face directory ----------------------------------------------------------------------
 
-# quantization_config.quant_method values of checkpoints whose packed weights we cannot read.
+# What to load instead of a quantized checkpoint (its packed weights are not read yet).
 _QUANTIZED_HINT = ("load an unquantized (float32/float16/bfloat16) checkpoint or a GGUF file "
                    "instead")
 
