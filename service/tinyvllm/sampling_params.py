@@ -35,7 +35,8 @@ class SamplingParams:
         seed: per-request seed; the same seed gives the same sample whatever the batch.
         repetition_penalty: > 1 discourages tokens already in prompt or output (CTRL-style).
         presence_penalty, frequency_penalty: OpenAI-style, over output tokens, in [-2, 2].
-        max_tokens: most tokens to generate; None means up to the model's context length.
+        max_tokens: most tokens to generate; None (the default, as vLLM's chat and completion
+            APIs) means up to the model's context length: context minus prompt tokens.
         min_tokens: EOS and stop token ids are suppressed until this many tokens exist.
         stop: strings that end the output (not included unless include_stop_str_in_output).
         stop_token_ids: token ids that end the output (included in token_ids, not in text).
@@ -54,7 +55,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    max_tokens: Optional[int] = 16
+    max_tokens: Optional[int] = None
     min_tokens: int = 0
     stop: Union[None, str, Sequence[str]] = None
     stop_token_ids: Optional[Sequence[int]] = None

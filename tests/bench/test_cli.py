@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -39,3 +40,18 @@ def test_latency_writes_a_record(tmp_path, smollm2_path, capsys):
     assert ours["ttft"]["median_ms"] > 0 and ours["decode_tokens_per_s"] > 0
     assert "baseline" not in record
     assert "TPOT ms" in capsys.readouterr().out  # the table is printed
+
+
+@pytest.mark.slow
+def test_runs_without_transformers(tmp_path, smollm2_path, monkeypatch, capsys):
+    """After the Quick-start install (no transformers) the baseline is skipped with a notice.
+    (latency, throughput and prefix share the runner that checks; the README test runs all.)"""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now fails
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--max-tokens", "2", "--num-prompts", "2", "--input-len",
+                 "8", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert "transformers" not in record["results"] and "baseline" not in record
+    assert record["transformers"] is None
+    err = capsys.readouterr().err
+    assert "transformers is not installed: skipping the transformers baseline" in err

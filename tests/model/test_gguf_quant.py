@@ -72,9 +72,60 @@ def test_round_trip(qtype, tmp_path):
     got.flat[0] = 0.0  # writable: safe to hand to torch.from_numpy
 
 
+# Types gguf.quants can quantize (beyond those above) and the worst round-trip error seen for
+# values in [-1, 1], with margin.
+QUANTIZABLE_TOLERANCE = {Q.Q5_0: 0.08, Q.Q5_1: 0.05, Q.MXFP4: 0.3}
+
+
+@pytest.mark.parametrize("qtype", list(QUANTIZABLE_TOLERANCE), ids=lambda q: q.name)
+def test_round_trip_more_types(qtype, tmp_path):
+    rng = np.random.default_rng(1)
+    original = rng.uniform(-1, 1, size=(ROWS, COLS)).astype(np.float32)
+    tensors = _write(tmp_path / "t.gguf", {"w": (gguf.quants.quantize(original, qtype), qtype)})
+    got = dequantize_gguf_tensor(tensors["w"])
+    assert got.shape == (ROWS, COLS)
+    assert np.abs(got - original).max() <= QUANTIZABLE_TOLERANCE[qtype]
+
+
+def _k_quant_types() -> list[Q]:
+    """Every type gguf dequantizes but cannot quantize (K-quants, IQ*, ...)."""
+    covered = set(ROUND_TRIP_TOLERANCE) | set(QUANTIZABLE_TOLERANCE)
+    return [t for t in gguf.quants._type_traits if t not in covered]
+
+
+@pytest.mark.parametrize("qtype", _k_quant_types(), ids=lambda q: q.name)
+def test_every_dequantizable_type_loads(qtype, tmp_path):
+    """Q4_K_M / Q5_K_M / Q6_K / IQ* files: random blocks written with the gguf writer come back
+    in row-major shape with gguf's values (every byte < 0x3C keeps each f16 scale finite)."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    cols = 2 * max(block_size, 256)
+    rng = np.random.default_rng(2)
+    raw = rng.integers(0, 0x3C, size=(ROWS, cols // block_size * type_size), dtype=np.uint8)
+    tensors = _write(tmp_path / "k.gguf", {"w": (raw, qtype)})
+    got = dequantize_gguf_tensor(tensors["w"])
+    assert got.shape == (ROWS, cols) and got.dtype == np.float32
+    assert np.isfinite(got).all() and np.abs(got).max() > 0
+    for row in range(ROWS):  # each row dequantized on its own: rows are not interleaved
+        np.testing.assert_array_equal(got[row], gguf.quants.dequantize(raw[row], qtype))
+
+
+def test_q4_k_hand_built_block(tmp_path):
+    """One Q4_K super-block in closed form: d=0.5, every sub-block scale 1 and min 0, so that
+    value = 0.5 * code; codes are l % 16 in the low nibbles and 15 - l % 16 in the high ones."""
+    scales = bytes([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1])  # 6-bit scales/mins packed as ggml does
+    low = np.arange(32) % 16
+    qs = ((low | ((15 - low) << 4)).astype(np.uint8).tobytes()) * 4
+    block = _f16_bytes(0.5) + _f16_bytes(0.25) + scales + qs
+    codes = np.concatenate([np.concatenate([low, 15 - low])] * 4)  # 4 chunks of 64 values
+    tensors = _write(tmp_path / "q4k.gguf",
+                     {"w": (np.frombuffer(block, dtype=np.uint8).reshape(1, -1), Q.Q4_K)})
+    np.testing.assert_array_equal(dequantize_gguf_tensor(tensors["w"]),
+                                  (0.5 * codes).astype(np.float32)[None])
+
+
 def test_unsupported_type_names_tensor(tmp_path):
-    original = np.zeros((ROWS, COLS), dtype=np.float32)
-    tensors = _write(tmp_path / "q5.gguf",
-                     {"blk.7.ffn_up.weight": (gguf.quants.quantize(original, Q.Q5_0), Q.Q5_0)})
-    with pytest.raises(ValueError, match=r"blk\.7\.ffn_up\.weight.*Q5_0"):
+    block_size, type_size = gguf.GGML_QUANT_SIZES[Q.Q8_1]  # gguf cannot dequantize Q8_1
+    raw = np.zeros((ROWS, COLS // block_size * type_size), dtype=np.uint8)
+    tensors = _write(tmp_path / "q8_1.gguf", {"blk.7.ffn_up.weight": (raw, Q.Q8_1)})
+    with pytest.raises(ValueError, match=r"blk\.7\.ffn_up\.weight.*Q8_1.*Q4_K"):
         dequantize_gguf_tensor(tensors["blk.7.ffn_up.weight"])

@@ -112,3 +112,39 @@ def test_no_safetensors_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(FileNotFoundError, match="safetensors"):
         load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("quant", [
+    {"quant_method": "gptq", "bits": 4, "group_size": 128},
+    {"quant_method": "awq", "bits": 4, "version": "gemm"},
+    {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+], ids=lambda q: q["quant_method"])
+def test_quantized_checkpoint_is_refused_by_name(quant, tmp_path):
+    torch.manual_seed(0)
+    _save(_make_llama(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    with pytest.raises(ValueError, match=f"'{quant['quant_method']}' quantized checkpoints"):
+        load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+
+
+def test_unknown_tensor_is_named_not_a_bare_key_error(tmp_path):
+    """A packed GPTQ tensor in a checkpoint without quantization_config."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    _save(_make_mistral(), tmp_path)
+    save_file({"model.layers.0.self_attn.q_proj.qweight": torch.zeros(8, 64, dtype=torch.int32)},
+              str(tmp_path / "zz-extra.safetensors"))
+    with pytest.raises(ValueError, match=r"q_proj\.qweight.*not supported"):
+        load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+
+
+def test_config_missing_a_key_is_named(tmp_path):
+    torch.manual_seed(0)
+    _save(_make_llama(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["intermediate_size"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="lacks intermediate_size"):
+        load_model(str(tmp_path), torch.float32, torch.device("cpu"))

@@ -124,8 +124,13 @@ def test_gguf_tokenizer(tiny):
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "[user]x"
 
 
-def test_sentencepiece_gguf_is_refused(tmp_path):
-    from tinyvllm.model.gguf_tokenizer import tokenizer_from_gguf
-
-    with pytest.raises(NotImplementedError, match="'llama'"):
-        tokenizer_from_gguf({"tokenizer.ggml.model": "llama"})
+def test_unknown_gguf_architecture_is_named(tmp_path):
+    path = tmp_path / "falcon.gguf"
+    w = gguf.GGUFWriter(str(path), "falcon")
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'falcon'"):
+        load_model(str(path), torch.float32, torch.device("cpu"))

@@ -73,6 +73,20 @@ async def test_tokenize_detokenize(client):
     assert len(chat_ids) > len(await client.tokenize("Hi"))
 
 
+async def test_tokenize_returns_text_per_token(client):
+    """Decoded text per token (joined: the prompt), vocabulary pieces only when asked."""
+    r = await client.stub.Tokenize(pb.TokenizeRequest(text="Hello world"))
+    assert list(r.tokens) == ["Hello", " world"] and not r.pieces
+    r = await client.stub.Tokenize(pb.TokenizeRequest(text="Hello world", return_pieces=True))
+    assert list(r.pieces) == ["Hello", "Ġworld"]
+    text = "A llama 🦙 in 日本"  # characters split over byte tokens come out whole
+    r = await client.stub.Tokenize(pb.TokenizeRequest(text=text))
+    assert "".join(r.tokens) == text and len(r.tokens) == len(r.token_ids) > len(text.split())
+    chat = pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="Hi")])
+    r = await client.stub.Tokenize(pb.TokenizeRequest(chat=chat))
+    assert "".join(r.tokens).endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
 def _greedy_reference(prompts: list[str], max_tokens: int) -> list[str]:
     from tinyvllm.entrypoints.llm import LLM
 

@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--usage", action="store_true",
                         help="Print finish reason, token counts and timings to stderr.")
     s = parser.add_argument_group("sampling (unset: server defaults)")
-    s.add_argument("--max-tokens", type=int, default=None, help="Most tokens to generate.")
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help="Most tokens to generate (server default: up to the context length).")
     s.add_argument("--temperature", type=float, default=None, help="0 is greedy.")
     s.add_argument("--top-p", type=float, default=None)
     s.add_argument("--top-k", type=int, default=None)

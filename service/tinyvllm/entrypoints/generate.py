@@ -12,7 +12,8 @@ from tinyvllm.sampling_params import SamplingParams
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64, help="Most tokens to generate.")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="Most tokens to generate (default: up to the context length).")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy.")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 disables.")
@@ -63,7 +64,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"tinyvllm generate: {e}", file=sys.stderr)
         return 2
     config = engine_config_from_args(args)
-    llm = LLM.from_config(config)
+    try:
+        llm = LLM.from_config(config)
+    except (FileNotFoundError, ValueError, NotImplementedError) as e:  # model absent or refused
+        print(f"tinyvllm generate: {e}", file=sys.stderr)
+        return 1
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 
 from tinyvllm.config import (ServerConfig, add_config_arguments, add_engine_arguments,
                              config_from_args, engine_config_from_args)
+from tinyvllm.server.logs import LOG_FORMATS, configure_logging
 
 EPILOG = """\
 examples:
@@ -34,16 +34,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"), help="Logging verbosity.")
+    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                        help="Log lines as text, or as one JSON object per line (the access "
+                        "log's and stats' values as keys).")
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     server_config = config_from_args(args, ServerConfig)
     engine_config = engine_config_from_args(args)
+    try:  # before any port opens: a missing model (or Hub download) is found here, once
+        resolve_model(engine_config.model.model)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"tinyvllm serve: {e}", file=sys.stderr)
+        return 1
     from tinyvllm.server.app import serve  # grpc and zmq only when serving
 
     return _run_event_loop(serve(server_config, engine_config))
+
+
+def resolve_model(model):
+    """The model's files (downloading a Hub name); a synthetic model name has none."""
+    from tinyvllm.model.paths import resolve_model_path
+    from tinyvllm.model.synthetic import SYNTHETIC_MODELS
+
+    return None if model in SYNTHETIC_MODELS else resolve_model_path(model)
 
 
 def _run_event_loop(main) -> int:

@@ -34,6 +34,8 @@ from tinyvllm.frontend.request_pool import RequestPool, RequestState
 from tinyvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+access_logger = logging.getLogger("tinyvllm.access")
+"""One line per finished stream (any outcome); `record.fields` holds the values for JSON logs."""
 
 WATCHDOG_INTERVAL_S = 0.1
 """How often the frontend checks that the engine process is alive."""
@@ -204,6 +206,7 @@ class AsyncEngineClient:
                                 priority=priority, cache_salt=cache_salt)
         validate_request(req, self.runtime_info)
         state = self._pool.acquire(request_id, arrival_time)
+        state.num_prompt_tokens = len(prompt_token_ids)
         self._states[request_id] = state
         self._num_waiting += 1
         self._processor.add_request(request_id, prompt, prompt_token_ids, params, arrival_time)
@@ -232,6 +235,8 @@ class AsyncEngineClient:
             self._processor.abort_request(request_id)
             self.abort(request_id)
             self.observer.on_finished("abort", time.monotonic() - state.arrival_time)
+            state.finish_reason = state.finish_reason or "abort"
+        _log_access(state, time.monotonic())
         self._pool.release(state)
 
     def timing(self, request_id: str) -> Optional[tuple[float, float, float]]:
@@ -312,6 +317,7 @@ class AsyncEngineClient:
             if state.waiting:
                 self._num_waiting -= 1
             state.finished = True
+            state.finish_reason = "error"
             state.collector.fail(EngineRequestError(out.request_id, out.error))
             return
         if out.outputs[0].delta_token_ids:
@@ -323,11 +329,14 @@ class AsyncEngineClient:
             else:
                 self.observer.on_inter_token(now - state.last_token_time)
             state.last_token_time = now
+            state.num_output_tokens += len(out.outputs[0].delta_token_ids)
         if out.finished:
             if state.waiting:
                 self._num_waiting -= 1
             state.finished = True
             reason = out.outputs[0].finish_reason
+            state.finish_reason = str(getattr(reason, "value", reason))
+            state.num_cached_tokens = out.num_cached_tokens or 0
             self.observer.on_finished(str(getattr(reason, "value", reason)),
                                       now - state.arrival_time)
         state.collector.put(out)
@@ -338,6 +347,7 @@ class AsyncEngineClient:
         if state.waiting:
             self._num_waiting -= 1
         state.finished = True  # the engine has dropped it already
+        state.finish_reason = "error"
         state.collector.fail(EngineRequestError(output.request_id, output.error))
 
     # --- engine death ------------------------------------------------------------------------------
@@ -366,6 +376,25 @@ class AsyncEngineClient:
     def _fail_all(self, reason: str, error_type: type) -> None:
         for state in self._states.values():
             if not state.finished:
+                state.finish_reason = "error"
                 err = (error_type(state.request_id, reason) if error_type is EngineDeadError
                        else error_type(reason))
                 state.collector.fail(err)
+
+
+def _log_access(state: RequestState, now: float) -> None:
+    """The access-log line of a stream that ends now (vLLM-style fields, times from arrival)."""
+    if not access_logger.isEnabledFor(logging.INFO):
+        return
+
+    def since_arrival(t: Optional[float]) -> Optional[float]:
+        return None if t is None else round(t - state.arrival_time, 4)
+
+    fields = {"request_id": state.request_id, "prompt_tokens": state.num_prompt_tokens,
+              "completion_tokens": state.num_output_tokens,
+              "cached_tokens": state.num_cached_tokens, "finish_reason": state.finish_reason,
+              "ttft_s": since_arrival(state.first_token_time),
+              "e2e_s": round(now - state.arrival_time, 4),
+              "queue_s": None if state.queue_s is None else round(state.queue_s, 4)}
+    access_logger.info("request %s", " ".join(f"{k}={v}" for k, v in fields.items()),
+                       extra={"fields": fields})

@@ -15,7 +15,8 @@ class RequestState:
     """One in-flight request as the frontend sees it. Times are `time.monotonic()` seconds."""
 
     __slots__ = ("request_id", "arrival_time", "collector", "first_token_time", "last_token_time",
-                 "queue_s", "finished")
+                 "queue_s", "finished", "num_prompt_tokens", "num_output_tokens",
+                 "num_cached_tokens", "finish_reason")
 
     def __init__(self) -> None:
         self.collector = RequestOutputCollector()
@@ -29,6 +30,11 @@ class RequestState:
         self.last_token_time: Optional[float] = None
         self.queue_s: Optional[float] = None
         self.finished = False
+        # For the access log: counts so far, and how it ended ("stop", "length", "error"...).
+        self.num_prompt_tokens = 0
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+        self.finish_reason: Optional[str] = None
 
     @property
     def waiting(self) -> bool:

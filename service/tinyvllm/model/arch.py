@@ -7,6 +7,8 @@ from typing import Any, Mapping, Optional
 
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+_REQUIRED_HF_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers",
+                     "intermediate_size", "vocab_size")
 
 # Llama 3.1 GGUFs carry rope scaling as a `rope_freqs` tensor; these are the published constants
 # that produced it (see `rope_scaling_from_freq_factors`).
@@ -61,6 +63,9 @@ class LlamaArch:
         if arch not in SUPPORTED_HF_ARCHITECTURES:
             raise ValueError(f"unsupported model architecture {arch!r}; supported: "
                              f"{', '.join(SUPPORTED_HF_ARCHITECTURES)}")
+        missing = [k for k in _REQUIRED_HF_KEYS if k not in config]
+        if missing:
+            raise ValueError(f"config.json of {name or arch!r} lacks {', '.join(missing)}")
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
         rope_theta, rope_scaling = _hf_rope(config)
         return cls(

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from tinyvllm.model.arch import LlamaArch
+from tinyvllm.model.arch import SUPPORTED_GGUF_ARCHITECTURES, LlamaArch
 from tinyvllm.model.llama import LlamaForCausalLM, build_empty_model
 from tinyvllm.model.paths import is_gguf, read_gguf, resolve_model_path
 from tinyvllm.model.synthetic import SYNTHETIC_MODELS, make_random_model, synthetic_tokenizer
@@ -19,8 +19,6 @@ from tinyvllm.model.tokenizer import (Tokenizer, model_name, tokenizer_from_gguf
                                       tokenizer_from_hf_dir)
 
 __all__ = ["LoadedModel", "load_model", "resolve_model_path"]
-
-GGUF_SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -68,8 +66,12 @@ def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device,
     else:
         arch, tokenizer, weights, count = _open_hf_dir(path)
     net = build_empty_model(arch, dtype, device)
-    loaded = net.load_weights(tqdm(weights, total=count, desc=f"Loading {path.name}",
-                                   unit="tensor", leave=False))
+    try:
+        loaded = net.load_weights(tqdm(weights, total=count, desc=f"Loading {path.name}",
+                                       unit="tensor", leave=False))
+    except KeyError as e:  # a tensor no Llama parameter matches: a format we do not read
+        raise ValueError(f"{path.name}: {e.args[0]}; this checkpoint's format or architecture "
+                         "variant is not supported") from None
     missing = net.expected_weight_names() - loaded
     if missing:
         raise ValueError(f"{path.name}: missing weights {sorted(missing)[:8]}")
@@ -86,14 +88,35 @@ def _load_synthetic(name: str, dtype: torch.dtype, device: torch.device, seed: i
 
 # --- Hugging Face directory ----------------------------------------------------------------------
 
+# What to load instead of a quantized checkpoint (its packed weights are not read yet).
+_QUANTIZED_HINT = ("load an unquantized (float32/float16/bfloat16) checkpoint or a GGUF file "
+                   "instead")
+
+
 def _open_hf_dir(path: Path):
     config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    arch = LlamaArch.from_hf_config(config, name=path.name)
+    _refuse_quantized(config, path)
+    arch = LlamaArch.from_hf_config(config, name=model_name(path))
     files = _safetensors_files(path)
     tokenizer = tokenizer_from_hf_dir(path)
     tokenizer.vocab_size = arch.vocab_size
     count = sum(len(_safetensors_keys(f)) for f in files)
     return arch, tokenizer, _iter_safetensors(files), count
+
+
+def _refuse_quantized(config: dict, path: Path) -> None:
+    """GPTQ, AWQ, compressed-tensors, bitsandbytes, FP8...: packed weights this loader does not
+    read. Refused by name before any tensor is touched.
+
+    Raises:
+        ValueError: config.json has a quantization_config (its quant_method named).
+    """
+    quant = config.get("quantization_config")
+    if not quant:
+        return
+    method = quant.get("quant_method") or quant.get("quant_type") or "unknown"
+    raise ValueError(f"{path.name}: {method!r} quantized checkpoints (config.json "
+                     f"quantization_config) are not supported yet; {_QUANTIZED_HINT}")
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -130,8 +153,11 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _open_gguf(path: Path):
     reader, meta = read_gguf(path)
+    check_gguf_architecture(meta, path)
     tensors = {t.name: t for t in reader.tensors}
     freqs = tensors.get(_GGUF_ROPE_FREQS)
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{path.name}: no token_embd.weight tensor; not a Llama-family GGUF")
     vocab_size = int(tensors["token_embd.weight"].shape[1])  # ggml order: [hidden, vocab]
     arch = LlamaArch.from_gguf_metadata(
         meta, set(tensors), vocab_size,
@@ -141,6 +167,14 @@ def _open_gguf(path: Path):
     permuted = meta["general.architecture"] == "llama"
     weights = [t for name, t in tensors.items() if name != _GGUF_ROPE_FREQS]
     return arch, tokenizer, _iter_gguf(weights, arch, permuted), len(weights)
+
+
+def check_gguf_architecture(meta: dict, path: Path) -> None:
+    """Raises ValueError naming `general.architecture` when it is not one we run."""
+    arch = meta.get("general.architecture", "<missing>")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(f"{path.name}: unsupported GGUF architecture {arch!r}; supported: "
+                         f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
 
 
 def _iter_gguf(tensors: list, arch: LlamaArch, permuted: bool):
@@ -163,19 +197,27 @@ def _gguf_to_hf_name(name: str) -> str:
     raise ValueError(f"unexpected GGUF tensor {name!r}")
 
 
+def gguf_supported_types() -> tuple[str, ...]:
+    """Every GGUF weight type the `gguf` package can dequantize (F32, F16, BF16, Q4_0..Q8_0,
+    the K-quants Q2_K..Q6_K, the IQ types, ...): whatever its version supports, we load."""
+    import gguf
+
+    return ("F32", "F16", *(t.name for t in gguf.quants._type_traits))
+
+
 def dequantize_gguf_tensor(t: Any) -> np.ndarray:
     """float32 array in the row-major (PyTorch) shape of a GGUF tensor.
 
     Raises:
-        ValueError: a quantization type outside GGUF_SUPPORTED_TYPES, naming tensor and type.
+        ValueError: a type the `gguf` package cannot dequantize, naming tensor and type.
     """
     import gguf
 
-    type_name = t.tensor_type.name
-    if type_name not in GGUF_SUPPORTED_TYPES:
-        raise ValueError(f"GGUF tensor {t.name!r} has unsupported type {type_name} "
-                         f"(supported: {', '.join(GGUF_SUPPORTED_TYPES)})")
-    values = gguf.quants.dequantize(t.data, t.tensor_type)
+    try:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise ValueError(f"GGUF tensor {t.name!r} has unsupported type {t.tensor_type.name} "
+                         f"(supported: {', '.join(gguf_supported_types())})") from None
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists dims fastest-first
     values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
     # F32 tensors come back as views of the read-only memory map; torch wants writable memory.

@@ -10,8 +10,9 @@ from typing import Any, Mapping, Optional, Sequence
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.decoders import DecodeStream
 
-from tinyvllm.model.paths import is_gguf, read_gguf, resolve_model_path
+from tinyvllm.model.paths import is_gguf, model_name, read_gguf, resolve_model_path
 
 
 class Tokenizer:
@@ -62,6 +63,17 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """The decoded text each token adds, special tokens included: their concatenation is
+        `decode(ids, skip_special_tokens=False)`. A character split over byte tokens comes out
+        whole at its last byte; the tokens before it get ""."""
+        stream = DecodeStream(skip_special_tokens=False)
+        return [stream.step(self.backend, i) or "" for i in ids]
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary entry of each token ("Ġworld", "▁world", "<0xE6>")."""
+        return [self.backend.id_to_token(i) or "" for i in ids]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: Optional[list[dict]] = None, **kwargs: Any) -> str:
@@ -143,11 +155,6 @@ def load_tokenizer(model: Optional[str]) -> Tokenizer:
     return tokenizer_from_hf_dir(path)
 
 
-def model_name(path: Path) -> str:
-    """The name the server reports: the GGUF file's stem or the HF directory's name."""
-    return path.stem if is_gguf(path) else path.name
-
-
 def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], vocab_size: Optional[int],
                                  name: str) -> Tokenizer:
     from tinyvllm.model.gguf_tokenizer import tokenizer_from_gguf
@@ -162,7 +169,9 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], vocab_size: Optional[i
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[int(i) for i in eos_ids if i is not None],
         chat_template=meta.get("tokenizer.chat_template"),
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+        # SentencePiece (Llama 2, Mistral) models start with <s> unless the file says otherwise.
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token",
+                                    meta.get("tokenizer.ggml.model") == "llama")))
 
 
 def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
@@ -182,7 +191,8 @@ def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
         found = source.get("eos_token_id")
         eos_ids += found if isinstance(found, list) else [found]
     return Tokenizer(
-        backend, name=path.name, vocab_size=config.get("vocab_size") or backend.get_vocab_size(),
+        backend, name=model_name(path),
+        vocab_size=config.get("vocab_size") or backend.get_vocab_size(),
         bos_token_id=bos, eos_token_ids=[i for i in eos_ids if i is not None],
         chat_template=_hf_chat_template(path, tok_config),
         add_bos_token=bool(tok_config.get("add_bos_token", False)))

@@ -27,6 +27,7 @@ from tinyvllm.engine import core_proc
 from tinyvllm.frontend.engine_client import AsyncEngineClient
 from tinyvllm.frontend.errors import EngineUnavailableError
 from tinyvllm.server.errors import ErrorMappingInterceptor
+from tinyvllm.server.logs import StatsLogger
 from tinyvllm.server.metrics import MetricsHttpServer, ServerMetrics
 from tinyvllm.server.servicer import GenerationServicer
 from tinyvllm.v1 import generation_pb2 as pb
@@ -72,10 +73,14 @@ class Server:
         grpc_server = await self._start_grpc()
         http = await self._start_http()
         code = 1
+        stats_task: Optional[asyncio.Task] = None
         try:
             if await self._start_engine():
+                stats_task = self._start_stats_logger()
                 code = await self._serve(grpc_server)
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             await grpc_server.stop(STOP_GRACE_S)
             await self.engine.shutdown()
             if http is not None:
@@ -130,6 +135,12 @@ class Server:
                     info.model_name, self.config.host, self.port, self.engine.engine_pid,
                     info.num_kv_blocks, info.block_size)
         return True
+
+    def _start_stats_logger(self) -> Optional[asyncio.Task]:
+        if self.config.log_stats_interval_s <= 0:
+            return None
+        stats = StatsLogger(lambda: self.engine.stats, self.config.log_stats_interval_s)
+        return asyncio.create_task(stats.run(), name="stats-logger")
 
     async def _serve(self, grpc_server: grpc.aio.Server) -> int:
         reason = await self._exit

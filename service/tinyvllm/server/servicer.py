@@ -51,10 +51,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         self.engine.check_accepting()
-        _, ids = convert.tokenize_prompt(self.engine.tokenizer, request)
-        backend = self.engine.tokenizer.backend
-        return pb.TokenizeResponse(token_ids=ids,
-                                   tokens=[backend.id_to_token(i) or "" for i in ids])
+        tokenizer = self.engine.tokenizer
+        _, ids = convert.tokenize_prompt(tokenizer, request)
+        pieces = tokenizer.pieces(ids) if request.return_pieces else []
+        return pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.token_texts(ids), pieces=pieces)
 
     async def Detokenize(self, request: pb.DetokenizeRequest,
                          context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
