@@ -57,10 +57,9 @@ SMALL_FLAGS = {
                                           "--output-len", "4", "--no-baseline"],
     ("tinyvllm", "bench", "prefix"): ["--num-prompts", "2", "--prefix-len", "32",
                                       "--suffix-len", "4", "--output-len", "2", "--no-baseline"],
-    ("tinyvllm", "bench", "serve"): ["--concurrency", "1", "--num-requests", "2",
-                                     "--max-tokens", "4", "--skip-offline"],
+    ("tinyvllm", "bench", "serve"): ["--request-rate", "inf", "--num-prompts", "2",
+                                     "--input-len", "8", "--output-len", "4"],
 }
-OUTPUT_FLAGS = {("tinyvllm", "bench", "serve"): "--output"}  # others take --out
 
 
 @dataclass
@@ -189,7 +188,7 @@ def small(words: list[str], tmp_path: Path) -> list[str]:
         return words
     extra = list(SMALL_FLAGS[prefix])
     if prefix[:2] == ("tinyvllm", "bench"):
-        extra += [OUTPUT_FLAGS.get(prefix, "--out"), str(tmp_path / f"{prefix[-1]}.json")]
+        extra += ["--out", str(tmp_path / f"{prefix[-1]}.json")]
     return words + extra
 
 
