@@ -15,6 +15,7 @@ so that each example runs in seconds on a CPU.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -219,7 +220,6 @@ class Server:
 
 def start_serve(words: list[str], log: Path) -> Server:
     from tinyvllm.client import AsyncClient
-    import asyncio
 
     port = words[words.index("--port") + 1] if "--port" in words else "50051"
     with open(log, "wb") as out:
