@@ -15,6 +15,7 @@ so that each example runs in seconds on a CPU.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -44,13 +45,18 @@ SKIPPED_COMMANDS = {
     ("kubectl",): "needs a Kubernetes cluster",
     ("docker",): "needs a container runtime",
 }
-# Language tags of blocks that are not programs (output shown, configuration excerpts).
-SKIPPED_TAGS = {"text", "console-output", "yaml", "json", "proto"}
+# Language tags of blocks that are not programs, with the reason.
+SKIPPED_TAGS = {
+    "text": "output shown, not a program",
+    "yaml": "a configuration excerpt (Helm values are checked by tests/helm)",
+    "json": "a payload or record shown, not a program",
+    "proto": "an API excerpt (the API itself is built from proto/)",
+}
 
 # Appended to engine commands so that they finish in seconds on a CPU.
 SMALL_FLAGS = {
-    ("tinyvllm", "serve"): ["--max-model-len", "256", "--kv-cache-memory-gb", "0.25"],
-    ("tinyvllm", "generate"): ["--max-model-len", "256", "--kv-cache-memory-gb", "0.1"],
+    ("tinyvllm", "serve"): ["--max-model-len", "128", "--kv-cache-memory-gb", "0.25"],
+    ("tinyvllm", "generate"): ["--max-model-len", "128", "--kv-cache-memory-gb", "0.1"],
     ("tinyvllm", "bench", "latency"): ["--input-len", "8", "--output-len", "4", "--num-iters",
                                        "1", "--no-baseline"],
     ("tinyvllm", "bench", "throughput"): ["--num-prompts", "4", "--input-len", "8",
@@ -213,7 +219,6 @@ class Server:
 
 def start_serve(words: list[str], log: Path) -> Server:
     from tinyvllm.client import AsyncClient
-    import asyncio
 
     port = words[words.index("--port") + 1] if "--port" in words else "50051"
     with open(log, "wb") as out:
