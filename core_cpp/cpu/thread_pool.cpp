@@ -18,6 +18,7 @@ namespace tinyvllm::cpu {
 namespace {
 
 constexpr auto kSpin = std::chrono::microseconds(200);  // a decode step's gap between projections
+constexpr int kPauseSpins = 2000;  // a few microseconds of pure spinning before yielding
 
 std::mutex g_pool_mutex;
 std::unique_ptr<ThreadPool> g_pool;
@@ -48,21 +49,32 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
   }
   wake_.notify_all();
   fn(0, num_threads_);
-  while (pending_.load(std::memory_order_acquire) != 0) TINYVLLM_PAUSE();
+  wait([&] { return pending_.load(std::memory_order_acquire) == 0; }, done_);
   job_ = nullptr;
 }
 
-bool ThreadPool::wait_for_job(uint64_t seen) {
+// Spin (polling `ready`), yielding the core once the first short burst has passed: on a quiet
+// machine the wait ends within microseconds and no wake-up is paid; on a crowded one the yield
+// lets the thread being waited for run. After kSpin, sleep on `cv` until notified.
+template <typename Ready>
+void ThreadPool::wait(Ready ready, std::condition_variable& cv) {
   const auto until = std::chrono::steady_clock::now() + kSpin;
-  int spins = 0;
-  while (generation_.load(std::memory_order_acquire) == seen) {
-    TINYVLLM_PAUSE();
-    if (++spins % 64 == 0 && std::chrono::steady_clock::now() > until) {
+  for (int spins = 1; !ready(); ++spins) {
+    if (spins < kPauseSpins) {
+      TINYVLLM_PAUSE();
+      continue;
+    }
+    std::this_thread::yield();
+    if (spins % 16 == 0 && std::chrono::steady_clock::now() > until) {
       std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
-      break;
+      cv.wait(lock, ready);
+      return;
     }
   }
+}
+
+bool ThreadPool::wait_for_job(uint64_t seen) {
+  wait([&] { return generation_.load(std::memory_order_acquire) != seen; }, wake_);
   return !stop_.load();
 }
 
@@ -71,7 +83,10 @@ void ThreadPool::worker_loop(int worker) {
   while (wait_for_job(seen)) {
     seen = generation_.load(std::memory_order_acquire);
     (*job_)(worker, num_threads_);
-    pending_.fetch_sub(1, std::memory_order_acq_rel);
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard<std::mutex> lock(mutex_);  // the caller may be asleep in wait()
+      done_.notify_one();
+    }
   }
 }
 

@@ -1,6 +1,7 @@
 // One persistent pool of std::threads for the CPU kernels. The caller is worker 0: a pool of n
 // threads starts n - 1. Between jobs a worker spins briefly (the next projection usually follows
-// within tens of microseconds), then sleeps on a condition variable, so an idle engine costs no CPU.
+// within tens of microseconds), yielding its core to anyone runnable, then sleeps on a condition
+// variable, so an idle engine costs no CPU.
 #pragma once
 
 #include <atomic>
@@ -28,6 +29,8 @@ class ThreadPool {
  private:
   void worker_loop(int worker);
   bool wait_for_job(uint64_t seen);
+  template <typename Ready>
+  void wait(Ready ready, std::condition_variable& cv);
 
   int num_threads_;
   std::vector<std::thread> threads_;
@@ -36,7 +39,8 @@ class ThreadPool {
   std::atomic<int> pending_{0};
   std::atomic<bool> stop_{false};
   std::mutex mutex_;
-  std::condition_variable wake_;
+  std::condition_variable wake_;  // workers: a new generation
+  std::condition_variable done_;  // the caller: pending_ reached 0
 };
 
 // The process-wide pool; set_num_threads(n) replaces it (n <= 0: physical cores).

@@ -31,8 +31,10 @@ def prepare(args: argparse.Namespace) -> tuple[torch.device, Callable[[], None]]
     """Set the thread count; return the device the engine will use and its synchronizer."""
     from tinyvllm.worker.model_runner import resolve_device
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from tinyvllm.ops.quantized import physical_cores
+
+    # --threads (default: physical cores) for ours and the baseline alike.
+    torch.set_num_threads(args.threads or physical_cores())
     device = resolve_device(args.device)
     return device, synchronizer(device)
 

@@ -62,6 +62,15 @@ def set_num_threads(num_threads: Optional[int]) -> int:
     return mod.num_threads()
 
 
+def configure_cpu_threads(num_threads: Optional[int]) -> int:
+    """Size the kernels' pool and torch's intra-op threads alike (None: physical cores), so that
+    the two never ask for more cores than were given; returns the count."""
+    count = num_threads or physical_cores()
+    set_num_threads(count)
+    torch.set_num_threads(count)
+    return count
+
+
 def physical_cores() -> int:
     mod = cpu_kernels()
     return mod.physical_cores() if mod is not None else (os.cpu_count() or 1)
