@@ -20,6 +20,10 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                        help="Skip the Hugging Face transformers baseline.")
     group.add_argument("--baseline-batch-size", type=int, default=None,
                        help="Prompts per transformers generate call (default: 64 GPU, 8 CPU).")
+    group.add_argument("--compare-dequantized", action=argparse.BooleanOptionalAction,
+                       default=True,
+                       help="On the CPU with packed GGUF weights, also run the --dequantize float "
+                            "path in the same run (the ratio to the CPU path before the kernels).")
     group.add_argument("--baseline-compile", action=argparse.BooleanOptionalAction, default=True,
                        help="Let transformers torch.compile its static-cache decode on GPU.")
     add_engine_arguments(parser)

@@ -154,14 +154,18 @@ def model_fields(engine, config: EngineConfig) -> dict[str, Any]:
         "model": config.model.model or "default (SmolLM2-135M-Instruct GGUF)",
         "model_name": info.model_name, "model_file": Path(str(loaded.path)).name,
         "dtype": info.dtype,
-        "quantization": getattr(config.model, "quantization", None) or _weight_format(loaded),
+        "quantization": getattr(config.model, "quantization", None) or _weight_format(engine),
         "num_kv_blocks": info.num_kv_blocks,
         "engine_config": dataclasses.asdict(config),
     }
 
 
-def _weight_format(loaded) -> str:
-    name = Path(str(loaded.path)).name
+def _weight_format(engine) -> str:
+    from tinyvllm.bench.engine_runs import is_packed
+
+    name = Path(str(engine.runner.loaded.path)).name
+    if name.endswith(".gguf") and is_packed(engine):
+        return f"GGUF {name.rsplit('.', 2)[-2]} blocks kept packed (CPU kernels)"
     if name.endswith(".gguf"):
         return f"none (GGUF {name.rsplit('.', 2)[-2]} dequantized at load)"
     return "none"
