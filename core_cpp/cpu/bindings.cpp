@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <mutex>
 
+#include "attention.h"
 #include "linear.h"
 #include "thread_pool.h"
 
@@ -32,6 +33,16 @@ void dequantize_rows(uintptr_t out, uintptr_t w, int qtype, int64_t num_rows, in
                        num_ids, ptr<float>(out));
 }
 
+void decode_attention(uintptr_t out, uintptr_t q, int64_t q_stride, uintptr_t cache,
+                      int64_t num_blocks, int64_t block_size, int64_t hkv, int64_t d, int64_t h,
+                      uintptr_t block_tables, int64_t table_stride, uintptr_t seq_lens, int64_t b,
+                      float scale) {
+  cpu::paged_decode_attention(ptr<float>(out), ptr<const float>(q), q_stride,
+                              ptr<const float>(cache), num_blocks, block_size, hkv, d, h,
+                              ptr<const int32_t>(block_tables), table_stride,
+                              ptr<const int32_t>(seq_lens), b, scale);
+}
+
 void set_num_threads(int n) {
   std::lock_guard<std::mutex> lock(cpu::kernel_mutex());
   cpu::set_num_threads(n);
@@ -46,6 +57,11 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("dequantize_rows", &dequantize_rows, py::arg("out"), py::arg("w"), py::arg("qtype"),
         py::arg("num_rows"), py::arg("k"), py::arg("row_ids"), py::arg("num_ids"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_attention", &decode_attention, py::arg("out"), py::arg("q"),
+        py::arg("q_stride"), py::arg("kv_cache"), py::arg("num_blocks"), py::arg("block_size"),
+        py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("num_heads"),
+        py::arg("block_tables"), py::arg("table_stride"), py::arg("seq_lens"),
+        py::arg("num_seqs"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("set_num_threads", &set_num_threads, py::arg("num_threads"),
         py::call_guard<py::gil_scoped_release>());
   m.def("num_threads", [] { return cpu::pool().num_threads(); });
