@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-STREAM_BYTES = 512 << 20
+STREAM_BYTES = 256 << 20
 """Large against any L3, so that the read comes from DRAM."""
 STREAM_REPEATS = 5
 
