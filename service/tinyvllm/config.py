@@ -42,10 +42,21 @@ class ModelConfig:
         choices=("auto", "cpu", "cuda"),
     )
     enforce_eager: bool = _f(False, "Disable CUDA graphs and always run eagerly.")
+    dequantize: bool = _f(
+        False, "On the CPU, dequantize a GGUF file's weights at load and run the float torch "
+        "path. Default: Q4_0 / Q4_1 / Q8_0 projections stay packed as in the file and run on "
+        "the C++ kernels (activations quantized to int8 per block on the fly)."
+    )
+    threads: Optional[int] = _f(
+        None, "CPU threads of the quantized kernels' pool (and of torch). Default: the physical "
+        "cores."
+    )
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.threads is not None and self.threads <= 0:
+            raise ValueError(f"threads must be positive, got {self.threads}")
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,14 @@ def test_latency_writes_a_record(tmp_path, smollm2_path, capsys):
     assert ours["tpot"]["count"] == 2 * 3  # 4 tokens -> 3 gaps per request, 2 requests
     assert ours["ttft"]["median_ms"] > 0 and ours["decode_tokens_per_s"] > 0
     assert "baseline" not in record
-    assert "TPOT ms" in capsys.readouterr().out  # the table is printed
+    # On the CPU: packed weights, the --dequantize path beside them, a bandwidth floor.
+    assert record["quantization"].startswith("GGUF Q4_1 blocks kept packed")
+    deq = record["results"]["tinyvllm --dequantize"]
+    assert deq["tpot"]["count"] == 2 * 3 and record["ratios_to"]["tinyvllm --dequantize"]
+    bw = ours["bandwidth"]
+    assert bw["copy_bandwidth_gbps"] > 0 and 0 < bw["weight_bytes"] < 100e6
+    out = capsys.readouterr().out
+    assert "TPOT ms" in out and "ours/tinyvllm --dequantize" in out  # the table is printed
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ and resolved when the benchmark runs."""
 from __future__ import annotations
 
 import argparse
-import os
 
 from tinyvllm.config import add_engine_arguments
 
@@ -17,12 +16,14 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("benchmark")
     group.add_argument("--out", default=None,
                        help=f"JSON record path (default: {RESULTS_DIR}/<name>-<timestamp>.json).")
-    group.add_argument("--threads", type=int, default=os.cpu_count(),
-                       help="torch CPU threads, for ours and the baseline alike (default: all).")
     group.add_argument("--no-baseline", dest="baseline", action="store_false",
                        help="Skip the Hugging Face transformers baseline.")
     group.add_argument("--baseline-batch-size", type=int, default=None,
                        help="Prompts per transformers generate call (default: 64 GPU, 8 CPU).")
+    group.add_argument("--compare-dequantized", action=argparse.BooleanOptionalAction,
+                       default=True,
+                       help="On the CPU with packed GGUF weights, also run the --dequantize float "
+                            "path in the same run (the ratio to the CPU path before the kernels).")
     group.add_argument("--baseline-compile", action=argparse.BooleanOptionalAction, default=True,
                        help="Let transformers torch.compile its static-cache decode on GPU.")
     add_engine_arguments(parser)

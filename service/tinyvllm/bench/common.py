@@ -31,8 +31,10 @@ def prepare(args: argparse.Namespace) -> tuple[torch.device, Callable[[], None]]
     """Set the thread count; return the device the engine will use and its synchronizer."""
     from tinyvllm.worker.model_runner import resolve_device
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from tinyvllm.ops.quantized import physical_cores
+
+    # --threads (default: physical cores) for ours and the baseline alike.
+    torch.set_num_threads(args.threads or physical_cores())
     device = resolve_device(args.device)
     return device, synchronizer(device)
 
@@ -152,14 +154,18 @@ def model_fields(engine, config: EngineConfig) -> dict[str, Any]:
         "model": config.model.model or "default (SmolLM2-135M-Instruct GGUF)",
         "model_name": info.model_name, "model_file": Path(str(loaded.path)).name,
         "dtype": info.dtype,
-        "quantization": getattr(config.model, "quantization", None) or _weight_format(loaded),
+        "quantization": getattr(config.model, "quantization", None) or _weight_format(engine),
         "num_kv_blocks": info.num_kv_blocks,
         "engine_config": dataclasses.asdict(config),
     }
 
 
-def _weight_format(loaded) -> str:
-    name = Path(str(loaded.path)).name
+def _weight_format(engine) -> str:
+    from tinyvllm.bench.engine_runs import is_packed
+
+    name = Path(str(engine.runner.loaded.path)).name
+    if name.endswith(".gguf") and is_packed(engine):
+        return f"GGUF {name.rsplit('.', 2)[-2]} blocks kept packed (CPU kernels)"
     if name.endswith(".gguf"):
         return f"none (GGUF {name.rsplit('.', 2)[-2]} dequantized at load)"
     return "none"

@@ -137,3 +137,10 @@ def kv_bytes_per_token(engine: EngineCore) -> int:
     elem = runner.kv_caches[0].element_size()
     a = runner.arch
     return 2 * a.num_layers * a.num_kv_heads * a.head_dim * elem
+
+
+def is_packed(engine: EngineCore) -> bool:
+    """Whether the engine's model serves packed GGUF weights (the CPU kernels)."""
+    from tinyvllm.model.packed import PackedLinear
+
+    return any(isinstance(m, PackedLinear) for m in engine.runner.model.modules())

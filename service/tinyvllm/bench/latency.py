@@ -2,23 +2,30 @@
 
 TTFT is the time from submission to the first token (prefill + first sample); TPOT the time
 between consecutive tokens (median and p99 over every decode step of every timed request).
-On GPU the median decode step is also set against the memory-bandwidth floor: the bytes a step
-must read (all weights + the KV cache of the context at the median step) over the copy
-bandwidth measured at the start of this run.
+The median decode step is also set against the memory-bandwidth floor: the bytes a step must
+read (all weights + the KV cache of the context at the median step) over the bandwidth measured
+at the start of this run (GPU: device copy; CPU: a streaming read). On the CPU, when the engine
+runs packed GGUF weights, the `--dequantize` float path (today's CPU path before the kernels)
+runs beside it, and llama.cpp on the same file when `llama-cpp-python` is installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
-from typing import Any, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
 
 from tinyvllm.bench import baseline as hf
+from tinyvllm.bench import cpu_baselines as cpu
 from tinyvllm.bench.common import (copy_bandwidth_gbps, default_for,
                                    engine_config, environment, model_fields, prepare,
                                    print_table, random_prompts, ratio, summary_ms, write_record)
-from tinyvllm.bench.engine_runs import (build_engine, free_memory, kv_bytes_per_token, run_batch,
-                                        weight_bytes)
+from tinyvllm.bench.engine_runs import (build_engine, free_memory, is_packed, kv_bytes_per_token,
+                                        run_batch, weight_bytes)
 
 NAME = "latency"
 CPU_WARMUP_TOKENS = 16  # CPU has nothing to compile or capture; a short request warms caches
@@ -36,7 +43,8 @@ def numbers(token_times: Sequence[Sequence[float]]) -> dict[str, Any]:
 
 def roofline(engine, input_len: int, output_len: int, tpot_ms: float,
              copy_gbps: Optional[float]) -> Optional[dict[str, Any]]:
-    """Fraction of the bandwidth floor achieved by the median decode step (GPU only)."""
+    """Fraction of the bandwidth floor achieved by the median decode step (on the CPU against
+    the streaming-read bandwidth measured in this run)."""
     if copy_gbps is None:
         return None
     weights = weight_bytes(engine)
@@ -50,6 +58,8 @@ def roofline(engine, input_len: int, output_len: int, tpot_ms: float,
 def run(args: argparse.Namespace) -> int:
     device, sync = prepare(args)
     copy_gbps = copy_bandwidth_gbps(device)  # before the engine claims the GPU's memory
+    if device.type == "cpu":
+        copy_gbps = cpu.stream_read_gbps()
     config = engine_config(args)
     engine = build_engine(config)
     num_iters = args.num_iters or default_for(device, 10, 3)
@@ -60,15 +70,21 @@ def run(args: argparse.Namespace) -> int:
     # hits both alike. On GPU one engine claims most of the memory, so the baseline runs after.
     interleave = args.baseline and device.type == "cpu"
     b = hf.load_baseline(spec, compile=args.baseline_compile) if interleave else None
-    ours_times, base_times = time_requests(engine, b, prompts, args.output_len, device, sync)
-    ours = numbers(ours_times)
+    extras = cpu_contenders(args, config, engine, device)
+    ours_times, base_times = time_requests(engine, b, prompts, args.output_len, device, sync,
+                                           {name: run for name, (_, run) in extras.items()})
+    ours = numbers(ours_times.pop("tinyvllm"))
     ours["bandwidth"] = roofline(engine, args.input_len, args.output_len,
                                  ours["tpot"]["median_ms"], copy_gbps)
+    others = {name: numbers(times) for name, times in ours_times.items()}
     record = {**environment(args, device), **model_fields(engine, config),
               "workload": {"batch_size": 1, "input_len": args.input_len,
                            "output_len": args.output_len, "num_iters": num_iters,
                            "sampling": "greedy, ignore_eos", "interleaved": interleave},
-              "results": {"tinyvllm": ours}}
+              "results": {"tinyvllm": ours, **others}}
+    for name, (describe, _) in extras.items():
+        record.setdefault("contenders", {})[name] = describe
+        record.setdefault("ratios_to", {})[name] = ratios(ours, others[name])
     engine.shutdown()
     engine = None
     free_memory()
@@ -85,18 +101,47 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def time_requests(engine, b: Optional[hf.HFBaseline], prompts, output_len: int, device, sync
-                  ) -> tuple[list[list[float]], list[list[float]]]:
-    """Warm up, then each timed prompt through the engine and/or the baseline, alternating."""
+def cpu_contenders(args, config, engine, device) -> dict[str, tuple[dict, Callable]]:
+    """On the CPU, beside ours: the `--dequantize` float path when ours runs packed weights
+    (today's CPU path, for the ratio), and llama.cpp on the same GGUF file when installed.
+    name -> (description, run(prompt, output_len) -> token times)."""
+    if device.type != "cpu":
+        return {}
+    out: dict[str, tuple[dict, Callable]] = {}
+    if is_packed(engine) and args.compare_dequantized:
+        other = build_engine(dataclasses.replace(
+            config, model=dataclasses.replace(config.model, dequantize=True)))
+        out["tinyvllm --dequantize"] = (
+            {"name": "tinyvllm", "dequantize": True},
+            lambda p, n: run_batch(other, [p], [n], lambda: None).requests[0].token_times_s)
+    llama = cpu.LlamaCpp.load(Path(str(engine.runner.loaded.path)), torch.get_num_threads(),
+                              args.input_len + args.output_len + 16)
+    if llama is not None:
+        out["llama.cpp"] = (llama.describe(), llama.time_single)
+    return out
+
+
+def time_requests(engine, b: Optional[hf.HFBaseline], prompts, output_len: int, device, sync,
+                  extras: Optional[dict[str, Callable]] = None
+                  ) -> tuple[dict[str, list[list[float]]], list[list[float]]]:
+    """Warm up, then each timed prompt through the engine, the extra contenders and/or the
+    baseline, alternating; ({"tinyvllm": ..., extra name: ...}, baseline) token times."""
+    extras = extras or {}
     warmup_len = default_for(device, output_len, min(output_len, CPU_WARMUP_TOKENS))
     if engine is not None:
         run_batch(engine, prompts[:1], [warmup_len], sync)
+    for run_one in extras.values():
+        run_one(prompts[0], warmup_len)
     if b is not None:
         hf.warm_up_single(b, prompts[0], output_len, sync)
-    ours, base = [], []
+    ours: dict[str, list[list[float]]] = {"tinyvllm": [], **{name: [] for name in extras}}
+    base = []
     for p in prompts[1:]:
         if engine is not None:
-            ours.append(run_batch(engine, [p], [output_len], sync).requests[0].token_times_s)
+            ours["tinyvllm"].append(
+                run_batch(engine, [p], [output_len], sync).requests[0].token_times_s)
+        for name, run_one in extras.items():
+            ours[name].append(run_one(p, output_len))
         if b is not None:
             base.append(hf.time_single(b, p, output_len, sync))
     return ours, base
@@ -121,6 +166,9 @@ def table(record: dict) -> None:
     if "ratios" in record:
         q = record["ratios"]
         rows.append(["ours/transformers", None, None, None, None, q["decode_tokens_per_s"],
+                     q["e2e_tokens_per_s"], None])
+    for name, q in record.get("ratios_to", {}).items():
+        rows.append([f"ours/{name}", None, None, None, None, q["decode_tokens_per_s"],
                      q["e2e_tokens_per_s"], None])
     w = record["workload"]
     print_table(f"latency: {record['model_name']} {record['dtype']} on {record['device']}, "

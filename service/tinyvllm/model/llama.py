@@ -216,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _use_fused_decode(self, hidden: torch.Tensor) -> bool:
         """Decode-sized CUDA batches run each projection as one fused GEMV launch."""
-        if not _FUSED_GEMV:
+        if not _FUSED_GEMV or not hidden.is_cuda:
             return False
         layer = self.model.layers[0]
         return ops.fused_linear_supported(
@@ -231,7 +231,9 @@ class LlamaForCausalLM(nn.Module):
                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Shape: hidden [num_seqs, hidden_size] -> [num_seqs, vocab_size] float32 (into `out`
         when given: a static buffer of a CUDA graph)."""
-        if _FUSED_GEMV:  # the GEMV kernel where it serves the batch, else F.linear
+        if self.lm_head is not None and not isinstance(self.lm_head, nn.Linear):
+            logits = self.lm_head(hidden)  # packed GGUF rows (model/packed.py), tied or not
+        elif _FUSED_GEMV:  # the GEMV kernel where it serves the batch, else F.linear
             logits = ops.fused_linear(hidden, self.lm_head_weight)
         else:
             logits = F.linear(hidden, self.lm_head_weight)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -19,6 +20,8 @@ from tinyvllm.model.tokenizer import (Tokenizer, model_name, tokenizer_from_gguf
                                       tokenizer_from_hf_dir)
 
 __all__ = ["LoadedModel", "load_model", "resolve_model_path"]
+
+logger = logging.getLogger(__name__)
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -47,11 +50,15 @@ class LoadedModel:
 
 
 def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device,
-               seed: int = 0) -> LoadedModel:
+               seed: int = 0, packed: bool = False) -> LoadedModel:
     """Load weights, architecture and tokenizer of a .gguf file or a HF directory (None: default).
 
     A name in `synthetic.SYNTHETIC_MODELS` (`llama3-8b-shape`) builds that shape with random
     weights made on `device` from `seed`, and a byte-level stand-in tokenizer; no file is read.
+
+    packed=True keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 projections as the file's blocks for the
+    CPU kernels (`model/packed.py`); where that cannot serve (not CPU float32, no kernels) the
+    weights are dequantized as usual, with a log line saying why.
 
     Raises:
         FileNotFoundError: missing path or default package (see resolve_model_path).
@@ -61,6 +68,13 @@ def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device,
         return _load_synthetic(model, dtype, torch.device(device), seed)
     path = resolve_model_path(model)
     device = torch.device(device)
+    if is_gguf(path) and packed:
+        from tinyvllm.model.packed import load_gguf_packed, packed_unsupported
+
+        reason = packed_unsupported(dtype, device)
+        if reason is None:
+            return load_gguf_packed(path, device)
+        logger.info("%s: dequantizing the weights: %s", path.name, reason)
     if is_gguf(path):
         arch, tokenizer, weights, count = _open_gguf(path)
     else:

@@ -91,7 +91,41 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         from tinyvllm.ops.attention_cuda import paged_attention_cuda
         return paged_attention_cuda(kernel, query, kv_cache, meta, scale, k_scale=k_scale,
                                     v_scale=v_scale)
+    if _cpu_decode_supported(query, kv_cache, meta):
+        return _paged_decode_cpu(query, kv_cache, meta, scale)
     return paged_attention_ref(query, kv_cache, meta, scale, k_scale, v_scale)
+
+
+def _cpu_decode_supported(query: torch.Tensor, kv_cache: torch.Tensor,
+                          meta: AttentionMetadata) -> bool:
+    """A pure-decode float32 batch on the CPU runs the C++ kernel (tinyvllm._cpu), which reads
+    the paged cache in place instead of gathering every context."""
+    from tinyvllm.ops.quantized import cpu_kernels
+
+    return (meta.is_pure_decode and query.device.type == "cpu" and query.dtype == torch.float32
+            and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+            and cpu_kernels() is not None and meta.num_seqs > 0)
+
+
+def _paged_decode_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    from tinyvllm.ops.quantized import cpu_kernels
+
+    b = meta.num_seqs
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    q = query[:b]
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    tables = meta.block_tables[:b].to(torch.int32).contiguous()  # [b, max_blocks]
+    seq_lens = meta.seq_lens[:b].to(torch.int32).contiguous()
+    out = torch.empty_like(query)
+    cpu_kernels().paged_decode_attention(
+        out.data_ptr(), q.data_ptr(), q.stride(0), kv_cache.data_ptr(), num_blocks, block_size,
+        num_kv_heads, head_dim, query.shape[1], tables.data_ptr(), tables.shape[1],
+        seq_lens.data_ptr(), b, scale)
+    if out.shape[0] > b:
+        out[b:] = 0
+    return out
 
 
 def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,

@@ -22,6 +22,7 @@ from tinyvllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tinyvllm.model.loader import LoadedModel, load_model
 from tinyvllm.ops import AttentionMetadata, allocate_kv_caches
 from tinyvllm.ops._dispatch import cuda_ops, device_support
+from tinyvllm.ops.quantized import configure_cpu_threads
 from tinyvllm.ops.kv_cache import FP8_DTYPE, PADDING_SLOT, resolve_kv_cache_dtype
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_sizes,
@@ -95,8 +96,12 @@ class ModelRunner:
                 and self.device.type == "cuda" and cuda_ops() is not None):
             raise ValueError("kv_cache_dtype: fp8 on CUDA needs dtype bfloat16 or float16 "
                              "(the attention kernels take 16-bit queries), got float32")
+        if self.device.type == "cpu":
+            configure_cpu_threads(config.model.threads)
         self.loaded = loaded or load_model(config.model.model, self.dtype, self.device,
-                                           seed=config.model.seed)
+                                           seed=config.model.seed,
+                                           packed=self.device.type == "cpu"
+                                           and not config.model.dequantize)
         self.model = self.loaded.model
         self.arch = self.loaded.arch
         self.max_model_len = min(config.model.max_model_len or self.loaded.max_model_len,

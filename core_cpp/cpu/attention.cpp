@@ -1,0 +1,112 @@
+// Each (sequence, KV head) is one work item for the pool: its group of query heads walks the
+// context's blocks twice (scores against K, then the softmax-weighted sum of V), so K and V are
+// read once per step and the group shares every read (GQA).
+#include "attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "linear.h"
+#include "thread_pool.h"
+
+namespace tinyvllm::cpu {
+namespace {
+
+struct DecodeArgs {
+  float* out;
+  const float* q;
+  int64_t q_stride;
+  const float* cache;
+  int64_t num_blocks, block_size, hkv, d, h;
+  const int32_t* tables;
+  int64_t table_stride;
+  const int32_t* seq_lens;
+  float scale;
+};
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Address of token t's K (kv = 0) or V (kv = 1) for KV head `head` of sequence `seq`.
+inline const float* kv_row(const DecodeArgs& a, int64_t seq, int64_t t, int kv, int64_t head) {
+  const int64_t block = a.tables[seq * a.table_stride + t / a.block_size];
+  const int64_t slot = (kv * a.num_blocks + block) * a.block_size + t % a.block_size;
+  return a.cache + (slot * a.hkv + head) * a.d;
+}
+
+void attend_one(const DecodeArgs& a, int64_t seq, int64_t head, std::vector<float>& scores) {
+  const int64_t group = a.h / a.hkv, ctx = a.seq_lens[seq], d = a.d;
+  scores.assign(group * ctx, 0.0f);
+  const float* q0 = a.q + seq * a.q_stride + head * group * d;
+  for (int64_t t = 0; t < ctx; ++t) {
+    const float* k = kv_row(a, seq, t, 0, head);
+    for (int64_t g = 0; g < group; ++g) scores[g * ctx + t] = dot(q0 + g * d, k, d) * a.scale;
+  }
+  for (int64_t g = 0; g < group; ++g) {  // softmax per query head
+    float* s = scores.data() + g * ctx;
+    const float mx = *std::max_element(s, s + ctx);
+    float sum = 0.0f;
+    for (int64_t t = 0; t < ctx; ++t) sum += (s[t] = std::exp(s[t] - mx));
+    for (int64_t t = 0; t < ctx; ++t) s[t] /= sum;
+  }
+  float* o0 = a.out + (seq * a.h + head * group) * d;
+  std::fill(o0, o0 + group * d, 0.0f);
+  for (int64_t t = 0; t < ctx; ++t) {
+    const float* v = kv_row(a, seq, t, 1, head);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * ctx + t];
+      float* o = o0 + g * d;
+      for (int64_t i = 0; i < d; ++i) o[i] += p * v[i];
+    }
+  }
+}
+
+}  // namespace
+
+void paged_decode_attention(float* out, const float* q, int64_t q_stride, const float* cache,
+                            int64_t num_blocks, int64_t block_size, int64_t hkv, int64_t d,
+                            int64_t h, const int32_t* block_tables, int64_t table_stride,
+                            const int32_t* seq_lens, int64_t b, float scale) {
+  if (hkv <= 0 || h % hkv != 0 || d <= 0 || block_size <= 0 || b < 0) {
+    throw std::invalid_argument("paged_decode_attention: need num_heads a multiple of "
+                                "num_kv_heads and positive sizes, got h=" + std::to_string(h) +
+                                " hkv=" + std::to_string(hkv) + " d=" + std::to_string(d));
+  }
+  for (int64_t s = 0; s < b; ++s) {
+    const int64_t ctx = seq_lens[s];
+    if (ctx <= 0 || (ctx - 1) / block_size >= table_stride) {
+      throw std::invalid_argument("paged_decode_attention: sequence " + std::to_string(s) +
+                                  " has seq_len " + std::to_string(ctx) + ", beyond its table");
+    }
+    for (int64_t i = 0; i <= (ctx - 1) / block_size; ++i) {
+      const int32_t blk = block_tables[s * table_stride + i];
+      if (blk < 0 || blk >= num_blocks) {
+        throw std::out_of_range("paged_decode_attention: block id " + std::to_string(blk) +
+                                " outside the cache's " + std::to_string(num_blocks));
+      }
+    }
+  }
+  const DecodeArgs a{out, q, q_stride, cache, num_blocks, block_size, hkv, d, h,
+                     block_tables, table_stride, seq_lens, scale};
+  const int64_t items = b * hkv;
+  std::lock_guard<std::mutex> lock(kernel_mutex());
+  ThreadPool& workers = pool();
+  auto work = [&](int t, int num_threads) {
+    std::vector<float> scores;
+    for (int64_t i = items * t / num_threads; i < items * (t + 1) / num_threads; ++i) {
+      attend_one(a, i / hkv, i % hkv, scores);
+    }
+  };
+  if (items < 2) return work(0, 1);
+  workers.run(work);
+}
+
+}  // namespace tinyvllm::cpu

@@ -1,0 +1,16 @@
+// Decode attention over the paged float32 KV cache, read in place (no gather of the context).
+#pragma once
+
+#include <cstdint>
+
+namespace tinyvllm::cpu {
+
+// One query token per sequence. Shape: out [b, h, d] contiguous; q [b, h, d] with token stride
+// q_stride (heads contiguous); cache [2, num_blocks, block_size, hkv, d] (KV_CACHE_LAYOUT);
+// block_tables [b, table_stride] int32; seq_lens [b] int32 (context length, this token included).
+void paged_decode_attention(float* out, const float* q, int64_t q_stride, const float* cache,
+                            int64_t num_blocks, int64_t block_size, int64_t hkv, int64_t d,
+                            int64_t h, const int32_t* block_tables, int64_t table_stride,
+                            const int32_t* seq_lens, int64_t b, float scale);
+
+}  // namespace tinyvllm::cpu

@@ -1,0 +1,35 @@
+// The per-instruction-set kernels behind quantized_linear: one table of function pointers per ISA,
+// chosen once at run time (isa.cpp). Raw pointers and sizes only: no torch, no Python.
+#pragma once
+
+#include <cstdint>
+
+#include "quant_blocks.h"
+
+namespace tinyvllm::cpu {
+
+struct GemmArgs {
+  const ActBlock* xq;    // [m, nb] activations, quantized per block
+  const uint8_t* w;      // [n, nb * block_bytes(qtype)] weight rows as in the GGUF file
+  const float* bias;     // [n] or nullptr
+  float* out;            // [m, out_stride], columns [0, n) written
+  int64_t out_stride;
+  int64_t m;
+  int64_t nb;            // blocks per row: k / kBlock
+  QType qtype;
+};
+
+struct Kernels {
+  const char* name;
+  // One row of k = nb * kBlock floats -> nb activation blocks (round half to even, as torch.round).
+  void (*quantize_row)(const float* x, int64_t nb, ActBlock* out);
+  // out[j, r] = dot(x[j], w[r]) + bias[r] for every j < m and r in [row_begin, row_end).
+  void (*gemm_rows)(const GemmArgs& args, int64_t row_begin, int64_t row_end);
+};
+
+const Kernels& scalar_kernels();
+#if defined(TINYVLLM_HAVE_AVX2)
+const Kernels& avx2_kernels();
+#endif
+
+}  // namespace tinyvllm::cpu

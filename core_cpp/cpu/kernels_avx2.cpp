@@ -1,0 +1,193 @@
+// AVX2 + FMA + F16C kernels (this file alone is compiled with -mavx2 -mfma -mf16c; isa.cpp calls
+// it only after __builtin_cpu_supports says so). The dot products are llama.cpp's: unsigned 4-bit
+// (or |int8|) weights times signed int8 activations with vpmaddubsw, pairs summed with vpmaddwd,
+// one float FMA per 32-value block. A tile of R weight rows x C activation rows shares each
+// weight unpack across C rows and each activation load across R rows.
+#include <immintrin.h>
+
+#include "kernels.h"
+
+namespace tinyvllm::cpu {
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline int hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline float half(uint16_t h) { return _cvtsh_ss(h); }
+
+void quantize_row(const float* x, int64_t nb, ActBlock* out) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' lane mixing
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * kBlock;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float d = _mm_cvtss_f32(m4) / 127.0f;
+    const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], id),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      q[i] = _mm256_cvtps_epi32(r);
+    }
+    const int sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
+                                              _mm256_add_epi32(q[2], q[3])));
+    const __m256i p16a = _mm256_packs_epi32(q[0], q[1]);
+    const __m256i p16b = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), order);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out[b].qs), p8);
+    out[b].d = d;
+    out[b].s = d * static_cast<float>(sum);
+  }
+}
+
+// One weight block unpacked for vpmaddubsw: unsigned bytes (4-bit types) or |w| with the sign
+// moved onto the activations (Q8_0), its scale, and its per-block correction factor:
+// Q4_0: -8 * d (times s of the activations), Q4_1: m, Q8_0: 0.
+template <QType T> struct Unpacked;
+
+template <> struct Unpacked<QType::Q4_0> {
+  __m256i u;
+  float d, c;
+  static constexpr bool kSigned = false;
+  static constexpr bool kCorrect = true;
+  Unpacked() = default;  // for the array in tile(); every element is assigned before use
+  explicit Unpacked(const uint8_t* p) {
+    const auto* b = reinterpret_cast<const BlockQ4_0*>(p);
+    const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->qs));
+    u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0f));
+    d = half(b->d);
+    c = -8.0f * d;
+  }
+};
+
+template <> struct Unpacked<QType::Q4_1> {
+  __m256i u;
+  float d, c;
+  static constexpr bool kSigned = false;
+  static constexpr bool kCorrect = true;
+  Unpacked() = default;  // for the array in tile(); every element is assigned before use
+  explicit Unpacked(const uint8_t* p) {
+    const auto* b = reinterpret_cast<const BlockQ4_1*>(p);
+    const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->qs));
+    u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0f));
+    d = half(b->d);
+    c = half(b->m);
+  }
+};
+
+template <> struct Unpacked<QType::Q8_0> {
+  __m256i u;  // the signed weights; |w| is taken per activation row (sign moves onto x)
+  float d, c;
+  static constexpr bool kSigned = true;
+  static constexpr bool kCorrect = false;
+  Unpacked() = default;  // for the array in tile(); every element is assigned before use
+  explicit Unpacked(const uint8_t* p) {
+    const auto* b = reinterpret_cast<const BlockQ8_0*>(p);
+    u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs));
+    d = half(b->d);
+    c = 0.0f;
+  }
+};
+
+template <QType T>
+inline __m256 block_dot_i32_as_float(const Unpacked<T>& w, __m256i x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i p;
+  if constexpr (Unpacked<T>::kSigned) {
+    p = _mm256_maddubs_epi16(_mm256_sign_epi8(w.u, w.u), _mm256_sign_epi8(x, w.u));
+  } else {
+    p = _mm256_maddubs_epi16(w.u, x);
+  }
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+}
+
+// out[j][r + i] for i < R, j < C: R weight rows from w_row0 (stride row_bytes), C activation rows.
+template <QType T, int R, int C>
+void tile(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x0, int64_t nb,
+          const GemmArgs& g, int64_t r, int64_t j) {
+  const int bb = block_bytes(T);
+  __m256 acc[R][C];
+  float corr[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps(), corr[i][c] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    Unpacked<T> w[R];
+    for (int i = 0; i < R; ++i) w[i] = Unpacked<T>(w_row0 + i * row_bytes + b * bb);
+    for (int c = 0; c < C; ++c) {
+      const ActBlock& xb = x0[c * nb + b];
+      const __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb.qs));
+      for (int i = 0; i < R; ++i) {
+        const __m256 scale = _mm256_set1_ps(w[i].d * xb.d);
+        acc[i][c] = _mm256_fmadd_ps(block_dot_i32_as_float<T>(w[i], xv), scale, acc[i][c]);
+        if constexpr (Unpacked<T>::kCorrect) corr[i][c] += w[i].c * xb.s;
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    const float bias = g.bias ? g.bias[r + i] : 0.0f;
+    for (int c = 0; c < C; ++c) g.out[(j + c) * g.out_stride + r + i] = hsum(acc[i][c]) +
+                                                                         corr[i][c] + bias;
+  }
+}
+
+// Every C-row group of activations in [j0, j1) against R weight rows from r.
+template <QType T, int R, int C>
+void tile_cols(const GemmArgs& g, int64_t r, int64_t j0, int64_t j1) {
+  const int64_t row_bytes = g.nb * block_bytes(T);
+  const uint8_t* w = g.w + r * row_bytes;
+  int64_t j = j0;
+  for (; j + C <= j1; j += C) tile<T, R, C>(w, row_bytes, g.xq + j * g.nb, g.nb, g, r, j);
+  for (; j < j1; ++j) tile<T, R, 1>(w, row_bytes, g.xq + j * g.nb, g.nb, g, r, j);
+}
+
+constexpr int64_t kActRowsPerChunk = 16;  // activation rows kept hot in L1/L2 while weights stream
+
+template <QType T>
+void gemm_rows_t(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
+  for (int64_t j0 = 0; j0 < g.m; j0 += kActRowsPerChunk) {
+    const int64_t j1 = j0 + kActRowsPerChunk < g.m ? j0 + kActRowsPerChunk : g.m;
+    int64_t r = row_begin;
+    if (j1 - j0 == 1) {  // GEMV: four independent weight rows keep the FMA pipes busy
+      for (; r + 4 <= row_end; r += 4) tile_cols<T, 4, 1>(g, r, j0, j1);
+    } else {  // two weight rows x four activation rows: 8 accumulators, each load used 2-4x
+      for (; r + 2 <= row_end; r += 2) tile_cols<T, 2, 4>(g, r, j0, j1);
+    }
+    for (; r < row_end; ++r) tile_cols<T, 1, 4>(g, r, j0, j1);
+  }
+}
+
+void gemm_rows(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
+  switch (g.qtype) {
+    case QType::Q4_0: return gemm_rows_t<QType::Q4_0>(g, row_begin, row_end);
+    case QType::Q4_1: return gemm_rows_t<QType::Q4_1>(g, row_begin, row_end);
+    case QType::Q8_0: return gemm_rows_t<QType::Q8_0>(g, row_begin, row_end);
+  }
+}
+
+}  // namespace
+
+const Kernels& avx2_kernels() {
+  static const Kernels k{"avx2", quantize_row, gemm_rows};
+  return k;
+}
+
+}  // namespace tinyvllm::cpu

@@ -1,0 +1,116 @@
+#include "linear.h"
+
+#include <cstdlib>
+#include <stdexcept>
+#include <vector>
+
+#include "thread_pool.h"
+
+namespace tinyvllm::cpu {
+namespace {
+
+constexpr int64_t kRowAlign = 4;            // the GEMV tile: 4 weight rows
+constexpr int64_t kMinRowsPerThread = 32;   // below this a wake-up costs more than it saves
+constexpr int64_t kParallelQuantizeRows = 16;
+
+bool cpu_has_avx2() {
+#if defined(TINYVLLM_HAVE_AVX2)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+// Rows [begin, end) of n for worker t of T, split on kRowAlign boundaries.
+std::pair<int64_t, int64_t> row_range(int64_t n, int t, int num_threads) {
+  const int64_t tiles = (n + kRowAlign - 1) / kRowAlign;
+  const int64_t begin = tiles * t / num_threads * kRowAlign;
+  const int64_t end = tiles * (t + 1) / num_threads * kRowAlign;
+  return {begin < n ? begin : n, end < n ? end : n};
+}
+
+void quantize_rows(const Kernels& kern, const float* x, int64_t x_stride, int64_t m, int64_t nb,
+                   ActBlock* xq, ThreadPool& workers) {
+  if (m < kParallelQuantizeRows || workers.num_threads() == 1) {
+    for (int64_t j = 0; j < m; ++j) kern.quantize_row(x + j * x_stride, nb, xq + j * nb);
+    return;
+  }
+  workers.run([&](int t, int num_threads) {
+    for (int64_t j = m * t / num_threads; j < m * (t + 1) / num_threads; ++j) {
+      kern.quantize_row(x + j * x_stride, nb, xq + j * nb);
+    }
+  });
+}
+
+std::vector<ActBlock>& act_buffer(int64_t size) {
+  static std::vector<ActBlock> buffer;  // reused: guarded by kernel_mutex()
+  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+  return buffer;
+}
+
+}  // namespace
+
+std::mutex& kernel_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+std::string best_isa() { return cpu_has_avx2() ? "avx2" : "scalar"; }
+
+const Kernels& select_kernels(const std::string& isa_arg) {
+  std::string isa = isa_arg;
+  if (isa == "auto") {
+    const char* env = std::getenv("TINYVLLM_CPU_ISA");
+    isa = env && *env ? env : best_isa();
+  }
+  if (isa == "scalar") return scalar_kernels();
+  if (isa == "avx2") {
+#if defined(TINYVLLM_HAVE_AVX2)
+    if (cpu_has_avx2()) return avx2_kernels();
+#endif
+    throw std::invalid_argument("isa: avx2 needs a CPU with AVX2, FMA and F16C and a build "
+                                "for x86-64; this one offers " + best_isa());
+  }
+  throw std::invalid_argument("isa: expected auto, avx2 or scalar, got '" + isa + "'");
+}
+
+QType check_qtype(int qtype) {
+  if (qtype != static_cast<int>(QType::Q4_0) && qtype != static_cast<int>(QType::Q4_1) &&
+      qtype != static_cast<int>(QType::Q8_0)) {
+    throw std::invalid_argument("qtype: expected a GGML type code of Q4_0 (2), Q4_1 (3) or "
+                                "Q8_0 (8), got " + std::to_string(qtype));
+  }
+  return static_cast<QType>(qtype);
+}
+
+void quantized_linear(const float* x, int64_t x_stride, const uint8_t* w, int qtype,
+                      const float* bias, float* out, int64_t out_stride, int64_t m, int64_t n,
+                      int64_t k, const std::string& isa) {
+  const QType type = check_qtype(qtype);
+  if (k <= 0 || k % kBlock != 0 || n <= 0 || m < 0 || x_stride < k || out_stride < n) {
+    throw std::invalid_argument(
+        "quantized_linear: need k a positive multiple of 32, n > 0, m >= 0, x_stride >= k and "
+        "out_stride >= n; got m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" +
+        std::to_string(k) + " x_stride=" + std::to_string(x_stride) + " out_stride=" +
+        std::to_string(out_stride));
+  }
+  const Kernels& kern = select_kernels(isa);
+  if (m == 0) return;
+  const int64_t nb = k / kBlock;
+  std::lock_guard<std::mutex> lock(kernel_mutex());
+  ThreadPool& workers = pool();
+  ActBlock* xq = act_buffer(m * nb).data();
+  quantize_rows(kern, x, x_stride, m, nb, xq, workers);
+  const GemmArgs args{xq, w, bias, out, out_stride, m, nb, type};
+  if (n < 2 * kMinRowsPerThread || workers.num_threads() == 1) {
+    return kern.gemm_rows(args, 0, n);
+  }
+  workers.run([&](int t, int num_threads) {
+    const auto [begin, end] = row_range(n, t, num_threads);
+    if (begin < end) kern.gemm_rows(args, begin, end);
+  });
+}
+
+}  // namespace tinyvllm::cpu

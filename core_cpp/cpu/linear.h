@@ -1,0 +1,34 @@
+// quantized_linear: y = x @ dequant(w).T + bias with x quantized per 32-value block on the fly.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "kernels.h"
+
+namespace tinyvllm::cpu {
+
+// The kernels for `isa`: "auto" (the best this CPU runs), "avx2" or "scalar". The environment
+// variable TINYVLLM_CPU_ISA, when set, replaces "auto". Raises std::invalid_argument for an
+// unknown name or an instruction set this CPU (or this build) lacks.
+const Kernels& select_kernels(const std::string& isa);
+std::string best_isa();
+
+// Serialises kernel calls and pool changes (the GIL is released while a kernel runs).
+std::mutex& kernel_mutex();
+
+// Shape: x [m, x_stride] float (k used), w [n, k / 32 * block_bytes(qtype)] bytes,
+// bias [n] or null, out [m, out_stride] float (n written).
+void quantized_linear(const float* x, int64_t x_stride, const uint8_t* w, int qtype,
+                      const float* bias, float* out, int64_t out_stride, int64_t m, int64_t n,
+                      int64_t k, const std::string& isa);
+
+// Rows `row_ids` of a packed [num_rows, k] matrix as float (embedding lookup). Shape:
+// w [num_rows, k / 32 * block_bytes], row_ids [num_ids], out [num_ids, k].
+void dequantize_rows(const uint8_t* w, int qtype, int64_t num_rows, int64_t k,
+                     const int64_t* row_ids, int64_t num_ids, float* out);
+
+QType check_qtype(int qtype);
+
+}  // namespace tinyvllm::cpu

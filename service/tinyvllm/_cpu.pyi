@@ -1,0 +1,34 @@
+"""tinyvllm._cpu: the CPU data plane (core_cpp/cpu/). Pointers are integers (`tensor.data_ptr()`);
+sizes are checked and a bad one raises ValueError (IndexError for an id out of range). The GIL is
+released while a kernel runs. Use it through `tinyvllm.ops.quantized` and `tinyvllm.ops.attention`.
+"""
+
+def linear(out: int, x: int, w: int, bias: int, qtype: int, m: int, n: int, k: int,
+           x_stride: int, out_stride: int, isa: str = "auto") -> None:
+    """out[m, n] = x[m, k] @ dequantize(w).T + bias (bias 0: none).
+
+    w: [n, k / 32 * block_bytes] GGUF blocks of ggml type `qtype` (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8);
+    x and out float32 with row strides x_stride and out_stride. isa: auto, avx2 or scalar
+    (TINYVLLM_CPU_ISA replaces auto).
+    """
+
+def dequantize_rows(out: int, w: int, qtype: int, num_rows: int, k: int, row_ids: int,
+                    num_ids: int) -> None:
+    """out[num_ids, k] float32 = rows `row_ids` (int64) of the packed [num_rows, k] matrix."""
+
+def paged_decode_attention(out: int, q: int, q_stride: int, kv_cache: int, num_blocks: int,
+                           block_size: int, num_kv_heads: int, head_dim: int, num_heads: int,
+                           block_tables: int, table_stride: int, seq_lens: int, num_seqs: int,
+                           scale: float) -> None:
+    """One query per sequence over the float32 paged cache [2, num_blocks, block_size,
+    num_kv_heads, head_dim]; block_tables [num_seqs, table_stride] and seq_lens int32."""
+
+def set_num_threads(num_threads: int) -> None:
+    """Replace the thread pool (0: the physical cores)."""
+
+def num_threads() -> int: ...
+def physical_cores() -> int: ...
+def best_isa() -> str:
+    """The best instruction set this CPU and build run: avx2 or scalar."""
+def isa_name(isa: str = "auto") -> str:
+    """The kernels `isa` selects; raises ValueError for an unknown or unavailable one."""

@@ -1,0 +1,201 @@
+"""Modules over GGUF weights kept packed, and loading a GGUF file into them (the CPU data plane).
+
+`load_gguf_packed` builds the Llama model with every projection (qkv, o, gate_up, down, lm_head)
+whose GGUF tensors the CPU kernels read (`ops.quantized.KERNEL_TYPES`) as a `PackedLinear` over
+the file's bytes, and a quantized token embedding as a `PackedEmbedding` (sharing its bytes with a
+tied lm_head). Everything else (norms, biases, any other quantization type) is dequantized and
+loaded as today, and each such projection is named in one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from tinyvllm.model.arch import LlamaArch
+from tinyvllm.model.llama import LlamaForCausalLM, build_empty_model
+from tinyvllm.ops import quantized as q
+
+logger = logging.getLogger(__name__)
+
+
+class PackedLinear(nn.Module):
+    """y = x @ dequantize(qweight).T + bias over packed GGUF rows (one row per output feature).
+
+    Shape: qweight [out_features, row_bytes] uint8 (a buffer: loaded, never trained).
+    """
+
+    def __init__(self, qweight: torch.Tensor, qtype: int, in_features: int,
+                 bias: Optional[torch.Tensor] = None) -> None:
+        super().__init__()
+        self.qtype, self.in_features, self.out_features = qtype, in_features, qweight.shape[0]
+        q.row_bytes(qtype, in_features)  # validates type and size
+        self.register_buffer("qweight", qweight, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., in_features] float32 -> [..., out_features] float32."""
+        return q.quantized_linear(x, self.qweight, self.qtype, self.in_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"qtype={self.qtype}, bias={self.bias is not None}")
+
+
+class PackedEmbedding(nn.Module):
+    """Token embedding over packed rows: each lookup dequantizes the rows it needs."""
+
+    def __init__(self, qweight: torch.Tensor, qtype: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.qtype, self.embedding_dim = qtype, embedding_dim
+        self.register_buffer("qweight", qweight, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """[...] int64 -> [..., embedding_dim] float32."""
+        return q.embedding_rows(self.qweight, self.qtype, self.embedding_dim, ids)
+
+
+# GGUF tensor names of each projection, by our module path; shards in row order.
+def _projections(arch: LlamaArch) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for i in range(arch.num_layers):
+        p, b = f"model.layers.{i}", f"blk.{i}"
+        out[f"{p}.self_attn.qkv_proj"] = [f"{b}.attn_q", f"{b}.attn_k", f"{b}.attn_v"]
+        out[f"{p}.self_attn.o_proj"] = [f"{b}.attn_output"]
+        out[f"{p}.mlp.gate_up_proj"] = [f"{b}.ffn_gate", f"{b}.ffn_up"]
+        out[f"{p}.mlp.down_proj"] = [f"{b}.ffn_down"]
+    return out
+
+
+def _packed_rows(t: Any, arch: LlamaArch, permuted: bool) -> np.ndarray:
+    """The tensor's bytes as [rows, row_bytes], q/k rows back in HF order (see unpermute)."""
+    from tinyvllm.model.loader import unpermute_rope_rows
+
+    rows = np.asarray(t.data).reshape(int(t.shape[-1]), -1)
+    heads = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads}.get(t.name.split(".")[-2])
+    if permuted and heads is not None:
+        return unpermute_rope_rows(torch.from_numpy(rows.copy()), heads).numpy()
+    return rows
+
+
+def _kernel_type(tensors: list[Any]) -> Optional[int]:
+    """The shared type code when every tensor is of one type the kernels read, else None."""
+    names = {t.tensor_type.name for t in tensors}
+    if len(names) != 1 or next(iter(names)) not in q.KERNEL_TYPES:
+        return None
+    return q.KERNEL_TYPES[names.pop()]
+
+
+def _pack(tensors: list[Any], arch: LlamaArch, permuted: bool) -> Optional[tuple[torch.Tensor,
+                                                                                 int, int]]:
+    """(qweight [n, row_bytes], type code, k) of the stacked shards, or None when not packable."""
+    qtype = _kernel_type(tensors)
+    k = int(tensors[0].shape[0])  # ggml order: [k, n]
+    if qtype is None or k % q.QBLOCK:
+        return None
+    rows = [_packed_rows(t, arch, permuted) for t in tensors]
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(rows))), qtype, k
+
+
+def pack_model(net: LlamaForCausalLM, tensors: dict[str, Any], arch: LlamaArch,
+               permuted: bool) -> set[str]:
+    """Swap net's projections (and a quantized embedding) for packed modules over the file's
+    bytes; returns the GGUF tensor names now served packed (the rest load dequantized)."""
+    packed: set[str] = set()
+    fallback: dict[str, list[str]] = {}
+    for path, stems in _projections(arch).items():
+        weights = [tensors[f"{s}.weight"] for s in stems]
+        got = _pack(weights, arch, permuted)
+        if got is None:
+            fallback.setdefault("/".join(sorted({w.tensor_type.name for w in weights})),
+                                []).append(path)
+            continue
+        parent, name = path.rsplit(".", 1)
+        old = net.get_submodule(path)
+        bias = None if old.bias is None else torch.zeros_like(old.bias)  # loaded later
+        setattr(net.get_submodule(parent), name, PackedLinear(*got, bias=bias))
+        packed.update(f"{s}.weight" for s in stems)
+    packed |= _pack_embedding_and_head(net, tensors, arch, fallback)
+    for types, paths in fallback.items():
+        logger.info("CPU kernels read %s; %d projection(s) of type %s run on the torch path, "
+                    "dequantized (e.g. %s)", ", ".join(q.KERNEL_TYPES), len(paths), types,
+                    paths[0])
+    return packed
+
+
+def _pack_embedding_and_head(net: LlamaForCausalLM, tensors: dict[str, Any], arch: LlamaArch,
+                             fallback: dict[str, list[str]]) -> set[str]:
+    """A quantized token_embd becomes a PackedEmbedding; the lm_head (output.weight, or the
+    embedding itself when tied, as in SmolLM2) a PackedLinear over the same bytes."""
+    packed: set[str] = set()
+    embd = tensors["token_embd.weight"]
+    embedding = _pack([embd], arch, False)
+    if embedding is not None:
+        net.model.embed_tokens = PackedEmbedding(embedding[0], embedding[1], arch.hidden_size)
+        packed.add(embd.name)
+    head_tensor = tensors.get("output.weight")
+    if head_tensor is None and not arch.tie_word_embeddings:
+        return packed  # the loader reports the missing weight
+    head = embedding if head_tensor is None else _pack([head_tensor], arch, False)
+    if head is None:
+        fallback.setdefault((head_tensor or embd).tensor_type.name, []).append("lm_head")
+        return packed
+    net.lm_head = PackedLinear(head[0], head[1], arch.hidden_size)
+    if head_tensor is not None:
+        packed.add(head_tensor.name)
+    return packed
+
+
+def open_gguf_tensors(path: Path) -> tuple[LlamaArch, Any, dict[str, Any], bool]:
+    """(arch, tokenizer, GGUF tensors by name, whether q/k rows are permuted) of a GGUF file."""
+    from tinyvllm.model import loader
+    from tinyvllm.model.paths import read_gguf
+    from tinyvllm.model.tokenizer import model_name, tokenizer_from_gguf_metadata
+
+    reader, meta = read_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    freqs = tensors.pop(loader._GGUF_ROPE_FREQS, None)
+    vocab_size = int(tensors["token_embd.weight"].shape[1])  # ggml order: [hidden, vocab]
+    arch = LlamaArch.from_gguf_metadata(
+        meta, set(tensors) | ({loader._GGUF_ROPE_FREQS} if freqs is not None else set()),
+        vocab_size,
+        rope_freq_factors=None if freqs is None else loader.dequantize_gguf_tensor(freqs))
+    tokenizer = tokenizer_from_gguf_metadata(meta, vocab_size=vocab_size, name=model_name(path))
+    # llama.cpp permutes q/k rows for its interleaved rope only for the `llama` architecture.
+    return arch, tokenizer, tensors, meta["general.architecture"] == "llama"
+
+
+def load_gguf_packed(path: Path, device: torch.device):
+    """A LoadedModel of a GGUF file with its quantized projections kept packed (CPU, float32
+    activations). Raises as `loader.load_model` does."""
+    from tinyvllm.model import loader
+    from tinyvllm.model.tokenizer import model_name
+
+    arch, tokenizer, tensors, permuted = open_gguf_tensors(path)
+    net = build_empty_model(arch, torch.float32, device)
+    packed = pack_model(net, tensors, arch, permuted)
+    rest = [t for name, t in tensors.items() if name not in packed]
+    loaded = net.load_weights(loader._iter_gguf(rest, arch, permuted))
+    missing = net.expected_weight_names() - loaded
+    if missing:
+        raise ValueError(f"{path.name}: missing weights {sorted(missing)[:8]}")
+    logger.info("%s: %d GGUF tensors kept packed for the CPU kernels, %d dequantized",
+                path.name, len(packed), len(rest))
+    return loader.LoadedModel(model=net, arch=arch, tokenizer=tokenizer, name=model_name(path),
+                              path=path, max_model_len=arch.max_position_embeddings)
+
+
+def packed_unsupported(dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why the packed CPU path cannot serve this load (None: it can)."""
+    if device.type != "cpu":
+        return f"the packed GGUF kernels run on the CPU, not {device}"
+    if dtype != torch.float32:
+        return f"the packed GGUF kernels take float32 activations, not {dtype}"
+    if q.cpu_kernels() is None:
+        return "the CPU kernel module tinyvllm._cpu is not built"
+    return None

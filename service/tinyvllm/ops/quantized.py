@@ -1,0 +1,177 @@
+"""Linear layers over GGUF weights kept packed (Q4_0, Q4_1, Q8_0), for the CPU.
+
+    y = x @ dequantize(qweight).T + bias
+
+`qweight` holds the file's bytes: one row per output feature, k / 32 blocks per row, each block
+laid out as ggml writes it. The C++ kernels (`tinyvllm._cpu`, core_cpp/cpu/) quantize each row of
+x to int8 per 32-value block on the fly (a float scale per block, round half to even) and take
+integer dot products, as llama.cpp does. Two torch references:
+
+- `quantized_linear_ref`: the same arithmetic in torch (x through the same int8 round trip, the
+  weight dequantized by `gguf.quants`); the kernels match it up to float summation order.
+- `dequantized_linear_ref`: plain `F.linear` over the dequantized weight, the path the engine runs
+  with `--dequantize`; the kernels differ from it by the activations' int8 rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from types import ModuleType
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+QBLOCK = 32
+"""Values per block, every type here."""
+
+KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+"""GGUF types the kernels read, by name -> ggml type code (gguf.GGMLQuantizationType values)."""
+
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+"""Bytes per 32-value block, by type code (ggml-common.h)."""
+
+ISAS = ("auto", "avx2", "scalar")
+
+
+@functools.cache
+def cpu_kernels() -> Optional[ModuleType]:
+    """The `tinyvllm._cpu` module, or None when it was not built (then the references run)."""
+    if os.environ.get("TINYVLLM_DISABLE_CPU_KERNELS") == "1":
+        return None
+    try:
+        from tinyvllm import _cpu
+    except ImportError:
+        return None
+    return _cpu
+
+
+def set_num_threads(num_threads: Optional[int]) -> int:
+    """Size the kernels' thread pool (None or 0: physical cores); returns the size in use."""
+    mod = cpu_kernels()
+    if mod is None:
+        return 0
+    if num_threads is not None and num_threads < 0:
+        raise ValueError(f"threads must be positive, got {num_threads}")
+    mod.set_num_threads(num_threads or 0)
+    return mod.num_threads()
+
+
+def configure_cpu_threads(num_threads: Optional[int]) -> int:
+    """Size the kernels' pool and torch's intra-op threads alike (None: physical cores), so that
+    the two never ask for more cores than were given; returns the count."""
+    count = num_threads or physical_cores()
+    set_num_threads(count)
+    torch.set_num_threads(count)
+    return count
+
+
+def physical_cores() -> int:
+    mod = cpu_kernels()
+    return mod.physical_cores() if mod is not None else (os.cpu_count() or 1)
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one packed row of k values."""
+    if qtype not in BLOCK_BYTES:
+        raise ValueError(f"qtype: expected one of {sorted(BLOCK_BYTES)} (Q4_0, Q4_1, Q8_0), "
+                         f"got {qtype}")
+    if k <= 0 or k % QBLOCK:
+        raise ValueError(f"k: expected a positive multiple of {QBLOCK}, got {k}")
+    return k // QBLOCK * BLOCK_BYTES[qtype]
+
+
+def _check_packed(qweight: torch.Tensor, qtype: int, k: int) -> None:
+    want = row_bytes(qtype, k)
+    if (qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] != want
+            or not qweight.is_contiguous() or qweight.device.type != "cpu"):
+        raise ValueError(f"qweight: expected a contiguous CPU uint8 [n, {want}] tensor for "
+                         f"k={k}, got {qweight.dtype} {tuple(qweight.shape)} on {qweight.device}")
+
+
+def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k: int,
+                     bias: Optional[torch.Tensor] = None, *, isa: str = "auto") -> torch.Tensor:
+    """x @ dequantize(qweight).T + bias through the C++ kernels (the reference without them).
+
+    Args:
+        isa: "auto" (the best this CPU has; env TINYVLLM_CPU_ISA overrides), "avx2" or "scalar".
+    Shape:
+        x: [..., k] float32 on the CPU; qweight: [n, row_bytes(qtype, k)] uint8; bias: [n] float32
+        returns: [..., n] float32
+    """
+    _check_packed(qweight, qtype, k)
+    n = qweight.shape[0]
+    if x.dtype != torch.float32 or x.shape[-1] != k or x.device.type != "cpu":
+        raise ValueError(f"x: expected a CPU float32 [..., {k}] tensor, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,)
+                             or not bias.is_contiguous()):
+        raise ValueError(f"bias: expected a contiguous float32 ({n},) tensor, got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
+    if isa not in ISAS:
+        raise ValueError(f"isa: expected one of {ISAS}, got {isa!r}")
+    mod = cpu_kernels()
+    if mod is None:
+        return quantized_linear_ref(x, qweight, qtype, k, bias)
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] and x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((x2.shape[0], n), dtype=torch.float32)
+    mod.linear(out.data_ptr(), x2.data_ptr(), qweight.data_ptr(),
+               0 if bias is None else bias.data_ptr(), qtype, x2.shape[0], n, k,
+               x2.stride(0) if x2.shape[0] > 1 else k, n, isa)
+    return out.view(*x.shape[:-1], n)
+
+
+def embedding_rows(qweight: torch.Tensor, qtype: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a packed [num_rows, k] matrix as float32 (a quantized embedding lookup).
+
+    Shape: ids [...] int64 -> [..., k] float32.
+    """
+    _check_packed(qweight, qtype, k)
+    mod = cpu_kernels()
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if mod is None:
+        return dequantize(qweight[flat], qtype, k).view(*ids.shape, k)
+    out = torch.empty((flat.shape[0], k), dtype=torch.float32)
+    mod.dequantize_rows(out.data_ptr(), qweight.data_ptr(), qtype, qweight.shape[0], k,
+                        flat.data_ptr(), flat.shape[0])
+    return out.view(*ids.shape, k)
+
+
+# --- references ---------------------------------------------------------------------------------
+
+def dequantize(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """The packed rows as float32 [n, k], through `gguf.quants` (the oracle for the layouts)."""
+    import gguf
+
+    _check_packed(qweight, qtype, k)
+    values = gguf.quants.dequantize(qweight.numpy(), gguf.GGMLQuantizationType(qtype))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1, k))
+
+
+def quantize_activations_ref(x: torch.Tensor) -> torch.Tensor:
+    """x after the kernels' int8 round trip: per 32 values d = max|x| / 127, q = round(x / d)
+    (x times 1 / d, half to even), back to q * d. Shape: [..., k] -> [..., k] float32."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, QBLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv)
+    return (q * d).reshape(x.shape)
+
+
+def quantized_linear_ref(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k: int,
+                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """What the kernels compute, in torch: int8-rounded x against the dequantized weight."""
+    return F.linear(quantize_activations_ref(x), dequantize(qweight, qtype, k).to(x.device), bias)
+
+
+def dequantized_linear_ref(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k: int,
+                           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The `--dequantize` path: F.linear over the dequantized weight, x as it is."""
+    return F.linear(x, dequantize(qweight, qtype, k).to(x.device), bias)

@@ -1,0 +1,96 @@
+"""The default CPU path: GGUF projections kept packed (model/packed.py) and run on the kernels.
+
+Layout: every packed module dequantizes to exactly the float model's weights (q/k rows
+unpermuted, shards stacked, the tied lm_head sharing the embedding's bytes). Behaviour: the
+engine's greedy output on the packed path equals the `--dequantize` torch path over the same
+weights, apart from near-ties, which the test names.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.model.loader import load_model
+from tinyvllm.model.packed import PackedEmbedding, PackedLinear
+from tinyvllm.ops import quantized as q
+from tests.model.test_loader_gguf import tiny  # noqa: F401  (the module-scoped fixture)
+
+pytest.importorskip("tinyvllm._cpu")
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
+NUM_TOKENS = 24
+NEAR_TIE_LOGPROB = 0.15
+"""At a divergence, the two candidates' logprobs under the float path differ by less than this."""
+
+
+@pytest.fixture(scope="module")
+def packed_model(smollm2_path):
+    return load_model(str(smollm2_path), torch.float32, torch.device("cpu"), packed=True)
+
+
+@pytest.mark.slow
+def test_packed_modules_hold_the_files_weights(packed_model, smollm2_model):
+    net, ref = packed_model.model, smollm2_model.model
+    assert isinstance(net.model.embed_tokens, PackedEmbedding)
+    assert net.lm_head.qweight.data_ptr() == net.model.embed_tokens.qweight.data_ptr()  # tied
+    assert torch.equal(q.dequantize(net.lm_head.qweight, net.lm_head.qtype, 576),
+                       ref.model.embed_tokens.weight)
+    for i in (0, 17, 29):
+        for path in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                     "mlp.down_proj"):
+            mod = net.model.layers[i].get_submodule(path)
+            assert isinstance(mod, PackedLinear) and mod.qtype == q.KERNEL_TYPES["Q4_1"]
+            assert torch.equal(q.dequantize(mod.qweight, mod.qtype, mod.in_features),
+                               ref.model.layers[i].get_submodule(path).weight)
+    packed_bytes = sum(b.numel() for b in net.buffers() if b.dtype == torch.uint8)
+    assert packed_bytes < 100e6  # vs about 540 MB of float32 weights
+
+
+def test_types_outside_the_kernels_fall_back_with_a_log_line(tiny, caplog):  # noqa: F811
+    model, path = tiny  # a GGUF whose projections are F16
+    with caplog.at_level(logging.INFO, logger="tinyvllm.model.packed"):
+        loaded = load_model(str(path), torch.float32, torch.device("cpu"), packed=True)
+    assert any("of type F16 run on the torch path" in r.message for r in caplog.records)
+    assert isinstance(loaded.model.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)
+    assert torch.equal(loaded.model.model.layers[0].mlp.down_proj.weight,
+                       model.model.layers[0].mlp.down_proj.weight)
+
+
+def test_not_float32_loads_dequantized_with_a_log_line(tiny, caplog):  # noqa: F811
+    _, path = tiny
+    with caplog.at_level(logging.INFO, logger="tinyvllm.model.loader"):
+        loaded = load_model(str(path), torch.bfloat16, torch.device("cpu"), packed=True)
+    assert any("take float32 activations" in r.message for r in caplog.records)
+    assert not any(isinstance(m, PackedLinear) for m in loaded.model.modules())
+
+
+def _greedy(llm: LLM) -> list:
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
+    return [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+@pytest.mark.slow
+def test_greedy_output_equals_the_dequantized_path_apart_from_near_ties(smollm2_path):
+    packed = _greedy(LLM(model=str(smollm2_path), num_kv_blocks=64))
+    ref = _greedy(LLM(model=str(smollm2_path), num_kv_blocks=64, dequantize=True))
+    near_ties = []
+    for prompt, ours, theirs in zip(PROMPTS, packed, ref):
+        i = _first_divergence(ours.token_ids, theirs.token_ids)
+        if i is None:
+            continue
+        # Where they part, our token must be a near-tie of the float path's own choice.
+        ours_tok, their_tok = ours.token_ids[i], theirs.token_ids[i]
+        their_lps = theirs.logprobs[i]
+        assert ours_tok in their_lps, f"{prompt!r}: token {i} ({ours_tok}) not in the top 5"
+        gap = their_lps[their_tok].logprob - their_lps[ours_tok].logprob
+        near_ties.append((prompt, i, round(gap, 4)))
+        assert gap < NEAR_TIE_LOGPROB, f"{prompt!r}: token {i} differs with gap {gap:.3f}"
+    assert len(near_ties) <= 1, f"more than one prompt diverged: {near_ties}"

@@ -1,0 +1,58 @@
+"""The C++ decode attention over the paged float32 cache (tinyvllm._cpu) against dense float64
+attention and the torch reference, on ragged contexts, GQA ratios and shuffled block tables."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tinyvllm.ops import quantized as q
+from tinyvllm.ops.attention import _paged_decode_cpu, paged_attention, paged_attention_ref
+from tests.ops.test_references import _build_batch, _dense_causal_attention
+
+pytest.importorskip("tinyvllm._cpu")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 32), (5, 5, 24)])
+@pytest.mark.parametrize("seq_lens", [[5, 48, 1, 30, 17], [29], [16, 33]])
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_decode_matches_dense(seq_lens, num_heads, num_kv_heads, head_dim, block_size, threads):
+    gen = torch.Generator().manual_seed(len(seq_lens) * 100 + num_heads + block_size)
+    seqs = [(1, s) for s in seq_lens]
+    query, cache, meta, dense = _build_batch(seqs, num_heads, num_kv_heads, head_dim, block_size,
+                                             gen)
+    scale = 1 / math.sqrt(head_dim)
+    q.set_num_threads(threads)
+    try:
+        out = _paged_decode_cpu(query, cache, meta, scale)
+    finally:
+        q.set_num_threads(None)
+    for i, (k, v) in enumerate(dense):
+        expected = _dense_causal_attention(query[i:i + 1], k, v, scale)
+        torch.testing.assert_close(out[i:i + 1].double(), expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(paged_attention(query, cache, meta, scale),
+                               paged_attention_ref(query, cache, meta, scale),
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_strided_queries_are_read_in_place():
+    """Queries as a view into a wider row (as the rotary op leaves them in the qkv output)."""
+    gen = torch.Generator().manual_seed(7)
+    query, cache, meta, _ = _build_batch([(1, 20), (1, 3)], 6, 2, 32, 16, gen)
+    wide = torch.randn(2, 6 * 32 + 64, generator=gen)
+    wide[:, :192] = query.reshape(2, 192)
+    view = wide[:, :192].view(2, 6, 32)
+    assert not view.is_contiguous()
+    torch.testing.assert_close(_paged_decode_cpu(view, cache, meta, 0.2),
+                               paged_attention_ref(query, cache, meta, 0.2), atol=2e-5, rtol=2e-5)
+
+
+def test_block_outside_the_cache_is_refused():
+    gen = torch.Generator().manual_seed(8)
+    query, cache, meta, _ = _build_batch([(1, 20)], 4, 2, 32, 16, gen)
+    meta.block_tables[0, 1] = cache.shape[1] + 5
+    with pytest.raises(IndexError, match="block id .* outside the cache"):
+        _paged_decode_cpu(query, cache, meta, 0.2)
