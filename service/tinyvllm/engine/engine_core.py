@@ -51,6 +51,12 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_prompt_tokens: int
     num_generation_tokens: int
     num_scheduled_tokens: int  # in the last step
+    # Speculative decoding (cumulative): verification steps, draft tokens proposed and accepted,
+    # and accepted draft tokens by position in the draft (index 0: the first draft token).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_per_position: list[int] = []
 
 
 @dataclass
@@ -77,7 +83,7 @@ class EngineCore:
         kv = KVCacheManager(self.runner.num_blocks, self.runner.block_size,
                             config.cache.enable_prefix_caching,
                             seed if seed is not None else secrets.randbits(63))
-        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, config.speculative)
         self._eos = frozenset(self.tokenizer.eos_token_ids)
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
@@ -143,7 +149,7 @@ class EngineCore:
 
     def _count(self, out: SchedulerOutput, outputs: list[EngineCoreOutput]) -> None:
         self._num_scheduled_tokens = out.num_scheduled_tokens
-        self._num_generation_tokens += len(outputs)
+        self._num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         for s in out.scheduled:
             self._num_prompt_tokens += max(0, min(s.num_new_tokens,
                                                   s.request.num_prompt_tokens
@@ -151,6 +157,7 @@ class EngineCore:
 
     def get_stats(self) -> EngineStats:
         kv = self.kv
+        spec = self.scheduler.spec.stats
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_kv_blocks=kv.num_blocks - 1, num_free_kv_blocks=kv.num_free_blocks,
@@ -158,7 +165,10 @@ class EngineCore:
             prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
-            num_scheduled_tokens=self._num_scheduled_tokens)
+            num_scheduled_tokens=self._num_scheduled_tokens,
+            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_num_accepted_per_position=list(spec.accepted_per_position))
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
