@@ -17,7 +17,7 @@ from tinyvllm.config import SpeculativeConfig
 
 
 class NgramProposer:
-    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (n from
+    """Prompt lookup: find an earlier occurrence of the sequence's last n tokens (n from
     prompt_lookup_max down to prompt_lookup_min, longest first) and propose the tokens that
     followed it.
 
@@ -57,7 +57,11 @@ class NgramProposer:
                 break
         if n_matched < self.min_n or best.size == 0:
             return []
-        start = int(best[-1]) + 1  # the latest occurrence: the continuation seen most recently
+        # The latest occurrence with k tokens after it (the continuation seen most recently),
+        # else the earliest (the longest continuation: in a periodic sequence the latest match
+        # is followed by one period only).
+        full = best[best + k < num_tokens]
+        start = int(full[-1] if full.size else best[0]) + 1
         return token_ids[start:start + k].tolist()
 
 

@@ -41,7 +41,11 @@ _COUNTERS = (
     ("num_preemptions", "num_preemptions", "Requests preempted for lack of KV blocks."),
     ("prompt_tokens", "num_prompt_tokens", "Prompt tokens prefilled."),
     ("generation_tokens", "num_generation_tokens", "Tokens generated."),
+    ("spec_decode_num_drafts", "spec_num_drafts", "Speculative verification steps of requests."),
+    ("spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Draft tokens proposed."),
+    ("spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Draft tokens accepted."),
 )
+_PER_POSITION = "spec_num_accepted_per_position:"  # EngineStats list, one key per position
 
 
 class _EngineStatsCollector(Collector):
@@ -54,6 +58,13 @@ class _EngineStatsCollector(Collector):
             yield GaugeMetricFamily(PREFIX + suffix, help_text, value=stats.get(key, 0))
         for suffix, key, help_text in _COUNTERS:
             yield CounterMetricFamily(PREFIX + suffix, help_text, value=stats.get(key, 0))
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0: the first).", labels=["position"])
+        for key, value in stats.items():
+            if key.startswith(_PER_POSITION):
+                per_position.add_metric([key.removeprefix(_PER_POSITION)], value)
+        yield per_position
 
 
 class ServerMetrics(EngineObserver):
