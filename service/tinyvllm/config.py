@@ -114,7 +114,7 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram",)  # a draft-model proposer is planned
 
 
 @dataclass(frozen=True)
@@ -128,14 +128,12 @@ class SpeculativeConfig:
     """
 
     method: Optional[str] = _f(
-        None, "Proposer: ngram (prompt lookup: the tokens that followed the latest earlier "
-        "occurrence of the sequence's last n tokens) or draft_model (the target's first "
-        "draft_num_layers layers with its final norm and head). None: off.",
+        None, "Proposer: ngram (prompt lookup: the tokens that followed an earlier occurrence "
+        "of the sequence's last n tokens). None: off.",
         choices=SPEC_METHODS)
     num_speculative_tokens: int = _f(4, "Most draft tokens per request and step (k).")
     prompt_lookup_max: int = _f(4, "ngram: longest suffix n tried (longest first).")
     prompt_lookup_min: int = _f(1, "ngram: shortest suffix n tried.")
-    draft_num_layers: int = _f(2, "draft_model: target layers the self-draft keeps.")
     disable_by_batch_size: Optional[int] = _f(
         32, "Speculation steps aside while this many requests or more are running (a large "
         "batch already fills the hardware; verification would only add work). None: never.")
@@ -154,9 +152,6 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= "
                              f"prompt_lookup_max, got {self.prompt_lookup_min} and "
                              f"{self.prompt_lookup_max}")
-        if self.draft_num_layers <= 0:
-            raise ValueError("speculative_config.draft_num_layers must be positive, got "
-                             f"{self.draft_num_layers}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size <= 0:
             raise ValueError("speculative_config.disable_by_batch_size must be positive, got "
                              f"{self.disable_by_batch_size}")

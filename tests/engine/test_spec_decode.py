@@ -160,8 +160,6 @@ def test_real_alone_greedy_identical_and_drafts_accepted(smollm2_model, real_pro
 REAL_ENGINES = {
     # Prompts are chunked while another request speculates: both in one step's budget.
     "mixed_chunked": {"max_num_batched_tokens": 24},
-    # The third prompt shares the first's prefix blocks.
-    "prefix_caching": {"enable_prefix_caching": True, "block_size": 16},
     # 9 blocks of 16 for three requests of up to ~100 tokens: preemption.
     "preempting": {"num_kv_blocks": 10, "block_size": 16},
 }
@@ -176,8 +174,23 @@ def test_real_batch_greedy_identical(smollm2_model, real_prompts, real_off, engi
     assert engine.get_stats().spec_num_accepted_tokens > 0
     if "num_kv_blocks" in engine_kwargs:
         assert engine.scheduler.num_preemptions > 0
-    if engine_kwargs.get("enable_prefix_caching"):
-        assert engine.get_stats().prefix_cache_hits > 0
+
+
+@pytest.mark.slow
+def test_real_prefix_cache_serves_blocks_of_accepted_tokens(smollm2_model, real_prompts,
+                                                            real_off):
+    """A speculating request publishes the full blocks of its accepted tokens; a later prompt
+    that extends it by 16 of those tokens reads them from the cache and continues exactly as
+    the first request did."""
+    engine = make_engine(smollm2_model, NGRAM, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    assert generate(engine, real_prompts[:1], params) == real_off[:1]
+    hits_before = engine.get_stats().prefix_cache_hits
+    extended = real_prompts[0] + real_off[0][:16]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert generate(engine, [extended], params) == [real_off[0][16:24]]
+    # Every full block of the extended prompt was cached, output blocks included.
+    assert engine.get_stats().prefix_cache_hits - hits_before == (len(extended) - 1) // 4 * 4
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import msgspec
 
@@ -94,6 +94,10 @@ class Request:
     stop_reason: Optional[int] = None
     num_preemptions: int = 0
     spec_k: int = 0  # draft tokens it may propose next (speculative decoding; adapts)
+    # The n-gram proposer's numpy copy of prompt + output (engine/spec_decode.py), extended as
+    # tokens are appended.
+    spec_token_buffer: Optional[Any] = None
+    spec_token_buffer_len: int = 0
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, eos_token_ids: frozenset,

@@ -246,7 +246,7 @@ class Scheduler:
         room = min(request.max_tokens - request.num_output_tokens,
                    self.max_model_len - request.num_tokens) - 1
         k = min(request.spec_k, budget - 1, room)
-        return self.spec.propose(request.all_token_ids, k) if k > 0 else []
+        return self.spec.propose(request, k) if k > 0 else []
 
     def _last_token_in_flight(self, request: Request) -> bool:
         """The token in flight is the request's last (max_tokens or the context length): a

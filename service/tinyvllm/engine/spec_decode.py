@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tinyvllm.config import SpeculativeConfig
+from tinyvllm.engine.request import Request
+
+_MIN_CAPACITY = 256
 
 
 class NgramProposer:
@@ -117,12 +120,9 @@ class SpecDecodePolicy:
     def initial_k(self) -> int:
         return self.config.num_speculative_tokens
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        """Draft tokens for the n-gram proposer; for a model proposer, k placeholders (0) that
-        the model runner replaces with the draft model's tokens."""
-        if self.proposer is None:
-            return [0] * k
-        return self.proposer.propose(np.asarray(token_ids, dtype=np.int64), k)
+    def propose(self, request: Request, k: int) -> list[int]:
+        """Up to k draft tokens for the request (n-gram proposer)."""
+        return self.proposer.propose(_token_array(request), k) if self.proposer else []
 
     def next_k(self, k: int, num_draft_tokens: int, num_accepted: int) -> int:
         """A request's k for its next step after a verification of num_draft_tokens."""
@@ -134,3 +134,24 @@ class SpecDecodePolicy:
         if num_accepted == 0:
             return max(1, k - 1)
         return k
+
+
+def _token_array(request: Request) -> np.ndarray:
+    """The request's prompt + output as int64, [num_tokens]: a buffer kept on the request and
+    extended by the tokens appended since the last call (tokens are only ever appended), so a
+    step converts a few Python ints instead of the whole sequence."""
+    buf, n = request.spec_token_buffer, request.spec_token_buffer_len
+    total = request.num_tokens
+    if buf is None or buf.shape[0] < total:
+        grown = np.empty(max(_MIN_CAPACITY, 2 * total), dtype=np.int64)
+        if buf is not None:
+            grown[:n] = buf[:n]
+        buf = request.spec_token_buffer = grown
+    if n < total:
+        p = request.num_prompt_tokens
+        if n < p:
+            buf[n:p] = request.prompt_token_ids[n:]
+            n = p
+        buf[n:total] = request.output_token_ids[n - p:]
+        request.spec_token_buffer_len = total
+    return buf[:total]
