@@ -138,3 +138,23 @@ def test_adaptive_k_shrinks_after_rejections_and_grows_back():
     assert ks == [3, 2, 1, 1, 2, 2, 3, 3, 4]
     fixed = SpecDecodePolicy(SpeculativeConfig(method="ngram", adaptive=False))
     assert fixed.next_k(4, 4, 0) == 4
+
+
+def test_speculation_steps_aside_while_it_does_not_pay_and_comes_back():
+    policy = SpecDecodePolicy(SpeculativeConfig(method="ngram"))
+    assert policy.active(1)
+    for _ in range(3):
+        policy.observe_step(0.1, 1, speculated=False)  # 10 tokens/s
+    for _ in range(2):
+        policy.observe_step(0.4, 2, speculated=True)  # 5 tokens/s: not decided on 2 samples
+        assert policy.active(1)
+    policy.observe_step(0.4, 2, speculated=True)
+    assert not policy.active(1)
+    for _ in range(policy.cost.OFF_STEPS - 1):
+        policy.observe_step(0.1, 1, speculated=False)
+        assert not policy.active(1)
+    policy.observe_step(0.1, 1, speculated=False)
+    assert policy.active(1)  # tried again; now it pays
+    for _ in range(5):
+        policy.observe_step(0.2, 3, speculated=True)  # 15 tokens/s
+    assert policy.active(1)

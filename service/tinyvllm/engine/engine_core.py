@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional
 
@@ -128,6 +129,7 @@ class EngineCore:
 
         With a step in flight from the previous call, the next one is launched before that
         step's tokens are processed; either way, the outputs returned are of one model step."""
+        start_s = time.perf_counter()
         current = self._in_flight or self._launch()
         self._in_flight = None
         if current is None:
@@ -137,7 +139,20 @@ class EngineCore:
         sampled = current.handle.result()
         outputs = self.scheduler.update(current.out, sampled)
         self._count(current.out, outputs)
+        if self._in_flight is None and self.scheduler.spec.config.enabled:
+            self._observe_spec_cost(current.out, outputs, time.perf_counter() - start_s)
         return outputs
+
+    def _observe_spec_cost(self, out: SchedulerOutput, outputs: list[EngineCoreOutput],
+                           duration_s: float) -> None:
+        """Tell the speculation policy what a synchronous decode-only step cost (a step with a
+        prefill chunk or scheduled ahead is not comparable)."""
+        if any(s.num_new_tokens != 1 + len(s.draft_token_ids) or not s.completes_sequence
+               for s in out.scheduled):
+            return
+        speculated = any(s.draft_token_ids for s in out.scheduled)
+        self.scheduler.spec.observe_step(duration_s, sum(len(o.new_token_ids) for o in outputs),
+                                         speculated)
 
     def _launch(self) -> Optional[_LaunchedStep]:
         """Schedule a step and launch it on the model runner (None: nothing to run)."""

@@ -112,10 +112,17 @@ class SpecDecodePolicy:
         self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
                          if config.method == "ngram" else None)
         self.stats = SpecDecodeStats()
+        self.cost = SpecCostMonitor()
 
     def active(self, num_running: int) -> bool:
         limit = self.config.disable_by_batch_size
-        return self.config.enabled and (limit is None or num_running < limit)
+        if not self.config.enabled or (limit is not None and num_running >= limit):
+            return False
+        return self.cost.active()
+
+    def observe_step(self, duration_s: float, num_emitted: int, speculated: bool) -> None:
+        """A decode-only step's time and tokens (steps with prefill chunks are not comparable)."""
+        self.cost.observe(duration_s, num_emitted, speculated)
 
     def initial_k(self) -> int:
         return self.config.num_speculative_tokens
@@ -155,3 +162,38 @@ def _token_array(request: Request) -> np.ndarray:
         buf[n:total] = request.output_token_ids[n - p:]
         request.spec_token_buffer_len = total
     return buf[:total]
+
+
+class SpecCostMonitor:
+    """Whether speculation pays: tokens per second of decode steps that verified drafts against
+    those that did not (moving averages). When verifying is slower (drafts mostly rejected, or
+    hardware on which a step of k + 1 tokens costs much more than a step of one), speculation
+    steps aside for `OFF_STEPS` steps, then tries again, so it comes back when it pays again."""
+
+    ALPHA = 0.25  # weight of the newest step in the moving averages
+    MIN_SAMPLES = 3  # of each kind before deciding
+    OFF_STEPS = 32
+    MARGIN = 0.97  # speculative steps must reach 97% of plain steps' rate to stay on
+
+    def __init__(self) -> None:
+        self.rate = {True: 0.0, False: 0.0}  # speculated -> tokens/s
+        self.samples = {True: 0, False: 0}
+        self.off_steps_left = 0
+
+    def active(self) -> bool:
+        return self.off_steps_left == 0
+
+    def observe(self, duration_s: float, num_emitted: int, speculated: bool) -> None:
+        if self.off_steps_left:
+            self.off_steps_left -= 1
+        if duration_s <= 0 or num_emitted == 0:
+            return
+        rate = num_emitted / duration_s
+        n = self.samples[speculated]
+        self.rate[speculated] = rate if n == 0 else (
+            self.ALPHA * rate + (1 - self.ALPHA) * self.rate[speculated])
+        self.samples[speculated] = n + 1
+        if (speculated and min(self.samples.values()) >= self.MIN_SAMPLES
+                and self.rate[True] < self.MARGIN * self.rate[False]):
+            self.off_steps_left = self.OFF_STEPS
+            self.samples[True] = 0  # measured afresh when it comes back
