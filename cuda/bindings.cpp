@@ -86,4 +86,8 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("num_rows"), py::arg("vocab_size"), py::arg("temperature"), py::arg("top_k"),
         py::arg("top_p"), py::arg("min_p"), py::arg("seed"), py::arg("offset"), py::arg("noise"),
         py::arg("noise_stride"), py::arg("stream"));
+  m.def("rejection_sample", &tinyvllm::rejection_sample, py::arg("out"), py::arg("out_stride"),
+        py::arg("target_probs"), py::arg("draft_probs"), py::arg("draft_token_ids"),
+        py::arg("cu_num_draft"), py::arg("num_reqs"), py::arg("vocab_size"), py::arg("noise"),
+        py::arg("uniform"), py::arg("seed"), py::arg("offset"), py::arg("stream"));
 }

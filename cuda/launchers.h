@@ -90,4 +90,11 @@ void sample(ptr_t out, ptr_t workspace, int64_t workspace_bytes, ptr_t logits,
             ptr_t top_k, ptr_t top_p, ptr_t min_p, ptr_t seed, ptr_t offset, ptr_t noise,
             int64_t noise_stride, stream_t stream);
 
+// spec_decode.cu: speculative decoding's acceptance sampling, one CTA per request (see
+// ops/spec_decode.py for the layout). 0 = absent for draft_probs, noise, uniform, seed, offset.
+void rejection_sample(ptr_t out, int64_t out_stride, ptr_t target_probs, ptr_t draft_probs,
+                      ptr_t draft_token_ids, ptr_t cu_num_draft, int64_t num_reqs,
+                      int64_t vocab_size, ptr_t noise, ptr_t uniform, ptr_t seed, ptr_t offset,
+                      stream_t stream);
+
 }  // namespace tinyvllm

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, Optional, get_type_hints
 
@@ -126,6 +127,79 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
+SPEC_METHODS = ("ngram",)  # a draft-model proposer is planned
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`--speculative-config '{"method": "ngram", ...}'`, vLLM's keys).
+
+    A proposer guesses up to `num_speculative_tokens` next tokens of a decoding request; the target
+    model checks them in the same step as the rest of the batch (q_len = k + 1) and keeps the
+    accepted prefix plus one token of its own, with the same output distribution (greedy: the
+    same tokens) as decoding one token at a time.
+    """
+
+    method: Optional[str] = _f(
+        None, "Proposer: ngram (prompt lookup: the tokens that followed an earlier occurrence "
+        "of the sequence's last n tokens). None: off.",
+        choices=SPEC_METHODS)
+    num_speculative_tokens: int = _f(4, "Most draft tokens per request and step (k).")
+    prompt_lookup_max: int = _f(4, "ngram: longest suffix n tried (longest first).")
+    prompt_lookup_min: int = _f(1, "ngram: shortest suffix n tried.")
+    disable_by_batch_size: Optional[int] = _f(
+        32, "Speculation steps aside while this many requests or more are running (a large "
+        "batch already fills the hardware; verification would only add work). None: never.")
+    adaptive: bool = _f(
+        True, "Per request, grow k after a fully accepted step and shrink it after a step that "
+        "accepted nothing (1 to num_speculative_tokens).")
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, "
+                             f"got {self.method!r}")
+        if self.num_speculative_tokens <= 0:
+            raise ValueError("speculative_config.num_speculative_tokens must be positive, got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= "
+                             f"prompt_lookup_max, got {self.prompt_lookup_min} and "
+                             f"{self.prompt_lookup_max}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size <= 0:
+            raise ValueError("speculative_config.disable_by_batch_size must be positive, got "
+                             f"{self.disable_by_batch_size}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig":
+        """From a SpeculativeConfig, a dict or a JSON object string (None: off).
+
+        Raises:
+            ValueError: malformed JSON, not an object, or a bad value; TypeError: an unknown key,
+                named.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config: expected a JSON object, got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise TypeError(f"speculative_config: unknown key {unknown[0]!r} "
+                            f"(known: {', '.join(sorted(known))})")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = _f("127.0.0.1", "Address the gRPC server binds to.")
@@ -145,14 +219,17 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
-        """Build from flat keyword arguments (`LLM(model=..., block_size=...)`).
+        """Build from flat keyword arguments (`LLM(model=..., block_size=...)`); speculative
+        decoding comes as `speculative_config=` (a dict, JSON string or SpeculativeConfig).
 
         Raises:
             TypeError: a key that no config section has, named.
         """
+        speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
         sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
         parts: dict[str, dict[str, Any]] = {name: {} for name in sections}
         owner = {f.name: name for name, c in sections.items() for f in dataclasses.fields(c)}
@@ -160,7 +237,8 @@ class EngineConfig:
             if key not in owner:
                 raise TypeError(f"unknown engine option {key!r}")
             parts[owner[key]][key] = value
-        return cls(**{name: sections[name](**parts[name]) for name in sections})
+        return cls(**{name: sections[name](**parts[name]) for name in sections},
+                   speculative=speculative)
 
 
 @dataclass(frozen=True)
@@ -205,12 +283,18 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=config_from_args(args, ModelConfig),
         cache=config_from_args(args, CacheConfig),
         scheduler=config_from_args(args, SchedulerConfig),
+        speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
     )
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     for cls in (ModelConfig, CacheConfig, SchedulerConfig):
         add_config_arguments(parser, cls)
+    keys = ", ".join(f.name for f in dataclasses.fields(SpeculativeConfig))
+    parser.add_argument_group("SpeculativeConfig").add_argument(
+        "--speculative-config", default=None, metavar="JSON",
+        help=f"Speculative decoding as a JSON object, e.g. '{{\"method\": \"ngram\", "
+        f"\"num_speculative_tokens\": 4}}'. Keys: {keys}. Default: off.")
 
 
 def _unwrap_optional(typ: Any) -> Any:

@@ -15,7 +15,7 @@ RECORD_KEYS = {"benchmark", "git_rev", "device", "torch", "cuda", "model", "dtyp
 
 def test_every_benchmark_is_a_subcommand():
     parser = build_parser()
-    for name in ("latency", "throughput", "prefix"):
+    for name in ("latency", "throughput", "prefix", "spec"):
         args = parser.parse_args(["bench", name, "--no-baseline", "--max-num-seqs", "4"])
         assert args.benchmark == name and args.baseline is False and args.max_num_seqs == 4
 
@@ -62,3 +62,19 @@ def test_runs_without_transformers(tmp_path, smollm2_path, monkeypatch, capsys):
     assert record["transformers"] is None
     err = capsys.readouterr().err
     assert "transformers is not installed: skipping the transformers baseline" in err
+
+
+@pytest.mark.slow
+def test_spec_writes_a_record(tmp_path, smollm2_path, capsys):
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--max-tokens", "6", "--batch-sizes", "1", "--workloads",
+                 "repetitive", "--no-baseline", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert RECORD_KEYS <= record.keys() and record["benchmark"] == "spec"
+    (result,) = record["results"]
+    assert result["workload"] == "repetitive" and result["batch_size"] == 1
+    assert result["identical_outputs"] is True
+    assert result["off"]["num_output_tokens"] == result["on"]["num_output_tokens"] == 6
+    assert result["off"]["num_drafts"] == 0 and result["on"]["num_drafts"] > 0
+    assert record["workload"]["speculative_config"]["method"] == "ngram"
+    assert "accept rate" in capsys.readouterr().out

@@ -66,3 +66,14 @@ def add_prefix_arguments(parser: argparse.ArgumentParser) -> None:
                        help="Unique suffix tokens per request (default: 128 GPU, 32 CPU).")
     _output_len(group)
     add_common_arguments(parser)
+
+
+def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("spec workload (speculative decoding on vs off)")
+    group.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8],
+                       help="Requests submitted together (default: 1 8).")
+    group.add_argument("--workloads", nargs="+", choices=("repetitive", "open"),
+                       default=["repetitive", "open"], help="Which prompt sets to run.")
+    group.add_argument("--output-len", "--max-tokens", dest="output_len", type=int, default=128,
+                       help="Output tokens per request, EOS ignored.")
+    add_common_arguments(parser)

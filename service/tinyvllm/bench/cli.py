@@ -1,4 +1,4 @@
-"""`tinyvllm bench latency|throughput|prefix|kernels|serve` (see BENCHMARKS.md)."""
+"""`tinyvllm bench latency|throughput|prefix|spec|kernels|serve` (see BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ _ENGINE_BENCHMARKS = {
                    "All requests at once: output tokens/s and requests/s against transformers."),
     "prefix": ("tinyvllm.bench.prefix", bench_args.add_prefix_arguments,
                "Requests sharing a long prefix, prefix caching on vs off."),
+    "spec": ("tinyvllm.bench.spec", bench_args.add_spec_arguments,
+             "Speculative decoding on vs off on the same prompts (repetitive and open)."),
 }
 _DELEGATED = {  # modules with their own argument parser: the rest of the command line goes there
     "kernels": ("tinyvllm.bench.kernels", "GPU kernels against torch / cuBLAS baselines."),

@@ -122,9 +122,14 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
 
 
 def _stats_dict(stats: Any) -> dict[str, float]:
-    if isinstance(stats, msgspec.Struct):
-        return msgspec.structs.asdict(stats)
-    return dataclasses.asdict(stats)
+    """Numbers by name; a list field becomes one key per element, `name:index`."""
+    d = msgspec.structs.asdict(stats) if isinstance(stats, msgspec.Struct) else \
+        dataclasses.asdict(stats)
+    for key, value in list(d.items()):
+        if isinstance(value, list):
+            del d[key]
+            d.update({f"{key}:{i}": v for i, v in enumerate(value)})
+    return d
 
 
 def _load_engine(path: str) -> Any:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional
 
@@ -51,6 +52,12 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_prompt_tokens: int
     num_generation_tokens: int
     num_scheduled_tokens: int  # in the last step
+    # Speculative decoding (cumulative): verification steps, draft tokens proposed and accepted,
+    # and accepted draft tokens by position in the draft (index 0: the first draft token).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_per_position: list[int] = []
 
 
 @dataclass
@@ -77,7 +84,7 @@ class EngineCore:
         kv = KVCacheManager(self.runner.num_blocks, self.runner.block_size,
                             config.cache.enable_prefix_caching,
                             seed if seed is not None else secrets.randbits(63))
-        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, config.speculative)
         self._eos = frozenset(self.tokenizer.eos_token_ids)
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
@@ -122,6 +129,7 @@ class EngineCore:
 
         With a step in flight from the previous call, the next one is launched before that
         step's tokens are processed; either way, the outputs returned are of one model step."""
+        start_s = time.perf_counter()
         current = self._in_flight or self._launch()
         self._in_flight = None
         if current is None:
@@ -131,7 +139,20 @@ class EngineCore:
         sampled = current.handle.result()
         outputs = self.scheduler.update(current.out, sampled)
         self._count(current.out, outputs)
+        if self._in_flight is None and self.scheduler.spec.config.enabled:
+            self._observe_spec_cost(current.out, outputs, time.perf_counter() - start_s)
         return outputs
+
+    def _observe_spec_cost(self, out: SchedulerOutput, outputs: list[EngineCoreOutput],
+                           duration_s: float) -> None:
+        """Tell the speculation policy what a synchronous decode-only step cost (a step with a
+        prefill chunk or scheduled ahead is not comparable)."""
+        if any(s.num_new_tokens != 1 + len(s.draft_token_ids) or not s.completes_sequence
+               for s in out.scheduled):
+            return
+        speculated = any(s.draft_token_ids for s in out.scheduled)
+        self.scheduler.spec.observe_step(duration_s, sum(len(o.new_token_ids) for o in outputs),
+                                         speculated)
 
     def _launch(self) -> Optional[_LaunchedStep]:
         """Schedule a step and launch it on the model runner (None: nothing to run)."""
@@ -143,7 +164,7 @@ class EngineCore:
 
     def _count(self, out: SchedulerOutput, outputs: list[EngineCoreOutput]) -> None:
         self._num_scheduled_tokens = out.num_scheduled_tokens
-        self._num_generation_tokens += len(outputs)
+        self._num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         for s in out.scheduled:
             self._num_prompt_tokens += max(0, min(s.num_new_tokens,
                                                   s.request.num_prompt_tokens
@@ -151,6 +172,7 @@ class EngineCore:
 
     def get_stats(self) -> EngineStats:
         kv = self.kv
+        spec = self.scheduler.spec.stats
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_kv_blocks=kv.num_blocks - 1, num_free_kv_blocks=kv.num_free_blocks,
@@ -158,7 +180,10 @@ class EngineCore:
             prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
-            num_scheduled_tokens=self._num_scheduled_tokens)
+            num_scheduled_tokens=self._num_scheduled_tokens,
+            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_num_accepted_per_position=list(spec.accepted_per_position))
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -94,6 +94,14 @@ class KVCacheManager:
                                request.block_hashes[num_published:num_full])
         return num_full
 
+    def trim(self, request: Request) -> None:
+        """Free the request's blocks past its computed tokens (the slots of rejected draft
+        tokens), tail first. They were never published: only computed blocks are."""
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if len(request.block_ids) > keep:
+            self.pool.free(request.block_ids[keep:][::-1])
+            del request.block_ids[keep:]
+
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first so that its last blocks are evicted first."""
         if request.block_ids:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import msgspec
 
@@ -93,6 +93,11 @@ class Request:
     finish_reason: Optional[FinishReason] = None
     stop_reason: Optional[int] = None
     num_preemptions: int = 0
+    spec_k: int = 0  # draft tokens it may propose next (speculative decoding; adapts)
+    # The n-gram proposer's numpy copy of prompt + output (engine/spec_decode.py), extended as
+    # tokens are appended.
+    spec_token_buffer: Optional[Any] = None
+    spec_token_buffer_len: int = 0
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, eos_token_ids: frozenset,
@@ -131,6 +136,13 @@ class Request:
         p = self.sampling_params
         return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
                 or p.frequency_penalty != 0.0 or self.num_output_tokens < p.min_tokens)
+
+    @property
+    def can_speculate(self) -> bool:
+        """Its sampling allows verifying several positions in one step: nothing reads the output
+        ids on the host (penalties and min_tokens would differ per draft position) and no
+        logprobs are asked (they are computed for one sampled row per step)."""
+        return not self.sampling_reads_output_tokens and self.sampling_params.logprobs is None
 
     @property
     def max_tokens(self) -> int:

@@ -25,8 +25,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from tinyvllm.config import SchedulerConfig
+from tinyvllm.config import SchedulerConfig, SpeculativeConfig
 from tinyvllm.engine.kv_cache_manager import KVCacheManager
+from tinyvllm.engine.spec_decode import SpecDecodePolicy
 from tinyvllm.engine.request import (EngineCoreOutput, FinishReason, Logprobs, Request,
                                      RequestStatus)
 
@@ -38,6 +39,9 @@ class ScheduledRequest:
 
     request: Request
     num_new_tokens: int
+    # Speculative decoding: the tokens proposed after the request's last one, computed at
+    # positions num_computed_tokens + 1 ... (num_new_tokens = 1 + len(draft_token_ids)).
+    draft_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = field(init=False)  # before this step: its first position
     # After this step the request has no uncomputed token: its last position is sampled.
     completes_sequence: bool = field(init=False)
@@ -106,8 +110,10 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 speculative: SpeculativeConfig = SpeculativeConfig()):
         self.config = config
+        self.spec = SpecDecodePolicy(speculative)
         self.kv = kv
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -147,7 +153,14 @@ class Scheduler:
 
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before the one in flight is processed: no
-        running request with a token in flight needs its output ids on the host to sample."""
+        running request with a token in flight needs its output ids on the host to sample.
+
+        Speculation turns scheduling ahead off while a request could speculate: its draft is
+        proposed from, and its verification's rollback decides, the tokens of the step before,
+        which a step scheduled ahead would not know yet (the simplest correct choice; on the CPU
+        async scheduling is off anyway)."""
+        if self.spec.config.enabled and any(r.can_speculate for r in self.running):
+            return False
         return not any(r.num_output_placeholders and r.sampling_reads_output_tokens
                        for r in self.running)
 
@@ -167,6 +180,7 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
         preempted_any = False
+        speculate = self.spec.active(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -174,6 +188,8 @@ class Scheduler:
                 i += 1
                 continue
             num_new = self._num_new_tokens(request, budget)
+            drafts = self._draft(request, budget) if speculate and num_new == 1 else []
+            num_new += len(drafts)
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
@@ -185,7 +201,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new))
+                out.scheduled.append(ScheduledRequest(request, num_new, drafts))
                 budget -= num_new
                 i += 1
                 continue
@@ -219,6 +235,18 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
         return max(1, min(num_new, budget))
+
+    def _draft(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request, capped so that the step fits the budget and the
+        accepted tokens plus the bonus one never pass max_tokens or the context length."""
+        if request.num_output_placeholders or not request.can_speculate:
+            return []
+        if request.spec_k == 0:
+            request.spec_k = self.spec.initial_k()
+        room = min(request.max_tokens - request.num_output_tokens,
+                   self.max_model_len - request.num_tokens) - 1
+        k = min(request.spec_k, budget - 1, room)
+        return self.spec.propose(request, k) if k > 0 else []
 
     def _last_token_in_flight(self, request: Request) -> bool:
         """The token in flight is the request's last (max_tokens or the context length): a
@@ -261,6 +289,9 @@ class Scheduler:
             request = s.request
             if request.is_finished:
                 continue  # finished or aborted while this step was in flight: dropped
+            if s.draft_token_ids:
+                outputs.append(self._update_verified(s, sampled[request.request_id][0]))
+                continue
             request.num_output_placeholders -= s.completes_sequence
             if request.status == RequestStatus.RUNNING:
                 # Before the append, so only blocks of known token ids. Their KV is written by
@@ -282,6 +313,35 @@ class Scheduler:
                 finish_reason=reason.value if reason is not None else None,
                 stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens))
         return outputs
+
+    def _update_verified(self, s: ScheduledRequest, token_ids: list[int]) -> EngineCoreOutput:
+        """A verification step's outcome: token_ids are the accepted drafts and the target's own
+        token. The rejected drafts' KV is rolled back (num_computed_tokens, and the blocks that
+        only they used), then the tokens are appended up to a stop, and the full blocks of
+        accepted tokens published."""
+        request = s.request
+        request.num_output_placeholders -= 1
+        num_accepted = len(token_ids) - 1
+        request.num_computed_tokens = s.num_computed_tokens + len(token_ids)
+        request.spec_k = self.spec.next_k(request.spec_k, len(s.draft_token_ids), num_accepted)
+        self.kv.trim(request)
+        new_token_ids, reason = [], None
+        for token_id in token_ids:
+            request.output_token_ids.append(token_id)
+            new_token_ids.append(token_id)
+            reason = self._check_stop(request, token_id)
+            if reason is not None:
+                break
+        if reason is not None:
+            self._remove(request)
+            self._finish(request, reason)
+        else:
+            request.num_published_blocks = self.kv.cache_computed_blocks(
+                request, request.num_published_blocks)
+        return EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=new_token_ids,
+            finish_reason=reason.value if reason is not None else None,
+            stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens)
 
     def _check_stop(self, request: Request, token_id: int) -> Optional[FinishReason]:
         params = request.sampling_params

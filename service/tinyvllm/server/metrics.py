@@ -43,7 +43,11 @@ _COUNTERS = (
     ("num_preemptions", "num_preemptions", "Requests preempted for lack of KV blocks."),
     ("prompt_tokens", "num_prompt_tokens", "Prompt tokens prefilled."),
     ("generation_tokens", "num_generation_tokens", "Tokens generated."),
+    ("spec_decode_num_drafts", "spec_num_drafts", "Speculative verification steps of requests."),
+    ("spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Draft tokens proposed."),
+    ("spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Draft tokens accepted."),
 )
+_PER_POSITION = "spec_num_accepted_per_position:"  # EngineStats list, one key per position
 
 
 MODEL_LABEL = "model_name"
@@ -64,6 +68,15 @@ class _EngineStatsCollector(Collector):
                 if model_name is not None:  # no sample before the model is loaded
                     family.add_metric([model_name], stats.get(key, 0))
                 yield family
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0: the first).",
+            labels=[MODEL_LABEL, "position"])
+        if model_name is not None:
+            for key, value in stats.items():
+                if key.startswith(_PER_POSITION):
+                    per_position.add_metric([model_name, key.removeprefix(_PER_POSITION)], value)
+        yield per_position
 
 
 class ServerMetrics(EngineObserver):

@@ -39,7 +39,7 @@ _SECTIONS = (
     ("query_start_loc", torch.int32, (0, 1, 0, 1)),
     ("seq_lens", torch.int32, (0, 1, 0, 0)),
     ("block_tables", torch.int32, (0, 0, 1, 0)),
-    ("logits_indices", torch.int64, (0, 1, 0, 0)),
+    ("logits_indices", torch.int64, (1, 0, 0, 0)),  # speculation: up to one per token
     ("prev_token_dst", torch.int64, (0, 1, 0, 0)),
     ("prev_token_src", torch.int64, (0, 1, 0, 0)),
 )
@@ -67,7 +67,7 @@ class InputBuffers:
         query_start_loc: [num_rows + 1] int32
         seq_lens: [num_rows] int32
         block_tables: [num_rows * width] int32, viewed [num_rows, width]
-        logits_indices: [num_rows] int64 (the first num_sampled used)
+        logits_indices: [num_tokens] int64 (the first num_sampled used)
         prev_token_dst, prev_token_src: [num_rows] int64 (the first num_prev_tokens used):
             input_ids positions to fill from the previous step's sampled ids, and the rows of those
     """

@@ -29,6 +29,7 @@ from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_siz
                                         decode_seq_len_tiers)
 from tinyvllm.worker.input_buffers import BlockTableCache, InputBuffers
 from tinyvllm.worker.sampler import Sampler, SamplingState
+from tinyvllm.worker.spec_decode import verify
 from tinyvllm.worker.step_handle import SampledTokens, StepHandle
 
 logger = logging.getLogger(__name__)
@@ -58,8 +59,15 @@ class ModelInputs:
     num_tokens: int
     meta: Optional[AttentionMetadata]  # None when a CUDA graph runs the step
     graph: Optional[GraphKey]
-    logits_indices: torch.Tensor  # [num_sampled] int64: last token of each completed sequence
+    logits_indices: torch.Tensor  # [num_logit_rows] int64: rows of the tokens to sample from
     sampled_requests: list[Request]
+    # Per sampled request, its draft tokens (speculative decoding; empty for the others). A
+    # request with k drafts has k + 1 logits rows: its last token's and each draft's position.
+    draft_token_ids: list[list[int]]
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(self.draft_token_ids)
 
 
 _IDS_RING_SIZE = 3
@@ -234,11 +242,40 @@ class ModelRunner:
         self._prev_sampled = None
         if not requests:
             return StepHandle.done()
+        if inputs.has_drafts:
+            return StepHandle.finished(self._verify(logits, inputs))
         states = [self._sampling_state(r) for r in requests]
         sampled = self.sampler.sample(logits, states)
         self._prev_sampled = _PrevSampled(sampled.token_ids,
                                           {r.request_id: i for i, r in enumerate(requests)})
         return StepHandle.launch(requests, states, sampled, self._next_ids_buffer())
+
+    def _verify(self, logits: torch.Tensor, inputs: ModelInputs) -> SampledTokens:
+        """A step with speculative requests, waited for here: the scheduler needs the accepted
+        tokens before it can schedule the next step (async scheduling is off while requests
+        speculate). Plain rows go through the sampler, speculative ones through `verify`."""
+        plain_rows, spec_rows, row = [], [], 0
+        plain, spec = [], []
+        for r, drafts in zip(inputs.sampled_requests, inputs.draft_token_ids):
+            if drafts:
+                spec.append((r, drafts))
+                spec_rows.extend(range(row, row + len(drafts) + 1))
+            else:
+                plain.append(r)
+                plain_rows.append(row)
+            row += len(drafts) + 1
+        result: SampledTokens = {}
+        if plain:
+            states = [self._sampling_state(r) for r in plain]
+            rows = logits[torch.tensor(plain_rows, device=logits.device)]
+            out = self.sampler.sample(rows, states).to_output(states)
+            result.update({r.request_id: (t, lp)
+                           for r, t, lp in zip(plain, out.token_ids, out.logprobs)})
+        states = [self._sampling_state(r) for r, _ in spec]
+        kept = verify(logits[torch.tensor(spec_rows, device=logits.device)], states,
+                      [d for _, d in spec])
+        result.update({r.request_id: (tokens, None) for (r, _), tokens in zip(spec, kept)})
+        return result
 
     def _next_ids_buffer(self) -> Optional[torch.Tensor]:
         """Pinned host memory for a step's sampled ids, from a ring of _IDS_RING_SIZE: the engine
@@ -284,7 +321,8 @@ class ModelRunner:
         b = self.buffers
         b.wait_until_writable()
         b.begin(max(num_tokens, num_rows), num_rows, width)
-        sampled, num_prev = self._fill_host(scheduled, b.block_table_rows(num_rows, width))
+        sampled, num_prev, num_logit_rows = self._fill_host(scheduled,
+                                                            b.block_table_rows(num_rows, width))
         if num_rows > num_seqs:
             self._fill_padding(num_seqs, num_rows)
         b.upload()
@@ -295,19 +333,22 @@ class ModelRunner:
             max_query_len = max(s.num_new_tokens for s in scheduled)
             meta = b.metadata(num_tokens, num_seqs, width, max_query_len, max_seq_len)
         return ModelInputs(num_tokens=num_tokens, meta=meta, graph=graph,
-                           logits_indices=b.logits_indices_device(len(sampled)),
-                           sampled_requests=sampled)
+                           logits_indices=b.logits_indices_device(num_logit_rows),
+                           sampled_requests=sampled,
+                           draft_token_ids=[s.draft_token_ids for s in scheduled
+                                            if s.completes_sequence])
 
     def _fill_host(self, scheduled: list[ScheduledRequest], tables: np.ndarray
-                   ) -> tuple[list[Request], int]:
+                   ) -> tuple[list[Request], int, int]:
         """Write token ids, positions, slots, offsets, lengths and block tables of the batch into
-        the host buffers. Returns the requests whose last position is sampled, in row order, and
-        how many input ids are left to fill from the previous step's samples (prev_token_*)."""
+        the host buffers. Returns the requests whose last position is sampled, in row order, how
+        many input ids are left to fill from the previous step's samples (prev_token_*), and
+        the number of logits rows (a speculative request has one per position)."""
         bs = self.block_size
         b = self.buffers
         ids, positions, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
         qsl, seq_lens, logits_idx = b.query_start_loc.np, b.seq_lens.np, b.logits_indices.np
-        qsl[0] = offset = num_prev = 0
+        qsl[0] = offset = num_prev = num_logit_rows = 0
         sampled: list[Request] = []
         for i, s in enumerate(scheduled):
             r, n, start = s.request, s.num_new_tokens, s.num_computed_tokens
@@ -325,18 +366,26 @@ class ModelRunner:
                 slots[offset] = int(table[start // bs]) * bs + start % bs
             else:
                 pos = np.arange(start, start + n)
-                ids[offset:offset + n] = _token_slice(r, start, start + n)
+                if s.draft_token_ids:  # its last token, then the drafts to verify
+                    ids[offset] = _token_at(r, start)
+                    ids[offset + 1:offset + n] = s.draft_token_ids
+                else:
+                    ids[offset:offset + n] = _token_slice(r, start, start + n)
                 positions[offset:offset + n] = pos
                 slots[offset:offset + n] = table[pos // bs].astype(np.int64) * bs + pos % bs
             offset += n
             qsl[i + 1] = offset
             seq_lens[i] = start + n
             if s.completes_sequence:
-                logits_idx[len(sampled)] = offset - 1
+                num_rows = len(s.draft_token_ids) + 1
+                logits_idx[num_logit_rows:num_logit_rows + num_rows] = np.arange(
+                    offset - num_rows, offset)
+                num_logit_rows += num_rows
                 sampled.append(r)
-                # The token sampled here sits at position start + n of the sequence.
-                self._sampling_state(r).output_index = start + n - r.num_prompt_tokens
-        return sampled, num_prev
+                # The (first) token sampled here sits at position start + n - num_rows + 1.
+                self._sampling_state(r).output_index = (start + n - num_rows + 1
+                                                        - r.num_prompt_tokens)
+        return sampled, num_prev, num_logit_rows
 
     def _prev_row(self, request: Request, position: int) -> int:
         """The row of `request` in the previous step's samples, which must hold its token at

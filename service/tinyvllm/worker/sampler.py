@@ -20,7 +20,7 @@ seeded sample does not depend on which other requests share the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -53,6 +53,21 @@ class SamplingState:
     eos_token_ids: frozenset[int] = frozenset()
     generator: Optional[torch.Generator] = None
     output_index: Optional[int] = None
+    # Reference path, seeded rows: the generator's draws not used yet, by output index. The n-th
+    # draw is the noise of output token n whether it is sampled alone or in a verification step
+    # (which draws for all its positions and keeps those past the rejection for later).
+    noise_ahead: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def exponential_noise(self, index: int, out: torch.Tensor) -> None:
+        """Fill out ([vocab_size]) with the Exp(1) noise of output token `index` from the
+        generator (seeded rows): a draw kept from a verification step, else the next draw."""
+        kept = self.noise_ahead.pop(index, None)
+        for stale in [i for i in self.noise_ahead if i < index]:
+            del self.noise_ahead[stale]
+        if kept is not None:
+            out.copy_(kept)
+        else:
+            out.exponential_(generator=self.generator)
 
     @property
     def sample_index(self) -> int:
@@ -297,7 +312,7 @@ def _exponential_noise(logits: torch.Tensor, states: list[SamplingState]) -> tor
     noise = torch.empty_like(logits).exponential_()
     for i, s in enumerate(states):
         if s.generator is not None and not s.params.greedy:
-            noise[i].exponential_(generator=s.generator)
+            s.exponential_noise(s.sample_index, noise[i])
     return noise
 
 

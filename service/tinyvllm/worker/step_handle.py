@@ -7,15 +7,16 @@ the sampled ids into pinned host memory (an event, not a stream sync: later step
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from tinyvllm.engine.request import Logprobs, Request
 from tinyvllm.worker.sampler import SampledTensors, SamplingState
 
-SampledTokens = dict[str, tuple[int, Optional[Logprobs]]]
-"""What a step returns: request id -> (sampled token id, its logprobs when asked)."""
+SampledTokens = dict[str, tuple[Union[int, list[int]], Optional[Logprobs]]]
+"""What a step returns: request id -> (sampled token id, its logprobs when asked); for a request
+that speculated, (the list of tokens it keeps: accepted drafts, then the target's own, None)."""
 
 
 class StepHandle:
@@ -34,6 +35,13 @@ class StepHandle:
     def done(cls) -> "StepHandle":
         """A step that sampled nothing."""
         return cls([], [], None, None)
+
+    @classmethod
+    def finished(cls, result: SampledTokens) -> "StepHandle":
+        """A step whose tokens are already on the host."""
+        handle = cls([], [], None, None)
+        handle._result = result
+        return handle
 
     @classmethod
     def launch(cls, requests: list[Request], states: list[SamplingState],

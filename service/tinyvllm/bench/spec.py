@@ -1,0 +1,161 @@
+"""`tinyvllm bench spec`: the same prompts with speculative decoding on and off, in one run.
+
+Two workloads of text prompts, greedy with ignore_eos so that both runs produce the same number
+of tokens: `repetitive` (code editing: the model is asked to rewrite a function with one name
+changed and continues by quoting it, which prompt lookup predicts) and `open` (open questions
+whose answers quote little). Each workload runs at each batch size with speculation off, then on
+(the speculative config from `--speculative-config`, default n-gram with k = 4), on one loaded
+model. Reports output and decode tokens/s, their on / off ratio, the acceptance rate, the mean
+accepted length (tokens per verification step) and whether the outputs are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from typing import Any
+
+from tinyvllm.bench.common import (engine_config, environment, model_fields, prepare,
+                                   print_table, ratio, write_record)
+from tinyvllm.bench.engine_runs import build_engine, greedy
+from tinyvllm.engine.engine_core import EngineCore
+from tinyvllm.engine.request import EngineCoreRequest
+from tinyvllm.worker.model_runner import ModelRunner
+
+NAME = "spec"
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                "prompt_lookup_min": 2}
+
+_FUNCTIONS = [
+    ("total_price", "def total_price(items, tax_rate):\n    subtotal = 0.0\n    for item in items:\n"
+     "        subtotal += item.price * item.quantity\n    tax = subtotal * tax_rate\n"
+     "    return round(subtotal + tax, 2)\n"),
+    ("count_words", "def count_words(text):\n    counts = {}\n    for word in text.lower().split():\n"
+     "        word = word.strip('.,;:!?')\n        if word:\n"
+     "            counts[word] = counts.get(word, 0) + 1\n    return counts\n"),
+    ("merge_sorted", "def merge_sorted(left, right):\n    result = []\n    i = j = 0\n"
+     "    while i < len(left) and j < len(right):\n        if left[i] <= right[j]:\n"
+     "            result.append(left[i])\n            i += 1\n        else:\n"
+     "            result.append(right[j])\n            j += 1\n    result.extend(left[i:])\n"
+     "    result.extend(right[j:])\n    return result\n"),
+    ("parse_config", "def parse_config(lines):\n    config = {}\n    for line in lines:\n"
+     "        line = line.strip()\n        if not line or line.startswith('#'):\n"
+     "            continue\n        key, _, value = line.partition('=')\n"
+     "        config[key.strip()] = value.strip()\n    return config\n"),
+]
+_QUESTIONS = [
+    "Explain why the sky is blue to a ten year old.",
+    "What are three good habits for staying healthy?",
+    "Describe the water cycle in a few sentences.",
+    "Why do cats purr?",
+    "Give some advice for a first job interview.",
+    "What is the difference between weather and climate?",
+    "How does a bicycle stay upright?",
+    "Suggest a plan for learning to play the guitar.",
+]
+
+
+def prompts_for(workload: str, batch_size: int) -> list[str]:
+    """batch_size prompts of the workload (cycled, each one different)."""
+    out = []
+    for i in range(batch_size):
+        if workload == "repetitive":
+            name, code = _FUNCTIONS[i % len(_FUNCTIONS)]
+            new = f"{name}_v{i + 2}"
+            out.append(f"Rename the function `{name}` to `{new}` and print the whole code, "
+                       f"changing nothing else.\n\n```python\n{code}```\n\nThe code with "
+                       f"`{new}`:\n\n```python\n")
+        else:
+            out.append(f"Question {i + 1}: {_QUESTIONS[i % len(_QUESTIONS)]}\nAnswer:")
+    return out
+
+
+def run_once(engine: EngineCore, prompts: list[list[int]], output_len: int, sync
+             ) -> dict[str, Any]:
+    """All prompts at once, to completion: tokens, output and decode tokens/s, spec counters."""
+    before = engine.get_stats()
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    first_s: dict[str, float] = {}
+    sync()
+    start = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=ids,
+                                             sampling_params=greedy(output_len)))
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter() - start
+        for out in outputs:
+            first_s.setdefault(out.request_id, now)
+            tokens[out.request_id] += out.new_token_ids
+    sync()
+    elapsed = time.perf_counter() - start
+    after = engine.get_stats()
+    num_out = sum(len(t) for t in tokens.values())
+    decode_s = elapsed - max(first_s.values())  # after every request's first token
+    drafts = after.spec_num_drafts - before.spec_num_drafts
+    draft_tokens = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    return {
+        "tokens": [tokens[str(i)] for i in range(len(prompts))],
+        "elapsed_s": elapsed, "num_output_tokens": num_out,
+        "output_tokens_per_s": num_out / elapsed,
+        "decode_tokens_per_s": (num_out - len(prompts)) / decode_s if decode_s > 0 else None,
+        "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    device, sync = prepare(args)
+    spec = dataclasses.asdict(engine_config(args).speculative)
+    if spec["method"] is None:
+        spec = DEFAULT_SPEC
+    config_off = engine_config(args, method=None)
+    config_on = dataclasses.replace(config_off, speculative=type(config_off.speculative)(**spec))
+    runner = ModelRunner(config_off)  # one model and KV cache, the engines take turns
+    tokenizer = runner.loaded.tokenizer
+    engines = {"off": build_engine(config_off, runner), "on": build_engine(config_on, runner)}
+    warm = [tokenizer.encode(p) for p in prompts_for("repetitive", 2)]
+    for engine in engines.values():  # first touch of the cache and allocator, both paths
+        run_once(engine, warm, 8, sync)
+    results = []
+    for workload in args.workloads:
+        for batch_size in args.batch_sizes:
+            prompts = [tokenizer.encode(p) for p in prompts_for(workload, batch_size)]
+            off = run_once(engines["off"], prompts, args.output_len, sync)
+            on = run_once(engines["on"], prompts, args.output_len, sync)
+            results.append(_compare(workload, batch_size, off, on))
+    record = {**environment(args, device), **model_fields(engines["on"], config_on),
+              "workload": {"output_len": args.output_len, "sampling": "greedy, ignore_eos",
+                           "speculative_config": spec}, "results": results}
+    for engine in engines.values():
+        engine.shutdown()
+    path = write_record(NAME, record, args.out)
+    print(f"wrote {path}")
+    table(record)
+    return 0
+
+
+def _compare(workload: str, batch_size: int, off: dict, on: dict) -> dict[str, Any]:
+    identical = off.pop("tokens") == on.pop("tokens")
+    return {"workload": workload, "batch_size": batch_size, "off": off, "on": on,
+            "identical_outputs": identical,
+            "output_tokens_per_s_ratio": ratio(on["output_tokens_per_s"],
+                                               off["output_tokens_per_s"]),
+            "decode_tokens_per_s_ratio": ratio(on["decode_tokens_per_s"],
+                                               off["decode_tokens_per_s"])}
+
+
+def table(record: dict) -> None:
+    header = ["workload", "batch", "off tok/s", "on tok/s", "ratio", "decode ratio",
+              "accept rate", "mean accepted len", "identical"]
+    rows = [[r["workload"], r["batch_size"], r["off"]["output_tokens_per_s"],
+             r["on"]["output_tokens_per_s"], r["output_tokens_per_s_ratio"],
+             r["decode_tokens_per_s_ratio"], r["on"]["acceptance_rate"],
+             r["on"]["mean_accepted_length"], r["identical_outputs"]]
+            for r in record["results"]]
+    print_table(f"spec: {record['model_name']} {record['dtype']} on {record['device']}, "
+                f"{record['workload']['output_len']} out, {record['workload']['speculative_config']}",
+                header, rows)

@@ -1,0 +1,199 @@
+"""Speculative decoding on the scheduling side: the n-gram proposer, per-request k, statistics.
+
+Torch-free like the rest of `engine/`. The n-gram (prompt lookup) proposer needs only token ids,
+so it runs at schedule time: the scheduler knows each request's draft before it allocates KV
+slots, and a request without a match costs nothing. The verification (target forward over the
+k + 1 positions, acceptance sampling) is the model runner's; the rollback of rejected tokens is
+`Scheduler.update`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tinyvllm.config import SpeculativeConfig
+from tinyvllm.engine.request import Request
+
+_MIN_CAPACITY = 256
+
+
+class NgramProposer:
+    """Prompt lookup: find an earlier occurrence of the sequence's last n tokens (n from
+    prompt_lookup_max down to prompt_lookup_min, longest first) and propose the tokens that
+    followed it.
+
+    Matching is numpy over the whole sequence: the candidates are the positions holding the last
+    token, and each longer suffix filters them further, so a step costs O(sequence length) per
+    request (about 20 us for 2,000 tokens).
+    """
+
+    def __init__(self, min_n: int, max_n: int):
+        assert 1 <= min_n <= max_n, (min_n, max_n)
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, token_ids: np.ndarray, k: int) -> list[int]:
+        """Up to k draft tokens following the longest matched suffix ([] when none matches).
+
+        Args:
+            token_ids: [num_tokens] int64, the request's prompt + output.
+            k: most tokens to propose.
+        """
+        num_tokens = token_ids.shape[0]
+        if k <= 0 or num_tokens <= self.min_n:
+            return []
+        # starts[i]: the earlier windows that end with the sequence's last token; window w ends at
+        # position w + n - 1 < num_tokens - 1, so at least one token follows it.
+        ends = np.flatnonzero(token_ids[:-1] == token_ids[-1])
+        n_matched = 1
+        best = ends
+        while ends.size and n_matched < self.max_n and n_matched < num_tokens - 1:
+            back = ends - n_matched
+            back = back[back >= 0]
+            ends = back[token_ids[back] == token_ids[num_tokens - 1 - n_matched]] + n_matched
+            if ends.size:
+                n_matched += 1
+                best = ends
+            else:
+                break
+        if n_matched < self.min_n or best.size == 0:
+            return []
+        # The latest occurrence with k tokens after it (the continuation seen most recently),
+        # else the earliest (the longest continuation: in a periodic sequence the latest match
+        # is followed by one period only).
+        full = best[best + k < num_tokens]
+        start = int(full[-1] if full.size else best[0]) + 1
+        return token_ids[start:start + k].tolist()
+
+
+@dataclass
+class SpecDecodeStats:
+    """Cumulative counters (vLLM's spec_decode metrics): verification steps (drafts), draft
+    tokens proposed, draft tokens accepted, and accepted tokens by position in the draft."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        while len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position.append(0)
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification step yields on average: accepted drafts + the target's own."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class SpecDecodePolicy:
+    """Which requests speculate this step and with how many tokens.
+
+    Speculation steps aside while `disable_by_batch_size` requests or more run: the batch already
+    keeps the hardware busy and rejected drafts would only add work. Per request, k adapts to
+    the recent acceptance (`adaptive`): +1 after a step that accepted every draft, -1 (down to 1)
+    after one that accepted none, so a request whose drafts keep failing spends one extra
+    position per step instead of k.
+    """
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+                         if config.method == "ngram" else None)
+        self.stats = SpecDecodeStats()
+        self.cost = SpecCostMonitor()
+
+    def active(self, num_running: int) -> bool:
+        limit = self.config.disable_by_batch_size
+        if not self.config.enabled or (limit is not None and num_running >= limit):
+            return False
+        return self.cost.active()
+
+    def observe_step(self, duration_s: float, num_emitted: int, speculated: bool) -> None:
+        """A decode-only step's time and tokens (steps with prefill chunks are not comparable)."""
+        self.cost.observe(duration_s, num_emitted, speculated)
+
+    def initial_k(self) -> int:
+        return self.config.num_speculative_tokens
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        """Up to k draft tokens for the request (n-gram proposer)."""
+        return self.proposer.propose(_token_array(request), k) if self.proposer else []
+
+    def next_k(self, k: int, num_draft_tokens: int, num_accepted: int) -> int:
+        """A request's k for its next step after a verification of num_draft_tokens."""
+        self.stats.observe(num_draft_tokens, num_accepted)
+        if not self.config.adaptive:
+            return k
+        if num_accepted == num_draft_tokens:
+            return min(self.config.num_speculative_tokens, k + 1)
+        if num_accepted == 0:
+            return max(1, k - 1)
+        return k
+
+
+def _token_array(request: Request) -> np.ndarray:
+    """The request's prompt + output as int64, [num_tokens]: a buffer kept on the request and
+    extended by the tokens appended since the last call (tokens are only ever appended), so a
+    step converts a few Python ints instead of the whole sequence."""
+    buf, n = request.spec_token_buffer, request.spec_token_buffer_len
+    total = request.num_tokens
+    if buf is None or buf.shape[0] < total:
+        grown = np.empty(max(_MIN_CAPACITY, 2 * total), dtype=np.int64)
+        if buf is not None:
+            grown[:n] = buf[:n]
+        buf = request.spec_token_buffer = grown
+    if n < total:
+        p = request.num_prompt_tokens
+        if n < p:
+            buf[n:p] = request.prompt_token_ids[n:]
+            n = p
+        buf[n:total] = request.output_token_ids[n - p:]
+        request.spec_token_buffer_len = total
+    return buf[:total]
+
+
+class SpecCostMonitor:
+    """Whether speculation pays: tokens per second of decode steps that verified drafts against
+    those that did not (moving averages). When verifying is slower (drafts mostly rejected, or
+    hardware on which a step of k + 1 tokens costs much more than a step of one), speculation
+    steps aside for `OFF_STEPS` steps, then tries again, so it comes back when it pays again."""
+
+    ALPHA = 0.25  # weight of the newest step in the moving averages
+    MIN_SAMPLES = 3  # of each kind before deciding
+    OFF_STEPS = 32
+    MARGIN = 0.97  # speculative steps must reach 97% of plain steps' rate to stay on
+
+    def __init__(self) -> None:
+        self.rate = {True: 0.0, False: 0.0}  # speculated -> tokens/s
+        self.samples = {True: 0, False: 0}
+        self.off_steps_left = 0
+
+    def active(self) -> bool:
+        return self.off_steps_left == 0
+
+    def observe(self, duration_s: float, num_emitted: int, speculated: bool) -> None:
+        if self.off_steps_left:
+            self.off_steps_left -= 1
+        if duration_s <= 0 or num_emitted == 0:
+            return
+        rate = num_emitted / duration_s
+        n = self.samples[speculated]
+        self.rate[speculated] = rate if n == 0 else (
+            self.ALPHA * rate + (1 - self.ALPHA) * self.rate[speculated])
+        self.samples[speculated] = n + 1
+        if (speculated and min(self.samples.values()) >= self.MIN_SAMPLES
+                and self.rate[True] < self.MARGIN * self.rate[False]):
+            self.off_steps_left = self.OFF_STEPS
+            self.samples[True] = 0  # measured afresh when it comes back

@@ -1,0 +1,119 @@
+"""Verification of speculative tokens: from the target's logits at each request's k + 1 positions
+to the tokens each request keeps (`ops.spec_decode.rejection_sample` does the acceptance).
+
+p for every position is what the plain sampler would sample from (temperature, top-k, top-p,
+min-p as `ops.sampling.apply_filters`; one-hot at the argmax for greedy rows), and the noise of
+position j is the noise of output token (first index + j): Philox keyed by (seed, index) on CUDA,
+the request's generator draws on the reference path (kept in `SamplingState.noise_ahead` when a
+rejection leaves them unused). With n-gram drafts (deterministic) each emitted token is then
+exactly the token plain sampling emits, so speculation changes how fast tokens come, not which.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinyvllm.ops.sampling import apply_filters, as_int64, kernel_available
+from tinyvllm.ops.spec_decode import PLACEHOLDER_TOKEN_ID, rejection_sample
+from tinyvllm.worker.sampler import SamplingState, _to_device
+
+
+def verify(logits: torch.Tensor, states: list[SamplingState],
+           draft_token_ids: list[list[int]]) -> list[list[int]]:
+    """The tokens each request keeps: its accepted drafts, then the target's own token.
+
+    Args:
+        logits: [T, vocab_size] float32, T = sum(k_b + 1): request b's rows are its last token's
+            and its k_b drafts' positions, in order; modified in place.
+        states: one per request; `sample_index` is the output index of its first row's token.
+        draft_token_ids: one list of k_b >= 1 tokens per request.
+    Returns:
+        Per request, 1 to k_b + 1 token ids.
+    """
+    num_rows = [len(d) + 1 for d in draft_token_ids]
+    if all(s.params.greedy for s in states):  # greedy: compare the drafts with the argmax
+        return _accept_greedy(logits.argmax(dim=-1).tolist(), draft_token_ids)
+    device = logits.device
+    probs = _target_probs(logits, states, num_rows)
+    drafts = _to_device([t for d in draft_token_ids for t in d], torch.int64, device)
+    cu = [0]
+    for d in draft_token_ids:
+        cu.append(cu[-1] + len(d))
+    cu_num_draft = _to_device(cu, torch.int64, device)
+    if kernel_available(logits):
+        seeds = _to_device(_seeds(states), torch.int64, device)
+        offsets = _to_device([s.sample_index for s in states], torch.int64, device)
+        out = rejection_sample(probs, drafts, cu_num_draft, seed=seeds, offset=offsets)
+        return _strip(out.tolist())
+    noise = _reference_noise(probs, states, num_rows)
+    kept = _strip(rejection_sample(probs, drafts, cu_num_draft, noise=noise).tolist())
+    _keep_unused_noise(noise, states, num_rows, kept)
+    return kept
+
+
+def _accept_greedy(argmax: list[int], draft_token_ids: list[list[int]]) -> list[list[int]]:
+    kept, row = [], 0
+    for drafts in draft_token_ids:
+        tokens = []
+        for j, target in enumerate(argmax[row:row + len(drafts) + 1]):
+            tokens.append(target)
+            if j == len(drafts) or target != drafts[j]:
+                break
+        kept.append(tokens)
+        row += len(drafts) + 1
+    return kept
+
+
+def _target_probs(logits: torch.Tensor, states: list[SamplingState],
+                  num_rows: list[int]) -> torch.Tensor:
+    """p of every row [T, vocab_size]: filtered softmax, one-hot at the argmax for greedy rows."""
+    params = [s.params for s, n in zip(states, num_rows) for _ in range(n)]
+    device = logits.device
+    greedy = _to_device([p.greedy for p in params], torch.bool, device)
+    floats = _to_device([[0.0 if p.greedy else p.temperature for p in params],
+                         [p.top_p for p in params], [p.min_p for p in params]],
+                        logits.dtype, device)
+    top_k = (_to_device([p.top_k for p in params], torch.int64, device)
+             if any(p.top_k > 0 for p in params) else None)
+    top_p = floats[1] if any(p.top_p < 1.0 for p in params) else None
+    min_p = floats[2] if any(p.min_p > 0.0 for p in params) else None
+    greedy_ids = logits.argmax(dim=-1)
+    apply_filters(logits, floats[0], top_k, top_p, min_p)
+    probs = logits.softmax(dim=-1)
+    one_hot = torch.zeros_like(probs).scatter_(1, greedy_ids.unsqueeze(1), 1.0)
+    return torch.where(greedy.unsqueeze(1), one_hot, probs)
+
+
+def _seeds(states: list[SamplingState]) -> list[int]:
+    """Philox keys: the request's seed, else a fresh draw (as the sampler keys its kernel)."""
+    fresh = iter(torch.randint(0, 1 << 62, (len(states),)).tolist())
+    return [as_int64(s.params.seed) if s.params.seed is not None else next(fresh)
+            for s in states]
+
+
+def _reference_noise(probs: torch.Tensor, states: list[SamplingState],
+                     num_rows: list[int]) -> torch.Tensor:
+    """Exp(1) noise of every row: fresh, or the seeded request's draws by output index."""
+    noise = torch.empty_like(probs).exponential_()
+    row = 0
+    for s, n in zip(states, num_rows):
+        if s.generator is not None and not s.params.greedy:
+            for j in range(n):
+                s.exponential_noise(s.sample_index + j, noise[row + j])
+        row += n
+    return noise
+
+
+def _keep_unused_noise(noise: torch.Tensor, states: list[SamplingState], num_rows: list[int],
+                       kept: list[list[int]]) -> None:
+    """Seeded rows past the emitted tokens drew noise that later output tokens will use."""
+    row = 0
+    for s, n, tokens in zip(states, num_rows, kept):
+        if s.generator is not None and not s.params.greedy:
+            for j in range(len(tokens), n):
+                s.noise_ahead[s.sample_index + j] = noise[row + j].clone()
+        row += n
+
+
+def _strip(rows: list[list[int]]) -> list[list[int]]:
+    return [[t for t in r if t != PLACEHOLDER_TOKEN_ID] for r in rows]

@@ -1,0 +1,160 @@
+"""Speculation on the scheduling side, without a model: the n-gram proposer, the config, and the
+scheduler's allocation and rollback of draft tokens' KV (exact block ids and counts)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tinyvllm.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from tinyvllm.engine.kv_cache_manager import KVCacheManager
+from tinyvllm.engine.request import Request
+from tinyvllm.engine.scheduler import Scheduler
+from tinyvllm.engine.spec_decode import NgramProposer, SpecDecodePolicy, SpecDecodeStats
+from tinyvllm.sampling_params import SamplingParams
+
+BLOCK = 4
+
+
+def propose(tokens, k=4, min_n=1, max_n=3):
+    return NgramProposer(min_n, max_n).propose(np.array(tokens, dtype=np.int64), k)
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    # suffix [2, 3] occurs at 1..2 (then 9, 9) and at 5..6 (then 4, 5): the latest wins.
+    assert propose([1, 2, 3, 9, 9, 2, 3, 4, 5, 7, 2, 3]) == [4, 5, 7, 2]
+    # [8, 2, 3] (n = 3) beats the later [2, 3] match.
+    assert propose([8, 2, 3, 6, 6, 1, 2, 3, 7, 8, 2, 3]) == [6, 6, 1, 2]
+    assert propose([8, 2, 3, 6, 6, 1, 2, 3, 7, 8, 2, 3], k=2) == [6, 6]
+    # The continuation stops at the end of the sequence.
+    assert propose([5, 6, 7, 5, 6]) == [7, 5, 6]
+    # Periodic: the latest match is followed by one period only, the earliest by k tokens.
+    assert propose([1, 2, 1, 2, 1, 2], max_n=2) == [1, 2, 1, 2]
+    assert propose([1, 2, 1, 2, 1, 2], k=2, max_n=2) == [1, 2]
+
+
+def test_ngram_no_match_or_too_short():
+    assert propose([1, 2, 3, 4]) == []
+    assert propose([7]) == []
+    assert propose([1, 2, 3, 1, 2], min_n=3) == []  # only n = 2 matches
+    assert propose([1, 2, 3, 1, 2], min_n=2) == [3, 1, 2]
+    assert propose([1, 2, 1, 2], k=0) == []
+
+
+def test_stats_count_per_position():
+    stats = SpecDecodeStats()
+    stats.observe(4, 2)
+    stats.observe(3, 3)
+    stats.observe(2, 0)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 9, 5)
+    assert stats.accepted_per_position == [2, 2, 1, 0]
+    assert stats.acceptance_rate == 5 / 9 and stats.mean_accepted_length == 1 + 5 / 3
+
+
+def test_config_parses_json_and_names_bad_keys():
+    config = EngineConfig.from_kwargs(
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    assert config.speculative.method == "ngram" and config.speculative.num_speculative_tokens == 3
+    assert not EngineConfig.from_kwargs().speculative.enabled
+    with pytest.raises(TypeError, match="unknown key 'num_spec_tokens'"):
+        SpeculativeConfig.parse({"method": "ngram", "num_spec_tokens": 3})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        SpeculativeConfig.parse("{method: ngram}")
+    with pytest.raises(ValueError, match="method must be one of"):
+        SpeculativeConfig.parse({"method": "medusa"})
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig.parse({"method": "ngram", "prompt_lookup_min": 5})
+    with pytest.raises(ValueError, match="num_speculative_tokens must be positive"):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 0})
+
+
+def make_scheduler(num_blocks=16, k=4, **spec):
+    kv = KVCacheManager(num_blocks, BLOCK, True, hash_seed=1)
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=k, **spec)
+    return Scheduler(SchedulerConfig(), kv, max_model_len=1000, speculative=config)
+
+
+def make_request(rid, prompt, max_tokens=20):
+    return Request(request_id=rid, prompt_token_ids=list(prompt),
+                   sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens),
+                   eos_token_ids=frozenset({0}))
+
+
+def test_draft_slots_are_allocated_then_rolled_back():
+    s = make_scheduler(adaptive=False)
+    r = make_request("a", [1, 2, 3, 4, 1, 2])
+    s.add_request(r)
+    out = s.schedule()
+    s.update(out, {"a": (3, None)})  # prefill samples 3: tokens 1 2 3 4 1 2 3
+    free_before = s.kv.num_free_blocks
+    out = s.schedule()
+    (step,) = out.scheduled
+    # suffix [1, 2, 3] matched at 0..2: the draft is 4 1 2 3, at positions 7..10.
+    assert step.draft_token_ids == [4, 1, 2, 3] and step.num_new_tokens == 5
+    assert r.num_computed_tokens == 11 and r.block_ids == [1, 2, 3]
+    # The target accepts 4 and 1, then says 9: positions 7..8 kept, 9..10 rolled back.
+    (result,) = s.update(out, {"a": ([4, 1, 9], None)})
+    assert result.new_token_ids == [4, 1, 9]
+    assert r.output_token_ids == [3, 4, 1, 9]
+    assert r.num_computed_tokens == 9 and r.num_tokens == 10
+    assert r.block_ids == [1, 2, 3]  # position 8 is in block 3
+    assert r.num_published_blocks == 2  # positions 0..7: only accepted tokens' full blocks
+    assert s.kv.num_free_blocks == free_before - 1
+    assert s.spec.stats.num_accepted_tokens == 2 and s.spec.stats.num_draft_tokens == 4
+
+
+def test_rejected_drafts_blocks_are_freed():
+    s = make_scheduler(adaptive=False)
+    r = make_request("a", [5, 6, 7, 8, 5, 6, 7])
+    s.add_request(r)
+    s.update(s.schedule(), {"a": (8, None)})  # 8 tokens: blocks 1, 2 full
+    out = s.schedule()
+    assert out.scheduled[0].draft_token_ids == [5, 6, 7, 8]
+    assert r.block_ids == [1, 2, 3]  # positions 7..11
+    s.update(out, {"a": ([1], None)})  # the first draft is rejected
+    assert r.num_computed_tokens == 8 and r.block_ids == [1, 2]
+    assert s.kv.num_free_blocks == s.kv.num_blocks - 1 - 2
+
+
+def test_draft_is_capped_by_max_tokens_and_the_budget():
+    s = make_scheduler()
+    r = make_request("a", [1, 2, 1, 2, 1, 2, 1, 2], max_tokens=3)
+    s.add_request(r)
+    s.update(s.schedule(), {"a": (1, None)})
+    out = s.schedule()
+    # 1 output token so far, 3 at most: this step may yield 2, so 1 draft.
+    assert out.scheduled[0].draft_token_ids == [2]
+    s.update(out, {"a": ([2, 1], None)})
+    assert r.is_finished and r.output_token_ids == [1, 2, 1]
+    assert s.kv.num_free_blocks == s.kv.num_blocks - 1
+
+
+def test_adaptive_k_shrinks_after_rejections_and_grows_back():
+    policy = SpecDecodePolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    k, ks = 4, []
+    for accepted in (0, 0, 0, 0, 1, 1, 2, 2, 4):  # of min(k, ...) drafts
+        k = policy.next_k(k, k, min(accepted, k))
+        ks.append(k)
+    assert ks == [3, 2, 1, 1, 2, 2, 3, 3, 4]
+    fixed = SpecDecodePolicy(SpeculativeConfig(method="ngram", adaptive=False))
+    assert fixed.next_k(4, 4, 0) == 4
+
+
+def test_speculation_steps_aside_while_it_does_not_pay_and_comes_back():
+    policy = SpecDecodePolicy(SpeculativeConfig(method="ngram"))
+    assert policy.active(1)
+    for _ in range(3):
+        policy.observe_step(0.1, 1, speculated=False)  # 10 tokens/s
+    for _ in range(2):
+        policy.observe_step(0.4, 2, speculated=True)  # 5 tokens/s: not decided on 2 samples
+        assert policy.active(1)
+    policy.observe_step(0.4, 2, speculated=True)
+    assert not policy.active(1)
+    for _ in range(policy.cost.OFF_STEPS - 1):
+        policy.observe_step(0.1, 1, speculated=False)
+        assert not policy.active(1)
+    policy.observe_step(0.1, 1, speculated=False)
+    assert policy.active(1)  # tried again; now it pays
+    for _ in range(5):
+        policy.observe_step(0.2, 3, speculated=True)  # 15 tokens/s
+    assert policy.active(1)
