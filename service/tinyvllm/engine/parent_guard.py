@@ -106,6 +106,7 @@ class ParentGuard:
         if self._exiting:
             return
         if self.parent_gone() or not self.serving:
+            self._exiting = True  # once: a second signal must not interrupt the unwinding
             raise EngineExit("SIGTERM" + (" after the parent died" if self.parent_gone() else ""))
         if self._term_deadline is None:
             self._term_deadline = time.monotonic() + self.sigterm_grace_s

@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional
 
@@ -49,6 +50,34 @@ SHUTDOWN_TIMEOUT_S = 10.0
 
 STARTUP_STOP_TIMEOUT_S = 3.0
 """How long an engine that is still starting gets to exit on SIGTERM before it is killed."""
+
+
+def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """`fn(*args)` on a daemon thread: unlike an executor's threads, it does not hold up the
+    process's exit (a SIGTERM while the tokenizer still loads exits at once)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: Any, error: Optional[BaseException]) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits any more
+
+    threading.Thread(target=run, name=f"tinyvllm-{fn.__name__}", daemon=True).start()
+    return future
 
 
 class EngineObserver:
@@ -132,7 +161,7 @@ class AsyncEngineClient:
         self._tasks = [asyncio.create_task(self._output_loop(), name="engine-outputs"),
                        asyncio.create_task(self._watch_process(), name="engine-watchdog")]
         # Load the (cheap) tokenizer while the engine loads the model.
-        self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.config.model.model)
+        self.tokenizer = await _in_daemon_thread(load_tokenizer, self.config.model.model)
         self._processor = OutputProcessor(self.tokenizer.backend)
         try:
             await asyncio.wait_for(asyncio.shield(self._ready), ready_timeout_s)
@@ -171,6 +200,7 @@ class AsyncEngineClient:
                 await asyncio.sleep(WATCHDOG_INTERVAL_S)
             if self._proc.is_alive():
                 self._proc.kill()
+            logger.info("engine core stopped")
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -28,4 +28,4 @@ class EngineRequestError(RuntimeError):
 
 
 class TooManyStreamsError(QueueFullError):
-    """The server-wide limit of concurrent Generate streams (--max-concurrent-streams) is reached."""
+    """The server-wide limit of concurrent Generate streams (--max-concurrent-streams) is hit."""

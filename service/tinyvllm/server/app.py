@@ -192,6 +192,8 @@ class Server:
 
     def _request_exit(self, reason: ExitReason) -> None:
         if self._exit is not None and not self._exit.done():
+            if reason is ExitReason.SIGNAL:
+                logger.info("signal received: stopping")
             self._exit.set_result(reason)
         elif reason is ExitReason.SIGNAL:
             logger.info("already stopping")

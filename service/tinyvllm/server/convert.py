@@ -91,8 +91,9 @@ def chat_messages_from_proto(chat: pb.ChatPrompt) -> list[dict[str, str]]:
         if not m.role:
             raise InvalidArgumentError(f"chat.messages[{i}].role", "must not be empty")
         if m.role not in CHAT_ROLES:
-            raise InvalidArgumentError(f"chat.messages[{i}].role",
-                                       f"must be one of {', '.join(CHAT_ROLES)}, got {m.role!r:.80}")
+            raise InvalidArgumentError(
+                f"chat.messages[{i}].role",
+                f"must be one of {', '.join(CHAT_ROLES)}, got {m.role!r:.80}")
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
