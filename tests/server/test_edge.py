@@ -114,6 +114,7 @@ def test_undecodable_requests_leave_no_traceback(server):
 PROBE_SCRIPT = """
 import json, sys, threading, time
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 target, interval_s = sys.argv[1], float(sys.argv[2])
 stop = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()

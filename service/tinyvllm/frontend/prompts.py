@@ -9,9 +9,9 @@ chat: render the template ─▶ content carries special-token strings?
               parts with special tokens parsed and the content parts as plain text
 ```
 
-The Rust tokenizer releases the GIL while it encodes but holds it for the last part of the call
-(building the result, about 0.1 s per MB of text on a busy machine), so the byte limit also bounds
-how long a single prompt can hold up the loop.
+Large inputs go through the `*_batch` calls of `tokenizers`, which release the GIL while they
+work (`Tokenizer.encode` / `decode` pick them by size); building the Python result still holds it
+briefly (tens of ms per MB), so the byte limit also bounds how long one prompt can hold the loop.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ class PromptTokenizer:
                 raise RequestValidationError(
                     "chat", "message content holds special-token strings that this model's "
                     "chat template does not keep apart from its own text")
-            ids += self._plain().encode(content, add_special_tokens=False).ids if content else []
+            ids += _encode_plain(self._plain(), content) if content else []
             parts.append(content)
         return "".join(parts), ids
 
@@ -175,6 +175,11 @@ class PromptTokenizer:
             plain.encode_special_tokens = True
             self._plain_backend = plain
         return self._plain_backend
+
+
+def _encode_plain(backend: BackendTokenizer, text: str) -> list[int]:
+    # encode_batch releases the GIL (see the module docstring).
+    return backend.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 def default_max_prompt_bytes(max_model_len: int) -> int:
