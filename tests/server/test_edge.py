@@ -118,25 +118,37 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 target, interval_s = sys.argv[1], float(sys.argv[2])
 stop = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-latencies = []
+latencies, problems, pending = [], [], []
+request = health_pb2.HealthCheckRequest(service="")
+SERVING = health_pb2.HealthCheckResponse.SERVING
 with grpc.insecure_channel(target) as channel:
-    stub = health_pb2_grpc.HealthStub(channel)
-    check = lambda: stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
-    check()  # connected before measuring
+    check = health_pb2_grpc.HealthStub(channel).Check
+    check(request, timeout=10)  # connected before measuring
     print("ready", flush=True)
-    while not stop.is_set():
+    while not stop.is_set():  # a probe every interval, whether or not earlier ones answered
         start = time.perf_counter()
-        status = check().status
-        latencies.append(time.perf_counter() - start)
-        assert status == health_pb2.HealthCheckResponse.SERVING, status
+        future = check.future(request, timeout=10)
+        def done(f, start=start):
+            latencies.append(time.perf_counter() - start)
+            try:
+                if f.result().status != SERVING:
+                    problems.append(f"status {f.result().status}")
+            except grpc.RpcError as e:
+                problems.append(repr(e))
+        future.add_done_callback(done)
+        pending.append(future)
         stop.wait(interval_s)
-print(json.dumps(latencies), flush=True)
+    for future in pending:
+        future.exception()
+time.sleep(0.1)  # the last callbacks
+print(json.dumps({"latencies": latencies, "problems": problems}), flush=True)
 """
 
 
 class HealthProbe:
     """Probes gRPC health every `interval_s` from a process of its own (so that nothing this
-    test process does, such as serializing a 4 MB request, delays a probe); keeps each latency."""
+    test process does, such as serializing a 4 MB request, delays a probe), without waiting for
+    earlier probes: a stalled server shows as every probe sent during the stall being late."""
 
     def __init__(self, target: str, interval_s: float = 0.02) -> None:
         self.target = target
@@ -152,12 +164,18 @@ class HealthProbe:
 
     async def __aexit__(self, *exc) -> None:
         out, _ = await self._proc.communicate(b"")
-        assert self._proc.returncode == 0, "a health probe failed or was not SERVING"
-        self.latencies_s = json.loads(out.decode().strip().splitlines()[-1])
+        assert self._proc.returncode == 0
+        result = json.loads(out.decode().strip().splitlines()[-1])
+        assert not result["problems"], result["problems"][:5]
+        self.latencies_s = sorted(result["latencies"])
 
-    @property
-    def worst_s(self) -> float:
-        return max(self.latencies_s)
+    def assert_fast(self, limit_s: float = HEALTH_LIMIT_S) -> None:
+        """99% of probes answered within `limit_s` (a lone late probe is the shared machine's
+        scheduler, not the server: a blocked event loop delays every probe of the stall)."""
+        assert len(self.latencies_s) >= 10
+        p99 = self.latencies_s[int(0.99 * (len(self.latencies_s) - 1))]
+        assert p99 < limit_s, (f"p99 {p99:.3f}s over {len(self.latencies_s)} probes; "
+                               f"slowest {self.latencies_s[-5:]}")
 
 
 def _big_text(num_bytes: int, seed: int = 0) -> str:
@@ -189,7 +207,7 @@ async def test_4mb_prompts_are_refused_by_size_before_tokenizing(server, client)
             await client.tokenize(text)
         assert info.value.details().startswith("prompt: is"), info.value.details()
         await asyncio.sleep(0.2)
-    assert probe.worst_s < HEALTH_LIMIT_S, sorted(probe.latencies_s)[-5:]
+    probe.assert_fast()
     assert refused_s < 5.0  # tokenizing 4 MB takes ~10 s here
 
 
@@ -204,8 +222,7 @@ async def test_large_prompt_is_tokenized_off_the_event_loop(server, client):
         await asyncio.sleep(0.1)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith(f"prompt: is {len(ids)} tokens"), info.value.details()
-    assert len(probe.latencies_s) > 10
-    assert probe.worst_s < HEALTH_LIMIT_S, sorted(probe.latencies_s)[-5:]
+    probe.assert_fast()
 
 
 async def test_large_detokenize_keeps_health_fast(server, client):
@@ -214,7 +231,7 @@ async def test_large_detokenize_keeps_health_fast(server, client):
     async with HealthProbe(server.target) as probe:
         text = await client.detokenize(ids)
     assert len(text) > 200_000
-    assert probe.worst_s < HEALTH_LIMIT_S, sorted(probe.latencies_s)[-5:]
+    probe.assert_fast()
 
 
 # --- limits, ids, chat ---------------------------------------------------------------------------

@@ -133,3 +133,22 @@ def _pgid(pid: int) -> int:
         return os.getpgid(pid)
     except ProcessLookupError:
         return -1
+
+
+async def test_sigterm_to_the_whole_process_group_still_drains(tmp_path):
+    """`kill -TERM -<pgid>` (systemd, a shell's job control) reaches the engine too: it keeps
+    serving while the server drains, so in-flight streams finish and the exit code is 0."""
+    server = start_server(tmp_path, "--drain-timeout-s", "300")
+    try:
+        async with AsyncClient(server.target) as client:
+            stream = client.generate("Tell me a story.", max_tokens=10, ignore_eos=True,
+                                     stream_token_ids=True)
+            num_tokens = len((await stream.__anext__()).token_ids)
+            os.killpg(server.proc.pid, signal.SIGTERM)
+            async for r in stream:
+                num_tokens += len(r.token_ids)
+            assert r.finish_reason and num_tokens == 10
+        assert server.wait_exit(timeout_s=120) == 0
+    finally:
+        server.stop()
+    assert "SIGTERM while the frontend lives" in server.log()

@@ -32,8 +32,11 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    # A long stall timeout: on a shared, overloaded machine one step of 150 sequences can take
+    # longer than the default, and this test is about the frontend, not stall detection.
     srv = start_server(tmp_path_factory.mktemp("soak"),
-                       "--max-concurrent-streams", str(MAX_STREAMS))
+                       "--max-concurrent-streams", str(MAX_STREAMS),
+                       "--engine-stall-timeout-s", "600")
     yield srv
     srv.stop()
 
@@ -75,35 +78,34 @@ async def _big_prompt(client: AsyncClient) -> None:
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-async def _soak(server, seed: int) -> dict[str, int]:
+async def _soak(server, seed: int, num_streams: int = NUM_STREAMS) -> dict[str, int]:
     rng = random.Random(seed)
     outcomes = {"finished": 0, "cancelled": 0, "limited": 0}
     clients = [AsyncClient(server.target) for _ in range(4)]
     try:
         tasks = []
-        for i in range(NUM_STREAMS):
+        for i in range(num_streams):
             tasks.append(asyncio.ensure_future(_one_stream(clients, i, rng, outcomes)))
-            if i == NUM_STREAMS // 2:
+            if i == num_streams // 2:
                 tasks.append(asyncio.ensure_future(_big_prompt(clients[0])))
             await asyncio.sleep(0.002)
         await asyncio.gather(*tasks)
     finally:
         for c in clients:
             await c.close()
-    assert sum(outcomes.values()) == NUM_STREAMS
+    assert sum(outcomes.values()) == num_streams
     return outcomes
 
 
 async def test_soak_with_random_cancels_and_a_4mb_prompt(server):
-    await _soak(server, seed=100)  # warm-up: pools, caches and allocator reach their size
+    await _soak(server, seed=100, num_streams=60)  # warm-up: pools, caches, allocator
     wait_for_metrics(server, IDLE, timeout_s=30.0)
     rss_before = _rss_bytes(server.proc.pid)
     async with HealthProbe(server.target, interval_s=0.05) as probe:
         outcomes = await _soak(server, seed=0)
     assert outcomes["finished"] > 0 and outcomes["cancelled"] > 10, outcomes
     wait_for_metrics(server, IDLE, timeout_s=30.0)
-    latencies = sorted(probe.latencies_s)
-    assert latencies[-1] < HEALTH_LIMIT_S, latencies[-5:]
+    probe.assert_fast(HEALTH_LIMIT_S)
     # Every stream slot was given back: MAX_STREAMS streams fit again.
     async with AsyncClient(server.target) as client:
         results = await asyncio.gather(*(client.complete("Hi", max_tokens=1)

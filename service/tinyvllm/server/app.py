@@ -3,7 +3,7 @@
 ```
 start:   gRPC + metrics ports open (health NOT_SERVING) ─▶ engine READY ─▶ health SERVING
 SIGTERM: health NOT_SERVING, new streams UNAVAILABLE ─▶ in-flight streams finish (at most
-         drain_timeout_s, then cancelled) ─▶ engine shut down ─▶ exit 0
+         drain_timeout_s, then UNAVAILABLE) ─▶ engine shut down ─▶ exit 0
 engine dies: in-flight streams INTERNAL, health NOT_SERVING ─▶ exit 1 after ENGINE_DEAD_GRACE_S
 engine stalls (work in flight, no step for engine_stall_timeout_s): health NOT_SERVING until it
          steps again
@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tinyvllm.config import EngineConfig, ServerConfig
 from tinyvllm.engine import core_proc
-from tinyvllm.frontend.engine_client import AsyncEngineClient
+from tinyvllm.frontend.engine_client import SHUTDOWN_TIMEOUT_S, AsyncEngineClient
 from tinyvllm.frontend.errors import EngineUnavailableError
 from tinyvllm.server.errors import ErrorMappingInterceptor
 from tinyvllm.server.metrics import MetricsHttpServer, ServerMetrics
@@ -66,7 +66,8 @@ class Server:
         self.engine = AsyncEngineClient(
             engine_config, observer=self.metrics, on_dead=self._on_engine_dead,
             engine_class=engine_class, stall_timeout_s=server_config.engine_stall_timeout_s,
-            sigterm_grace_s=server_config.drain_timeout_s + STOP_GRACE_S + 10.0)
+            # An engine SIGTERMed with this process (one process group) outlives the drain.
+            sigterm_grace_s=server_config.drain_timeout_s + STOP_GRACE_S + SHUTDOWN_TIMEOUT_S)
         self.servicer = GenerationServicer(self.engine, server_config)
         self.health = health.aio.HealthServicer()
         self._exit: Optional[asyncio.Future] = None
