@@ -208,10 +208,28 @@ class ServerConfig:
     drain_timeout_s: float = _f(
         30.0, "On SIGTERM, how long in-flight streams may run before they are cancelled."
     )
-    max_concurrent_streams: int = _f(1024, "Most concurrent Generate streams.")
+    max_concurrent_streams: int = _f(
+        1024, "Most concurrent Generate streams on the whole server, over all connections; "
+        "past it a new stream gets RESOURCE_EXHAUSTED.")
+    max_prompt_bytes: Optional[int] = _f(
+        None, "Largest prompt (text, or all chat messages) in UTF-8 bytes; larger ones get "
+        "INVALID_ARGUMENT before any tokenization. Default: 32 bytes per token of the context "
+        "length.")
+    engine_stall_timeout_s: float = _f(
+        60.0, "With requests in flight, this long without a step from the engine turns health "
+        "NOT_SERVING (and new requests UNAVAILABLE) until it steps again.")
+    parse_special_tokens_in_chat: bool = _f(
+        False, "Parse special-token strings inside chat message content (e.g. `<|im_start|>`) "
+        "as the special tokens. Off: content is plain text, so a user cannot forge a turn.")
     log_stats_interval_s: float = _f(
         10.0, "Seconds between engine-stats log lines (throughput, running/waiting requests, KV "
         "and prefix cache); 0 disables them. Nothing is logged while the engine is idle.")
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrent_streams", "max_prompt_bytes", "engine_stall_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
 
 
 @dataclass(frozen=True)

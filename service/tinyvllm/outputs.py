@@ -55,9 +55,13 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Timestamps (time.monotonic seconds) and counts of one request."""
+    """Timestamps (time.monotonic seconds) and counts of one request.
+
+    `first_scheduled_time` is when the engine step that produced the first token started (set by
+    the server's engine client; None offline)."""
 
     arrival_time: float
+    first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None

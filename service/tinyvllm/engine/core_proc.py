@@ -9,8 +9,11 @@ frontend (asyncio)                                    engine-core process (this 
 
 Messages are msgspec structs tagged by type. The loop is busy while there is work: it drains the
 input socket without blocking, runs one `EngineCore.step()`, and sends ONE message carrying every
-request's outputs plus the engine stats. When idle it blocks on input (waking now and then to
-notice that the frontend died).
+request's outputs plus the engine stats. When idle it blocks on input, waking now and then.
+
+No send blocks for good: outputs go out with NOBLOCK, and while the frontend does not take them
+(its queue is full) the loop waits in short polls that also check for the parent's death and
+SIGTERM (`parent_guard`), so a dead frontend never leaves an engine hanging in a send.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import signal
 import sys
 import time
 import traceback
@@ -28,12 +30,16 @@ import msgspec
 import zmq
 
 from tinyvllm.config import EngineConfig, RuntimeInfo
+from tinyvllm.engine.parent_guard import EngineExit, ParentGuard
 from tinyvllm.engine.request import EngineCoreOutput, EngineCoreRequest, FinishReason
 
 DEFAULT_ENGINE_CLASS = "tinyvllm.engine.engine_core:EngineCore"
 
 IDLE_POLL_MS = 500
 """How often an idle engine wakes to check that its parent is still alive."""
+
+SEND_POLL_MS = 100
+"""While the frontend takes no output, how often the engine checks whether it should exit."""
 
 FAILURE_LINGER_MS = 2000
 """How long the engine waits for its last message (Ready / EngineFailed) to leave on exit."""
@@ -88,37 +94,66 @@ def ipc_addresses(directory: str) -> tuple[str, str]:
 # --- the process --------------------------------------------------------------------------------
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
-                    engine_class: str = DEFAULT_ENGINE_CLASS) -> None:
+                    engine_class: str = DEFAULT_ENGINE_CLASS, *, parent_pid: Optional[int] = None,
+                    ipc_dir: Optional[str] = None, sigterm_grace_s: float = 60.0) -> None:
     """Entry point of the engine process (multiprocessing `spawn` target).
 
-    Exits 0 on Shutdown or when the parent is gone, 1 after sending EngineFailed.
+    Exits 0 on Shutdown, SIGTERM or when the parent is gone (`parent_guard`), 1 after sending
+    EngineFailed.
     """
-    # The frontend owns shutdown: a Ctrl-C reaching the whole process group must not kill the
-    # engine before the frontend has drained its streams.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    guard = ParentGuard(parent_pid or os.getppid(), ipc_dir, sigterm_grace_s)
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
-    inputs.connect(input_addr)
     outputs = ctx.socket(zmq.PUSH)
-    outputs.connect(output_addr)
     encoder = msgspec.msgpack.Encoder()
     code = 0
     try:
+        guard.install()
+        inputs.connect(input_addr)
+        outputs.connect(output_addr)
         core = _load_engine(engine_class)(config)
-        outputs.send(encoder.encode(Ready(runtime_info=core.runtime_info, pid=os.getpid())))
-        EngineCoreLoop(core, inputs, outputs, encoder).run()
+        send_or_exit(outputs, encoder.encode(Ready(runtime_info=core.runtime_info,
+                                                   pid=os.getpid())), guard)
+        guard.serving = True
+        EngineCoreLoop(core, inputs, outputs, encoder, guard).run()
+        guard.exiting()
         core.shutdown()
+    except EngineExit as e:
+        print(f"tinyvllm engine core exiting: {e}", file=sys.stderr, flush=True)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the frontend
         code = 1
         detail = "".join(traceback.format_exception(e))
         print(f"tinyvllm engine core failed:\n{detail}", file=sys.stderr, flush=True)
-        outputs.send(encoder.encode(EngineFailed(error=f"{type(e).__name__}: {e}")))
+        try:
+            outputs.send(encoder.encode(EngineFailed(error=f"{type(e).__name__}: {e}")),
+                         zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # nobody is reading: the frontend sees the exit code instead
     finally:
+        guard.exiting()
+        orphaned = guard.parent_gone()
         inputs.close(linger=0)
-        outputs.close(linger=FAILURE_LINGER_MS)
+        outputs.close(linger=0 if orphaned else FAILURE_LINGER_MS)
         ctx.term()
+        guard.cleanup_if_orphaned()
     sys.exit(code)
+
+
+def send_or_exit(socket: zmq.Socket, data: bytes, guard: ParentGuard) -> None:
+    """Send without ever blocking for good: wait while the peer's queue is full, unless the
+    engine should exit (parent gone, SIGTERM grace over).
+
+    Raises:
+        EngineExit: the engine should exit before the message could go out.
+    """
+    while True:
+        try:
+            socket.send(data, zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            if guard.should_exit():
+                raise EngineExit("output not taken and the engine should exit") from None
+            socket.poll(SEND_POLL_MS, zmq.POLLOUT)
 
 
 def _stats_dict(stats: Any) -> dict[str, float]:
@@ -141,19 +176,21 @@ class EngineCoreLoop:
     """Busy loop around one `EngineCore`: drain inputs, step, send one message per step."""
 
     def __init__(self, core: Any, inputs: zmq.Socket, outputs: zmq.Socket,
-                 encoder: msgspec.msgpack.Encoder):
+                 encoder: msgspec.msgpack.Encoder, guard: ParentGuard):
         self.core = core
         self.inputs = inputs
         self.outputs = outputs
         self.encoder = encoder
         self.decoder = msgspec.msgpack.Decoder(EngineInput)
-        self.parent_pid = os.getppid()
+        self.guard = guard
         self.shutdown_requested = False
         # Outputs produced outside a step (requests the core refused); sent with the next message.
         self.pending_outputs: list[EngineCoreOutput] = []
 
     def run(self) -> None:
         while not self.shutdown_requested:
+            if self.guard.should_exit():
+                return  # the frontend is gone, or a SIGTERM's grace ran out
             busy = self.core.has_unfinished_requests()
             handled = self._drain_inputs(timeout_ms=0 if busy else IDLE_POLL_MS)
             if self.shutdown_requested:
@@ -163,8 +200,6 @@ class EngineCoreLoop:
             elif handled:
                 # Idle after aborts or refusals: report them and the freed blocks once.
                 self._send(time.monotonic())
-            elif not busy and os.getppid() != self.parent_pid:
-                return  # the frontend is gone; nobody will ever read our outputs
 
     def _drain_inputs(self, timeout_ms: int) -> bool:
         """Handle every queued input, waiting up to `timeout_ms` for the first one."""
@@ -206,5 +241,5 @@ class EngineCoreLoop:
         stats = _stats_dict(self.core.get_stats())
         if step_outputs is None:
             stats["num_scheduled_tokens"] = 0  # no step ran: nothing was scheduled
-        self.outputs.send(self.encoder.encode(
-            StepOutputs(outputs=outputs, stats=stats, step_start_time=start)))
+        send_or_exit(self.outputs, self.encoder.encode(
+            StepOutputs(outputs=outputs, stats=stats, step_start_time=start)), self.guard)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 
 from tinyvllm.config import (ServerConfig, add_config_arguments, add_engine_arguments,
@@ -39,7 +40,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "log's and stats' values as keys).")
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def exit_zero_on_sigterm() -> None:
+    """Until the server installs its own handlers, SIGTERM means a clean exit (code 0)."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
 def run(args: argparse.Namespace) -> int:
+    exit_zero_on_sigterm()
     configure_logging(args.log_level, args.log_format)
     server_config = config_from_args(args, ServerConfig)
     engine_config = engine_config_from_args(args)
@@ -72,6 +83,7 @@ def _run_event_loop(main) -> int:
 
 def main(argv=None) -> int:
     """`python -m tinyvllm.entrypoints.serve ...`, the same as `tinyvllm serve ...`."""
+    exit_zero_on_sigterm()
     parser = argparse.ArgumentParser(prog="tinyvllm serve", description=__doc__, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)

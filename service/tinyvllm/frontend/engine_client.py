@@ -7,16 +7,23 @@ _output_loop: PULL StepOutputs ─▶ OutputProcessor.process_outputs (detokeniz
               ─▶ RequestState.collector.put ─▶ generate() yields ─▶ stream
               ─▶ AbortRequests for requests finished by a stop string
 _watch_process: engine exit or EngineFailed ─▶ every stream fails, on_dead() is called
+               work in flight and no step for stall_timeout_s ─▶ is_stalled (health NOT_SERVING)
 ```
+
+Callers name requests with their own ids (echoed back, need not be unique); the engine sees ids
+this client assigns, so one caller can never abort or confuse another's request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing
+import os
 import shutil
 import tempfile
+import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional
 
@@ -27,7 +34,7 @@ import zmq.asyncio
 from tinyvllm.config import EngineConfig, RuntimeInfo
 from tinyvllm.engine import core_proc
 from tinyvllm.engine.request import EngineCoreOutput, EngineCoreRequest
-from tinyvllm.engine.validation import RequestValidationError, validate_request
+from tinyvllm.engine.validation import validate_request
 from tinyvllm.frontend.errors import (EngineDeadError, EngineRequestError,
                                       EngineUnavailableError, QueueFullError)
 from tinyvllm.frontend.request_pool import RequestPool, RequestState
@@ -42,6 +49,37 @@ WATCHDOG_INTERVAL_S = 0.1
 
 SHUTDOWN_TIMEOUT_S = 10.0
 """How long the engine gets to exit after Shutdown before it is killed."""
+
+STARTUP_STOP_TIMEOUT_S = 3.0
+"""How long an engine that is still starting gets to exit on SIGTERM before it is killed."""
+
+
+def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """`fn(*args)` on a daemon thread: unlike an executor's threads, it does not hold up the
+    process's exit (a SIGTERM while the tokenizer still loads exits at once)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: Any, error: Optional[BaseException]) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits any more
+
+    threading.Thread(target=run, name=f"tinyvllm-{fn.__name__}", daemon=True).start()
+    return future
 
 
 class EngineObserver:
@@ -64,12 +102,19 @@ class AsyncEngineClient:
         observer: metrics hooks.
         on_dead: called once, with the reason, when the engine process fails or exits.
         engine_class: "module:Class" the engine process instantiates (tests use a fake).
+        stall_timeout_s: with requests in flight, this long without a step from the engine makes
+            it `is_stalled`.
+        sigterm_grace_s: how long the engine keeps serving after a SIGTERM of its own while this
+            process lives (a signal sent to the whole process group must not cut a drain short).
     """
 
     def __init__(self, config: EngineConfig, *, observer: Optional[EngineObserver] = None,
                  on_dead: Optional[Callable[[str], None]] = None,
-                 engine_class: str = core_proc.DEFAULT_ENGINE_CLASS) -> None:
+                 engine_class: str = core_proc.DEFAULT_ENGINE_CLASS,
+                 stall_timeout_s: float = 60.0, sigterm_grace_s: float = 60.0) -> None:
         self.config = config
+        self.stall_timeout_s = stall_timeout_s
+        self.sigterm_grace_s = sigterm_grace_s
         self.observer = observer or EngineObserver()
         self.on_dead = on_dead
         self.engine_class = engine_class
@@ -79,7 +124,10 @@ class AsyncEngineClient:
         self.stats: dict[str, float] = {}
         self.dead_reason: Optional[str] = None
         self.draining = False
-        self._states: dict[str, RequestState] = {}
+        self._states: dict[str, RequestState] = {}  # by engine-side request id
+        self._request_ids = itertools.count()
+        self._last_progress = time.monotonic()  # last step, or when work arrived at an idle engine
+        self._engine_idle = True  # its last message said nothing was running or waiting
         self._pool = RequestPool()
         self._num_waiting = 0
         self._pending_adds: list[EngineCoreRequest] = []
@@ -108,12 +156,14 @@ class AsyncEngineClient:
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(
             target=core_proc.run_engine_core, name="tinyvllm-engine-core", daemon=True,
-            args=(self.config, self._input_addr, self._output_addr, self.engine_class))
+            args=(self.config, self._input_addr, self._output_addr, self.engine_class),
+            kwargs=dict(parent_pid=os.getpid(), ipc_dir=self._ipc_dir,
+                        sigterm_grace_s=self.sigterm_grace_s))
         self._proc.start()
         self._tasks = [asyncio.create_task(self._output_loop(), name="engine-outputs"),
                        asyncio.create_task(self._watch_process(), name="engine-watchdog")]
         # Load the (cheap) tokenizer while the engine loads the model.
-        self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.config.model.model)
+        self.tokenizer = await _in_daemon_thread(load_tokenizer, self.config.model.model)
         self._processor = OutputProcessor(self.tokenizer.backend)
         try:
             await asyncio.wait_for(asyncio.shield(self._ready), ready_timeout_s)
@@ -141,12 +191,18 @@ class AsyncEngineClient:
         self._closing = True
         self._fail_all("the server is shutting down", EngineUnavailableError)
         if self._proc.is_alive():
-            self._send(core_proc.Shutdown())
-            deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+            timeout_s = SHUTDOWN_TIMEOUT_S
+            if self.runtime_info is None:  # still loading: it reads no input yet
+                self._proc.terminate()
+                timeout_s = STARTUP_STOP_TIMEOUT_S
+            else:
+                self._send(core_proc.Shutdown())
+            deadline = time.monotonic() + timeout_s
             while self._proc.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(WATCHDOG_INTERVAL_S)
             if self._proc.is_alive():
                 self._proc.kill()
+            logger.info("engine core stopped")
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -158,6 +214,19 @@ class AsyncEngineClient:
     @property
     def is_ready(self) -> bool:
         return self.runtime_info is not None and self.dead_reason is None
+
+    @property
+    def is_stalled(self) -> bool:
+        """Requests are in flight and the engine has sent no step for stall_timeout_s."""
+        if time.monotonic() - self._last_progress <= self.stall_timeout_s:
+            return False
+        # A finished request whose stream is still open (a slow reader) is no work for the engine.
+        return any(not state.finished for state in self._states.values())
+
+    @property
+    def is_healthy(self) -> bool:
+        """Ready, not draining, not stalled: what health probes report as SERVING."""
+        return self.is_ready and not self.draining and not self.is_stalled
 
     @property
     def num_in_flight(self) -> int:
@@ -175,6 +244,9 @@ class AsyncEngineClient:
                        cache_salt: Optional[str] = None,
                        arrival_time: Optional[float] = None) -> AsyncIterator[Any]:
         """Stream `RequestOutput`s (deltas merged if the caller is slow) until one is finished.
+
+        `request_id` is the caller's: it is echoed in the outputs and errors, and need not be
+        unique (the engine runs the request under an id of this client's).
 
         Raises (before the first output): RequestValidationError, QueueFullError,
         EngineUnavailableError. Later: EngineDeadError, EngineRequestError. Leaving the
@@ -196,20 +268,22 @@ class AsyncEngineClient:
                params: SamplingParams, priority: int, cache_salt: Optional[str],
                arrival_time: float) -> RequestState:
         self.check_accepting()
-        if request_id in self._states:
-            raise RequestValidationError("request_id", f"{request_id!r} is already in flight")
         max_waiting = self.config.scheduler.max_waiting_requests
         if self._num_waiting >= max_waiting:
             raise QueueFullError(f"{self._num_waiting} requests are waiting (limit {max_waiting})")
-        req = EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+        engine_id = str(next(self._request_ids))
+        req = EngineCoreRequest(request_id=engine_id, prompt_token_ids=prompt_token_ids,
                                 sampling_params=params, arrival_time=arrival_time,
                                 priority=priority, cache_salt=cache_salt)
         validate_request(req, self.runtime_info)
-        state = self._pool.acquire(request_id, arrival_time)
+        if self._engine_idle:  # the stall clock starts when work arrives
+            self._engine_idle = False
+            self._last_progress = time.monotonic()
+        state = self._pool.acquire(engine_id, arrival_time, external_request_id=request_id)
+        self._states[engine_id] = state
         state.num_prompt_tokens = len(prompt_token_ids)
-        self._states[request_id] = state
         self._num_waiting += 1
-        self._processor.add_request(request_id, prompt, prompt_token_ids, params, arrival_time)
+        self._processor.add_request(engine_id, prompt, prompt_token_ids, params, arrival_time)
         self._pending_adds.append(req)
         self._schedule_flush()
         return state
@@ -222,6 +296,10 @@ class AsyncEngineClient:
             raise EngineUnavailableError("server is draining and takes no new requests")
         if self.runtime_info is None:
             raise EngineUnavailableError("engine is not ready yet")
+        if self.is_stalled:
+            raise EngineUnavailableError(
+                f"engine has sent no step for over {self.stall_timeout_s:g}s with requests in "
+                "flight (stalled)")
 
     def _release(self, state: RequestState) -> None:
         """End of a stream: abort the request in the engine unless it finished there."""
@@ -238,14 +316,6 @@ class AsyncEngineClient:
             state.finish_reason = state.finish_reason or "abort"
         _log_access(state, time.monotonic())
         self._pool.release(state)
-
-    def timing(self, request_id: str) -> Optional[tuple[float, float, float]]:
-        """(ttft_s, e2e_s, queue_s) of an in-flight request that has produced a token."""
-        state = self._states.get(request_id)
-        if state is None or state.first_token_time is None:
-            return None
-        return (state.first_token_time - state.arrival_time,
-                state.last_token_time - state.arrival_time, state.queue_s or 0.0)
 
     def abort(self, request_id: str) -> None:
         """Ask the engine to stop `request_id` and free its blocks (batched, never blocks)."""
@@ -272,8 +342,12 @@ class AsyncEngineClient:
             self._pending_aborts = []
 
     def _send(self, msg: Any) -> None:
-        # SNDHWM=0 and a bound PUSH socket: a send queues and returns; NOBLOCK asserts it.
-        self._input.send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
+        # SNDHWM=0 and a bound PUSH socket: a send queues and returns; NOBLOCK asserts it. It can
+        # only fail with no engine connected (gone, or not started): the watchdog reports that.
+        try:
+            self._input.send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("engine core not connected; %s not sent", type(msg).__name__)
 
     # --- receiving ----------------------------------------------------------------------------------
 
@@ -292,6 +366,8 @@ class AsyncEngineClient:
                 return
 
     def _on_step(self, msg: core_proc.StepOutputs) -> None:
+        self._last_progress = time.monotonic()
+        self._engine_idle = not (msg.stats.get("num_running") or msg.stats.get("num_waiting"))
         self.stats = msg.stats
         self.observer.on_step(msg.stats)
         outputs = [o for o in msg.outputs if o.request_id in self._states]
@@ -313,17 +389,19 @@ class AsyncEngineClient:
                 self.abort(request_id)
 
     def _deliver(self, state: RequestState, out: Any, now: float, step_start: float) -> None:
+        out.request_id = state.external_request_id
         if getattr(out, "error", None) is not None:
             if state.waiting:
                 self._num_waiting -= 1
             state.finished = True
             state.finish_reason = "error"
-            state.collector.fail(EngineRequestError(out.request_id, out.error))
+            state.collector.fail(EngineRequestError(state.external_request_id, out.error))
             return
         if out.outputs[0].delta_token_ids:
             if state.first_token_time is None:
                 state.first_token_time = now
                 state.queue_s = max(0.0, step_start - state.arrival_time)
+                out.metrics.first_scheduled_time = step_start
                 self._num_waiting -= 1
                 self.observer.on_first_token(now - state.arrival_time, state.queue_s)
             else:
@@ -348,7 +426,7 @@ class AsyncEngineClient:
             self._num_waiting -= 1
         state.finished = True  # the engine has dropped it already
         state.finish_reason = "error"
-        state.collector.fail(EngineRequestError(output.request_id, output.error))
+        state.collector.fail(EngineRequestError(state.external_request_id, output.error))
 
     # --- engine death ------------------------------------------------------------------------------
 
@@ -377,7 +455,8 @@ class AsyncEngineClient:
         for state in self._states.values():
             if not state.finished:
                 state.finish_reason = "error"
-                err = (error_type(state.request_id, reason) if error_type is EngineDeadError
+                err = (error_type(state.external_request_id, reason)
+                       if error_type is EngineDeadError
                        else error_type(reason))
                 state.collector.fail(err)
 
@@ -390,7 +469,7 @@ def _log_access(state: RequestState, now: float) -> None:
     def since_arrival(t: Optional[float]) -> Optional[float]:
         return None if t is None else round(t - state.arrival_time, 4)
 
-    fields = {"request_id": state.request_id, "prompt_tokens": state.num_prompt_tokens,
+    fields = {"request_id": state.external_request_id or state.request_id, "prompt_tokens": state.num_prompt_tokens,
               "completion_tokens": state.num_output_tokens,
               "cached_tokens": state.num_cached_tokens, "finish_reason": state.finish_reason,
               "ttft_s": since_arrival(state.first_token_time),

@@ -25,3 +25,7 @@ class EngineRequestError(RuntimeError):
     def __init__(self, request_id: str, reason: str):
         super().__init__(f"engine error on request {request_id!r}: {reason}")
         self.request_id = request_id
+
+
+class TooManyStreamsError(QueueFullError):
+    """The server-wide limit of concurrent Generate streams (--max-concurrent-streams) is hit."""

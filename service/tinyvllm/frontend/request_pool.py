@@ -14,16 +14,19 @@ from tinyvllm.frontend.collector import RequestOutputCollector
 class RequestState:
     """One in-flight request as the frontend sees it. Times are `time.monotonic()` seconds."""
 
-    __slots__ = ("request_id", "arrival_time", "collector", "first_token_time", "last_token_time",
-                 "queue_s", "finished", "num_prompt_tokens", "num_output_tokens",
+    __slots__ = ("request_id", "external_request_id", "arrival_time", "collector",
+                 "first_token_time", "last_token_time", "queue_s", "finished", "num_prompt_tokens", "num_output_tokens",
                  "num_cached_tokens", "finish_reason")
 
     def __init__(self) -> None:
         self.collector = RequestOutputCollector()
         self.reset("", 0.0)
 
-    def reset(self, request_id: str, arrival_time: float) -> None:
+    def reset(self, request_id: str, arrival_time: float, external_request_id: str = "") -> None:
         self.request_id = request_id
+        """The engine-side id: assigned by the engine client, unique in this process."""
+        self.external_request_id = external_request_id
+        """The caller's id: echoed back, need not be unique."""
         self.arrival_time = arrival_time
         self.collector.reset()
         self.first_token_time: Optional[float] = None
@@ -50,13 +53,14 @@ class RequestPool:
         self._max_free = max_free
         self.num_allocated = 0
 
-    def acquire(self, request_id: str, arrival_time: float) -> RequestState:
+    def acquire(self, request_id: str, arrival_time: float,
+                external_request_id: str = "") -> RequestState:
         if self._free:
             state = self._free.pop()
         else:
             state = RequestState()
             self.num_allocated += 1
-        state.reset(request_id, arrival_time)
+        state.reset(request_id, arrival_time, external_request_id)
         return state
 
     def release(self, state: RequestState) -> None:

@@ -15,6 +15,12 @@ from tokenizers.decoders import DecodeStream
 from tinyvllm.model.paths import is_gguf, model_name, read_gguf, resolve_model_path
 
 
+RELEASE_GIL_MIN_CHARS = 4096
+"""From this size on, text is encoded (and ids decoded) through the `*_batch` calls of
+`tokenizers`, which release the GIL while they work; the single-item calls hold it throughout,
+which would stall a server's event loop even when they run on a worker thread."""
+
+
 class Tokenizer:
     """A `tokenizers.Tokenizer` (`backend`) with the model's special tokens and chat template."""
 
@@ -56,12 +62,18 @@ class Tokenizer:
         A rendered chat template usually contains its own BOS: encode it with
         `add_special_tokens=False`.
         """
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) >= RELEASE_GIL_MIN_CHARS:
+            ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self._add_bos and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) >= RELEASE_GIL_MIN_CHARS:
+            return self.backend.decode_batch([list(ids)],
+                                             skip_special_tokens=skip_special_tokens)[0]
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_texts(self, ids: Sequence[int]) -> list[str]:

@@ -3,8 +3,11 @@
 ```
 start:   gRPC + metrics ports open (health NOT_SERVING) ─▶ engine READY ─▶ health SERVING
 SIGTERM: health NOT_SERVING, new streams UNAVAILABLE ─▶ in-flight streams finish (at most
-         drain_timeout_s, then cancelled) ─▶ engine shut down ─▶ exit 0
+         drain_timeout_s, then UNAVAILABLE) ─▶ engine shut down ─▶ exit 0
 engine dies: in-flight streams INTERNAL, health NOT_SERVING ─▶ exit 1 after ENGINE_DEAD_GRACE_S
+engine stalls (work in flight, no step for engine_stall_timeout_s): health NOT_SERVING until it
+         steps again
+SIGTERM before the engine is ready: engine stopped ─▶ exit 0
 ```
 """
 
@@ -24,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tinyvllm.config import EngineConfig, ServerConfig
 from tinyvllm.engine import core_proc
-from tinyvllm.frontend.engine_client import AsyncEngineClient
+from tinyvllm.frontend.engine_client import SHUTDOWN_TIMEOUT_S, AsyncEngineClient
 from tinyvllm.frontend.errors import EngineUnavailableError
 from tinyvllm.server.errors import ErrorMappingInterceptor
 from tinyvllm.server.logs import StatsLogger
@@ -45,6 +48,9 @@ STOP_GRACE_S = 1.0
 
 DRAIN_POLL_S = 0.05
 
+HEALTH_POLL_S = 0.1
+"""How often health follows the engine client's state (stalled or not)."""
+
 
 class ExitReason(enum.Enum):
     SIGNAL = 0
@@ -58,8 +64,12 @@ class Server:
                  engine_class: str = core_proc.DEFAULT_ENGINE_CLASS) -> None:
         self.config = server_config
         self.metrics = ServerMetrics()
-        self.engine = AsyncEngineClient(engine_config, observer=self.metrics,
-                                        on_dead=self._on_engine_dead, engine_class=engine_class)
+        self.engine = AsyncEngineClient(
+            engine_config, observer=self.metrics, on_dead=self._on_engine_dead,
+            engine_class=engine_class, stall_timeout_s=server_config.engine_stall_timeout_s,
+            # An engine SIGTERMed with this process (one process group) outlives the drain.
+            sigterm_grace_s=server_config.drain_timeout_s + STOP_GRACE_S + SHUTDOWN_TIMEOUT_S)
+        self.servicer = GenerationServicer(self.engine, server_config)
         self.health = health.aio.HealthServicer()
         self._exit: Optional[asyncio.Future] = None
         self.port: Optional[int] = None
@@ -78,21 +88,24 @@ class Server:
             if await self._start_engine():
                 stats_task = self._start_stats_logger()
                 code = await self._serve(grpc_server)
+            elif self._exit.done() and self._exit.result() is ExitReason.SIGNAL:
+                code = 0  # asked to stop while starting: a clean exit
         finally:
             if stats_task is not None:
                 stats_task.cancel()
             await grpc_server.stop(STOP_GRACE_S)
             await self.engine.shutdown()
+            self.servicer.close()
             if http is not None:
                 await http.stop()
         logger.info("tinyvllm server exiting with code %d", code)
         return code
 
     async def _start_grpc(self) -> grpc.aio.Server:
-        server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor()],
-            options=[("grpc.max_concurrent_streams", self.config.max_concurrent_streams)])
-        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.engine), server)
+        # No per-connection HTTP/2 stream cap: the servicer enforces max_concurrent_streams for
+        # the whole server, with a RESOURCE_EXHAUSTED clients can act on.
+        server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()])
+        pb_grpc.add_GenerationServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -107,8 +120,7 @@ class Server:
     async def _start_http(self) -> Optional[MetricsHttpServer]:
         if not self.config.metrics_port:
             return None
-        http = MetricsHttpServer(self.metrics, lambda: self.engine.is_ready
-                                 and not self.engine.draining)
+        http = MetricsHttpServer(self.metrics, lambda: self.engine.is_healthy)
         await http.start(self.config.host, self.config.metrics_port)
         logger.info("metrics on http://%s:%d/metrics", self.config.host, self.config.metrics_port)
         return http
@@ -143,13 +155,35 @@ class Server:
         return asyncio.create_task(stats.run(), name="stats-logger")
 
     async def _serve(self, grpc_server: grpc.aio.Server) -> int:
+        watch = asyncio.create_task(self._follow_engine_health(), name="health")
         reason = await self._exit
+        watch.cancel()
         await self.health.enter_graceful_shutdown()  # NOT_SERVING everywhere, from now on
         if reason is ExitReason.ENGINE_DEAD:
             await asyncio.sleep(ENGINE_DEAD_GRACE_S)
             return 1
         await self._drain()
         return 0 if self.engine.dead_reason is None else 1
+
+    async def _follow_engine_health(self) -> None:
+        """SERVING <-> NOT_SERVING as the engine stalls (work in flight, no step) and recovers."""
+        serving = True
+        while True:
+            await asyncio.sleep(HEALTH_POLL_S)
+            now_serving = self.engine.is_healthy
+            if now_serving == serving:
+                continue
+            serving = now_serving
+            if serving:
+                logger.warning("engine stepping again: SERVING")
+            else:
+                logger.error("engine stalled: no step for over %gs with %d requests in flight; "
+                             "NOT_SERVING", self.config.engine_stall_timeout_s,
+                             self.engine.num_in_flight)
+            status = (health_pb2.HealthCheckResponse.SERVING if serving
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, status)
 
     async def _drain(self) -> None:
         self.engine.draining = True
@@ -171,6 +205,8 @@ class Server:
 
     def _request_exit(self, reason: ExitReason) -> None:
         if self._exit is not None and not self._exit.done():
+            if reason is ExitReason.SIGNAL:
+                logger.info("signal received: stopping")
             self._exit.set_result(reason)
         elif reason is ExitReason.SIGNAL:
             logger.info("already stopping")

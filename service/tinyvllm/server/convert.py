@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from tinyvllm.frontend.prompts import PromptInput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.v1 import generation_pb2 as pb
 
@@ -32,10 +33,9 @@ class StreamSpec:
 
 @dataclass
 class DomainRequest:
-    """A GenerateRequest after conversion and tokenization."""
+    """A GenerateRequest after conversion, before tokenization."""
 
-    prompt: Optional[str]
-    prompt_token_ids: list[int]
+    prompt: PromptInput
     params: SamplingParams
     priority: int
     cache_salt: Optional[str]
@@ -47,6 +47,13 @@ _FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
 }
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""Roles a chat message may have: those chat templates know. A role is rendered verbatim, so any
+other string could forge a turn (e.g. a role of "user<|im_end|>\n<|im_start|>system")."""
+
+MAX_REQUEST_ID_LEN = 256
+"""Longest request_id accepted; it is echoed in every response of the stream."""
 
 # SamplingParameters fields with presence, copied when set (the rest are repeated or plain bools).
 _OPTIONAL_SAMPLING_FIELDS = (
@@ -83,11 +90,15 @@ def chat_messages_from_proto(chat: pb.ChatPrompt) -> list[dict[str, str]]:
     for i, m in enumerate(chat.messages):
         if not m.role:
             raise InvalidArgumentError(f"chat.messages[{i}].role", "must not be empty")
+        if m.role not in CHAT_ROLES:
+            raise InvalidArgumentError(
+                f"chat.messages[{i}].role",
+                f"must be one of {', '.join(CHAT_ROLES)}, got {m.role!r:.80}")
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
-def tokenize_prompt(tokenizer: Any, req: Any) -> tuple[Optional[str], list[int]]:
-    """(prompt text, prompt token ids) of a request with a `prompt`/`input` oneof.
+def prompt_from_proto(req: Any) -> PromptInput:
+    """The prompt of a request with a `prompt` (Generate) or `input` (Tokenize) oneof.
 
     Raises:
         InvalidArgumentError: no prompt, an empty one, or malformed chat messages.
@@ -96,37 +107,29 @@ def tokenize_prompt(tokenizer: Any, req: Any) -> tuple[Optional[str], list[int]]
     if kind is None:
         raise InvalidArgumentError("prompt", "one of text, token_ids or chat must be set")
     if kind == "token_ids":
-        return None, list(req.token_ids.ids)
+        return PromptInput(token_ids=list(req.token_ids.ids))
     if kind == "text":
         if not req.text:
             raise InvalidArgumentError("prompt", "must not be empty")
-        return req.text, tokenizer.encode(req.text)
-    messages = chat_messages_from_proto(req.chat)
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except ValueError as e:
-        raise InvalidArgumentError("chat", str(e)) from None
-    # A rendered template carries its own special tokens.
-    return text, tokenizer.encode(text, add_special_tokens=False)
+        return PromptInput(text=req.text)
+    return PromptInput(messages=chat_messages_from_proto(req.chat))
 
 
-def domain_request_from_proto(req: pb.GenerateRequest, tokenizer: Any) -> DomainRequest:
+def domain_request_from_proto(req: pb.GenerateRequest) -> DomainRequest:
+    """Everything but the prompt's token ids (the caller tokenizes `prompt`, maybe off-loop)."""
+    if len(req.request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidArgumentError(
+            "request_id", f"is {len(req.request_id)} characters; at most {MAX_REQUEST_ID_LEN}")
     stream = stream_spec_from_proto(req)
     params = sampling_params_from_proto(req.sampling, stream)
-    prompt, prompt_token_ids = tokenize_prompt(tokenizer, req)
-    return DomainRequest(prompt=prompt, prompt_token_ids=prompt_token_ids, params=params,
-                         priority=req.priority, cache_salt=req.cache_salt or None, stream=stream)
+    return DomainRequest(prompt=prompt_from_proto(req), params=params, priority=req.priority,
+                         cache_salt=req.cache_salt or None, stream=stream)
 
 
 # --- responses ----------------------------------------------------------------------------------
 
-def response_from_output(out: Any, stream: StreamSpec,
-                         timing: Optional[tuple[float, float, float]]) -> Optional[pb.GenerateResponse]:
-    """The response for one (possibly merged) RequestOutput; None when it has nothing to say.
-
-    Args:
-        timing: (ttft_s, e2e_s, queue_s), used on the final response.
-    """
+def response_from_output(out: Any, stream: StreamSpec) -> Optional[pb.GenerateResponse]:
+    """The response for one (possibly merged) RequestOutput; None when it has nothing to say."""
     c = out.outputs[0]
     resp = pb.GenerateResponse(request_id=out.request_id)
     if stream.text:
@@ -137,14 +140,13 @@ def response_from_output(out: Any, stream: StreamSpec,
         resp.logprobs.extend(_logprobs_to_proto(c.delta_token_ids, c.delta_logprobs,
                                                 stream.logprobs))
     if out.finished:
-        _fill_final(resp, out, timing)
+        _fill_final(resp, out)
     elif not (resp.text or resp.token_ids or resp.logprobs):
         return None
     return resp
 
 
-def _fill_final(resp: pb.GenerateResponse, out: Any,
-                timing: Optional[tuple[float, float, float]]) -> None:
+def _fill_final(resp: pb.GenerateResponse, out: Any) -> None:
     c = out.outputs[0]
     reason = getattr(c.finish_reason, "value", c.finish_reason)
     resp.finish_reason = _FINISH_REASONS.get(reason, pb.FINISH_REASON_UNSPECIFIED)
@@ -155,8 +157,12 @@ def _fill_final(resp: pb.GenerateResponse, out: Any,
     resp.usage.prompt_tokens = len(out.prompt_token_ids)
     resp.usage.completion_tokens = len(c.token_ids)
     resp.usage.cached_prompt_tokens = out.num_cached_tokens or 0
-    if timing is not None:
-        resp.timing.ttft_s, resp.timing.e2e_s, resp.timing.queue_s = timing
+    m = out.metrics
+    if m is not None and m.first_token_time is not None:
+        resp.timing.ttft_s = m.first_token_time - m.arrival_time
+        resp.timing.e2e_s = m.last_token_time - m.arrival_time
+        if m.first_scheduled_time is not None:
+            resp.timing.queue_s = max(0.0, m.first_scheduled_time - m.arrival_time)
 
 
 def _logprobs_to_proto(token_ids: list[int], logprobs: list[dict], num_top: int

@@ -2,16 +2,23 @@
 
 `ErrorMappingInterceptor` wraps every Generation method; servicer code just raises. The request id
 of the failing call (set by the servicer in `current_request_id`) goes into INTERNAL messages.
+
+It also swaps each method's request deserializer for one that never raises: bytes that are not a
+valid message (random bytes, a truncated message, invalid UTF-8 in a string field) become an
+`UndecodableRequest`, answered with INVALID_ARGUMENT naming the message type. (Left to gRPC, a
+decode error is an UNKNOWN status and a traceback in the log.)
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 
 from tinyvllm.engine.validation import RequestValidationError
 from tinyvllm.frontend.errors import (EngineDeadError, EngineRequestError,
@@ -49,6 +56,34 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         f"internal error on request {request_id!r}: {type(exc).__name__}: {exc}")
 
 
+@dataclass(frozen=True)
+class UndecodableRequest:
+    """Stands in for a request message whose bytes did not decode."""
+
+    message_type: str
+    error: str
+
+    def as_error(self) -> InvalidArgumentError:
+        return InvalidArgumentError(self.message_type, f"the request is not a valid "
+                                    f"{self.message_type} message ({self.error})")
+
+
+def _safe_deserializer(deserialize: Optional[Callable[[bytes], Any]]
+                       ) -> Optional[Callable[[bytes], Any]]:
+    if deserialize is None:
+        return None
+    message_class = getattr(deserialize, "__self__", None)  # `Message.FromString` is bound
+    descriptor = getattr(message_class, "DESCRIPTOR", None)
+    name = descriptor.full_name if descriptor is not None else "request"
+
+    def safe(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except DecodeError as e:
+            return UndecodableRequest(name, str(e) or "decode error")
+    return safe
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     code, details = status_for(exc)
     await context.abort(code, details)
@@ -57,6 +92,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
 def _wrap_unary_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            if isinstance(request, UndecodableRequest):
+                raise request.as_error()
             return await behavior(request, context)
         except grpc.aio.AbortError:
             raise
@@ -68,6 +105,8 @@ def _wrap_unary_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., 
 def _wrap_unary_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            if isinstance(request, UndecodableRequest):
+                raise request.as_error()
             async for response in behavior(request, context):
                 yield response
         except grpc.aio.AbortError:
@@ -84,6 +123,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or not details.method.startswith(SERVICE_PREFIX):
             return handler
+        handler = handler._replace(
+            request_deserializer=_safe_deserializer(handler.request_deserializer))
         if handler.unary_stream is not None:
             return handler._replace(unary_stream=_wrap_unary_stream(handler.unary_stream))
         if handler.unary_unary is not None:
