@@ -1,10 +1,11 @@
-"""The gRPC server's life cycle: start, serve, drain on SIGTERM, exit.
+"""The server's life cycle: start, serve, drain on SIGTERM, exit.
 
 ```
-start:   gRPC + metrics ports open (health NOT_SERVING) ─▶ engine READY ─▶ health SERVING
+start:   gRPC + metrics (+ HTTP API) ports open (health NOT_SERVING) ─▶ engine READY ─▶ health SERVING
 SIGTERM: health NOT_SERVING, new streams UNAVAILABLE ─▶ in-flight streams finish (at most
          drain_timeout_s, then cancelled) ─▶ engine shut down ─▶ exit 0
 engine dies: in-flight streams INTERNAL, health NOT_SERVING ─▶ exit 1 after ENGINE_DEAD_GRACE_S
+SIGHUP (or changed TLS files): the certificate is reloaded for new connections on every port
 ```
 """
 
@@ -27,7 +28,9 @@ from tinyvllm.engine import core_proc
 from tinyvllm.frontend.engine_client import AsyncEngineClient
 from tinyvllm.frontend.errors import EngineUnavailableError
 from tinyvllm.server.errors import ErrorMappingInterceptor
-from tinyvllm.server.metrics import MetricsHttpServer, ServerMetrics
+from tinyvllm.server import security
+from tinyvllm.server.http_server import HttpServer
+from tinyvllm.server.metrics import ServerMetrics, metrics_app
 from tinyvllm.server.servicer import GenerationServicer
 from tinyvllm.v1 import generation_pb2 as pb
 from tinyvllm.v1 import generation_pb2_grpc as pb_grpc
@@ -51,7 +54,8 @@ class ExitReason(enum.Enum):
 
 
 class Server:
-    """One tinyvllm server: gRPC (Generation, health, reflection), metrics HTTP, engine process."""
+    """One tinyvllm server: gRPC (Generation, health, reflection), metrics HTTP, the optional
+    OpenAI-compatible HTTP API (the same servicer), engine process."""
 
     def __init__(self, server_config: ServerConfig, engine_config: EngineConfig,
                  engine_class: str = core_proc.DEFAULT_ENGINE_CLASS) -> None:
@@ -60,7 +64,14 @@ class Server:
         self.engine = AsyncEngineClient(engine_config, observer=self.metrics,
                                         on_dead=self._on_engine_dead, engine_class=engine_class)
         self.health = health.aio.HealthServicer()
+        self.servicer = GenerationServicer(self.engine)
+        self.auth = security.ApiKeyAuth.from_config(server_config.api_key,
+                                                    server_config.api_key_file)
+        self.tls = security.tls_files_from_config(server_config.tls_cert_file,
+                                                  server_config.tls_key_file,
+                                                  server_config.tls_client_ca_file)
         self._exit: Optional[asyncio.Future] = None
+        self._serving = False  # gRPC health SERVING; HTTP /health follows it
         self.port: Optional[int] = None
 
     async def run(self) -> int:
@@ -69,6 +80,7 @@ class Server:
         self._exit = loop.create_future()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._request_exit, ExitReason.SIGNAL)
+        tls_watch = self._watch_tls(loop)
         grpc_server = await self._start_grpc()
         http = await self._start_http()
         code = 1
@@ -78,35 +90,70 @@ class Server:
         finally:
             await grpc_server.stop(STOP_GRACE_S)
             await self.engine.shutdown()
-            if http is not None:
-                await http.stop()
+            for server in reversed(http):  # the metrics port last: probes see the end
+                await server.stop()
+            if tls_watch is not None:
+                tls_watch.cancel()
         logger.info("tinyvllm server exiting with code %d", code)
         return code
 
     async def _start_grpc(self) -> grpc.aio.Server:
+        interceptors: list[grpc.aio.ServerInterceptor] = [ErrorMappingInterceptor()]
+        if self.auth is not None:
+            interceptors.insert(0, security.AuthInterceptor(self.auth, self.config.auth_health))
         server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor()],
+            interceptors=interceptors,
             options=[("grpc.max_concurrent_streams", self.config.max_concurrent_streams)])
-        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.engine), server)
+        pb_grpc.add_GenerationServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        if self.tls is not None:
+            self.port = server.add_secure_port(address, self.tls.grpc_credentials())
+        else:
+            self.port = server.add_insecure_port(address)
         await server.start()
         logger.info("gRPC listening on %s:%d (not serving until the engine is ready)",
                     self.config.host, self.port)
         return server
 
-    async def _start_http(self) -> Optional[MetricsHttpServer]:
-        if not self.config.metrics_port:
+    def _is_healthy(self) -> bool:
+        return self._serving and self.engine.is_ready and not self.engine.draining
+
+    async def _start_http(self) -> list[HttpServer]:
+        """The metrics port, then the OpenAI-compatible API port (each when configured)."""
+        servers = []
+        if self.config.metrics_port:
+            app = metrics_app(self.metrics, self._is_healthy, self._metrics_authorized)
+            # Metrics port: client certificates asked for, not required (kubelet probes have none).
+            ctx = self.tls.ssl_context(client_required=False) if self.tls else None
+            servers.append(HttpServer(app, self.config.host, self.config.metrics_port,
+                                      "metrics", ctx))
+        if self.config.http_port:
+            from tinyvllm.server.http_api import build_api_app  # FastAPI only when asked for
+            app = build_api_app(self.servicer, self.auth, self.config.auth_health,
+                                self._is_healthy)
+            ctx = self.tls.ssl_context(client_required=True) if self.tls else None
+            servers.append(HttpServer(app, self.config.host, self.config.http_port,
+                                      "OpenAI-compatible HTTP API", ctx, STOP_GRACE_S))
+        for server in servers:
+            await server.start()
+        return servers
+
+    def _metrics_authorized(self, path: str, authorization: Optional[str]) -> bool:
+        needed = self.config.auth_health if path == "/health" else self.config.auth_metrics
+        return self.auth is None or not needed or self.auth.check(authorization)
+
+    def _watch_tls(self, loop: asyncio.AbstractEventLoop) -> Optional[asyncio.Task]:
+        """SIGHUP reloads the certificate; so does a change of its files (polled)."""
+        if self.tls is None:
             return None
-        http = MetricsHttpServer(self.metrics, lambda: self.engine.is_ready
-                                 and not self.engine.draining)
-        await http.start(self.config.host, self.config.metrics_port)
-        logger.info("metrics on http://%s:%d/metrics", self.config.host, self.config.metrics_port)
-        return http
+        loop.add_signal_handler(signal.SIGHUP, self.tls.reload)
+        return asyncio.create_task(security.watch_tls_files(
+            self.tls, self.config.tls_reload_interval_s), name="tls-watch")
 
     async def _start_engine(self) -> bool:
         """Start the engine unless a signal arrives first; False if serving should not begin."""
@@ -124,6 +171,7 @@ class Server:
             return False
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._serving = True
         info = self.engine.runtime_info
         logger.info("tinyvllm serving %s on %s:%d (engine pid %d, %d KV blocks of %d tokens)",
                     info.model_name, self.config.host, self.port, self.engine.engine_pid,
