@@ -181,6 +181,8 @@ async def test_logprobs_in_openai_shapes(client, model):
     (dict(extra_body={"no_such_field": 1}), "no_such_field"),
     (dict(extra_body={"stop_token_ids": [-1]}), "stop_token_ids"),
     (dict(extra_body={"seed": 2**70}), "seed"),
+    (dict(extra_body={"stream_options": {"include_usage": "maybe"}}),
+     "stream_options.include_usage"),
     (dict(prompt=["a", "b"]), "prompt"),
     (dict(prompt=""), "prompt"),
     (dict(prompt="word " * 2000), "prompt"),

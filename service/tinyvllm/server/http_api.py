@@ -130,12 +130,20 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     for part in loc:
         if isinstance(part, int):
             param += f"[{part}]"
-        elif not part.startswith(("list[", "str", "int", "function-")):  # union branch names
+        elif not _is_union_tag(part):
             param += ("." if param else "") + part
     message = err.get("msg", "invalid value")
     if err.get("type") == "extra_forbidden":
         message = "unknown field (not supported by tinyvllm)"
     return ApiError(400, f"{param}: {message}" if param else message, param or None)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "dict"}
+
+
+def _is_union_tag(part: str) -> bool:
+    """pydantic names the branch of a Union that failed (`list[int]`, `str`): not a field."""
+    return part in _UNION_TAGS or "[" in part or part.startswith("function-")
 
 
 class _Routes:
