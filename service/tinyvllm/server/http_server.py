@@ -24,6 +24,10 @@ MAX_HEAD_BYTES = 64 * 1024
 HEAD_TIMEOUT_S = 10.0
 """A connection whose first request head is not complete after this gets 408 and is closed."""
 
+KEEP_ALIVE_S = 5
+"""An idle keep-alive connection is closed after this (shorter than HEAD_TIMEOUT_S: silence
+then means idle, and only a started, unfinished head gets the 408)."""
+
 START_POLL_S = 0.01
 
 
@@ -32,22 +36,28 @@ class _StrictH11Protocol(H11Protocol):
 
     - The client ends its side (EOF) mid-head: h11 reports the truncated request, uvicorn sends
       400 (stock uvicorn ignores the EOF and hangs up without a word).
-    - The head does not complete within HEAD_TIMEOUT_S (slow or never-ending request): 408.
+    - A head does not complete within HEAD_TIMEOUT_S of the connection opening or of the last
+      response (slow or never-ending request): 408.
     """
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._head_timer: Optional[asyncio.TimerHandle] = None
         super().connection_made(transport)
-        loop = asyncio.get_running_loop()
-        self._head_timer: Optional[asyncio.TimerHandle] = loop.call_later(
-            HEAD_TIMEOUT_S, self._head_timed_out)
+        self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self.cycle is not None:
+        if self._head_pending_cycle is not self.cycle:  # a new request's head is complete
             self._cancel_head_timer()
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_head_timer()
+
     def eof_received(self) -> Optional[bool]:
-        if self.cycle is None and self.conn.trailing_data[0]:
+        idle = self.cycle is None or self.cycle.response_complete
+        if idle and self.conn.trailing_data[0]:
             self.conn.receive_data(b"")  # h11: "peer closed mid-request" -> uvicorn's 400
             self.handle_events()
         return None
@@ -56,6 +66,12 @@ class _StrictH11Protocol(H11Protocol):
         self._cancel_head_timer()
         super().connection_lost(exc)
 
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_pending_cycle = self.cycle
+        self._head_timer = asyncio.get_running_loop().call_later(HEAD_TIMEOUT_S,
+                                                                 self._head_timed_out)
+
     def _cancel_head_timer(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
@@ -63,7 +79,7 @@ class _StrictH11Protocol(H11Protocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self.cycle is None and not self.transport.is_closing():
+        if self._head_pending_cycle is self.cycle and not self.transport.is_closing():
             # h11 cannot answer a request it has not parsed yet: the bytes are written directly.
             self.transport.write(_REQUEST_TIMEOUT_RESPONSE)
             self.transport.close()
@@ -120,7 +136,7 @@ class HttpServer:
         self.config = uvicorn.Config(
             _HeaderLimit(app), host=host, port=port, http=_StrictH11Protocol, lifespan="off", log_config=None,
             access_log=False, ssl_context_factory=factory,
-            h11_max_incomplete_event_size=MAX_HEAD_BYTES, timeout_keep_alive=int(HEAD_TIMEOUT_S),
+            h11_max_incomplete_event_size=MAX_HEAD_BYTES, timeout_keep_alive=KEEP_ALIVE_S,
             timeout_graceful_shutdown=max(1, int(graceful_timeout_s)))
         self.scheme = "https" if ssl_context is not None else "http"
         self._server = _EmbeddedUvicorn(self.config)
