@@ -111,16 +111,16 @@ async def test_greedy_completion_matches_grpc(server, client, model, prompt):
 
 
 async def test_chat_matches_grpc_streamed_and_not(server, client, model):
-    expected = await _grpc(server, CHAT, temperature=0.0, max_tokens=16)
+    expected = await _grpc(server, CHAT, temperature=0.0, max_tokens=10)
     got = client.chat.completions.create(model=model, messages=CHAT, temperature=0,
-                                         max_tokens=16)
+                                         max_tokens=10)
     assert got.choices[0].message.role == "assistant"
     assert got.choices[0].message.content == expected.text
     assert got.usage.prompt_tokens == expected.usage.prompt_tokens
     assert got.usage.completion_tokens == expected.usage.completion_tokens
 
     chunks = list(client.chat.completions.create(model=model, messages=CHAT, temperature=0,
-                                                 max_completion_tokens=16, stream=True))
+                                                 max_completion_tokens=10, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
     assert chunks[-1].choices[0].finish_reason == expected.finish_reason
@@ -129,7 +129,7 @@ async def test_chat_matches_grpc_streamed_and_not(server, client, model):
     parts = [{"role": "user", "content": [{"type": "text", "text": "Name three "},
                                           {"type": "text", "text": "colors."}]}]
     again = client.chat.completions.create(model=model, messages=parts, temperature=0,
-                                           max_tokens=16)
+                                           max_tokens=10)
     assert again.choices[0].message.content == expected.text
 
 
@@ -150,7 +150,7 @@ async def test_vllm_extra_sampling_fields(server, client, model):
                            min_p=0.05, repetition_penalty=1.2, ignore_eos=True, min_tokens=8)
     assert sampled[0] == expected.text
     stopped = client.completions.create(model=model, prompt="Count: 1, 2, 3,", temperature=0,
-                                        max_tokens=20, stop=[","])
+                                        max_tokens=10, stop=[","])
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].model_extra["stop_reason"] == ","
     assert "," not in stopped.choices[0].text
