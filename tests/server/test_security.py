@@ -289,3 +289,17 @@ def test_changed_files_are_reloaded_without_signal(tmp_path):
     finally:
         server.stop()
     assert server.proc.returncode == 0
+
+
+def test_http_port_in_use_exits_1_naming_it(tmp_path):
+    with socket.socket() as taken:
+        taken.bind((HOST, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.server.fake_serve", "--host", HOST, "--port", "0",
+             "--metrics-port", "0", "--http-port", str(port)],
+            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 1
+    assert f"could not listen on {HOST}:{port}" in proc.stderr
+    assert "Traceback" not in proc.stderr

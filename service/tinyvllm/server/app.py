@@ -82,7 +82,12 @@ class Server:
             loop.add_signal_handler(sig, self._request_exit, ExitReason.SIGNAL)
         tls_watch = self._watch_tls(loop)
         grpc_server = await self._start_grpc()
-        http = await self._start_http()
+        try:
+            http = await self._start_http()
+        except OSError as e:
+            logger.error("%s", e)
+            await grpc_server.stop(None)
+            return 1
         code = 1
         try:
             if await self._start_engine():
@@ -139,8 +144,13 @@ class Server:
             ctx = self.tls.ssl_context(client_required=True) if self.tls else None
             servers.append(HttpServer(app, self.config.host, self.config.http_port,
                                       "OpenAI-compatible HTTP API", ctx, STOP_GRACE_S))
-        for server in servers:
-            await server.start()
+        for i, server in enumerate(servers):
+            try:
+                await server.start()
+            except OSError:
+                for started in servers[:i]:
+                    await started.stop()
+                raise
         return servers
 
     def _metrics_authorized(self, path: str, authorization: Optional[str]) -> bool:

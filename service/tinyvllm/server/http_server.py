@@ -132,29 +132,37 @@ class HttpServer:
                  ssl_context: Optional[ssl.SSLContext] = None,
                  graceful_timeout_s: float = 1.0) -> None:
         self.name = name
-        factory = None if ssl_context is None else (lambda config, default: ssl_context)
         self.config = uvicorn.Config(
-            _HeaderLimit(app), host=host, port=port, http=_StrictH11Protocol, lifespan="off", log_config=None,
-            access_log=False, ssl_context_factory=factory,
-            h11_max_incomplete_event_size=MAX_HEAD_BYTES, timeout_keep_alive=KEEP_ALIVE_S,
+            _HeaderLimit(app), host=host, port=port, http=_StrictH11Protocol, lifespan="off",
+            log_config=None, access_log=False, h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+            timeout_keep_alive=KEEP_ALIVE_S,
             timeout_graceful_shutdown=max(1, int(graceful_timeout_s)))
+        self.config.load()
+        self.config.ssl = ssl_context  # ours, used as is: reloads reach later handshakes
         self.scheme = "https" if ssl_context is not None else "http"
         self._server = _EmbeddedUvicorn(self.config)
         self._task: Optional[asyncio.Task] = None
 
     async def start(self) -> None:
-        """Returns once the port is listening. Raises OSError if it cannot be bound."""
-        self._task = asyncio.create_task(self._server.serve(), name=f"http-{self.name}")
+        """Returns once the port is listening.
+
+        Raises:
+            OSError: the port could not be bound (uvicorn logs why, then stops its task).
+        """
+        self._task = asyncio.create_task(self._serve(), name=f"http-{self.name}")
         while not self._server.started:
             if self._task.done():
-                # uvicorn exits (SystemExit) when it cannot bind; say which port.
-                with contextlib.suppress(BaseException):
-                    self._task.result()
                 raise OSError(f"{self.name}: could not listen on "
                               f"{self.config.host}:{self.config.port}")
             await asyncio.sleep(START_POLL_S)
         logger.info("%s on %s://%s:%d", self.name, self.scheme, self.config.host,
                     self.config.port)
+
+    async def _serve(self) -> None:
+        try:
+            await self._server.serve()
+        except SystemExit:  # uvicorn's way of saying "could not start": not the process's exit
+            logger.error("%s stopped at start-up", self.name)
 
     async def stop(self) -> None:
         if self._task is None:
