@@ -224,12 +224,51 @@ class ServerConfig:
     log_stats_interval_s: float = _f(
         10.0, "Seconds between engine-stats log lines (throughput, running/waiting requests, KV "
         "and prefix cache); 0 disables them. Nothing is logged while the engine is idle.")
+    http_port: int = _f(
+        0, "Port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /tokenize, /detokenize, /health); 0 disables it."
+    )
+    tls_cert_file: Optional[str] = _f(
+        None, "PEM certificate chain: serve TLS on the gRPC, HTTP API and metrics ports. "
+        "Reloaded on SIGHUP or when the file changes; open connections keep theirs."
+    )
+    tls_key_file: Optional[str] = _f(None, "PEM private key of --tls-cert-file.")
+    tls_client_ca_file: Optional[str] = _f(
+        None, "PEM CA bundle: require client certificates it signed (mutual TLS) on the gRPC "
+        "and HTTP API ports. The metrics port asks for one but admits probes without."
+    )
+    tls_reload_interval_s: float = _f(
+        2.0, "How often the TLS files are checked for changes (0: only on SIGHUP)."
+    )
+    api_key: Optional[str] = _f(
+        None, "Require `authorization: Bearer <key>` on every request (gRPC: UNAUTHENTICATED, "
+        "HTTP: 401 without it). Prefer --api-key-file: a flag shows in the process list."
+    )
+    api_key_file: Optional[str] = _f(
+        None, "File holding the API key(s), one per line (blank lines and # comments skipped)."
+    )
+    auth_health: bool = _f(
+        False, "Require the API key for health checks too (grpc.health.v1, GET /health). Off: "
+        "probes stay open."
+    )
+    auth_metrics: bool = _f(False, "Require the API key for GET /metrics on the metrics port.")
 
     def __post_init__(self) -> None:
         for name in ("max_concurrent_streams", "max_prompt_bytes", "engine_stall_timeout_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file must be given together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("give api_key or api_key_file, not both")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
+        if self.tls_reload_interval_s < 0:
+            raise ValueError(
+                f"tls_reload_interval_s must be >= 0, got {self.tls_reload_interval_s}")
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,18 @@ ALL_FEATURES: dict = {
 }
 HOSTPATH: dict = {"model": {"source": "hostPath", "hostPath": {"path": "/mnt/models/qwen"}}}
 IMAGE_MODEL: dict = {"model": {"source": "image", "path": "/opt/model"}}
+SECURE: dict = {
+    "tls": {"secretName": "tinyvllm-tls", "clientAuth": True, "mountPath": "/etc/tinyvllm/tls"},
+    "auth": {"apiKeySecretName": "tinyvllm-keys", "apiKeySecretKey": "keys.txt",
+             "mountPath": "/etc/tinyvllm/auth", "health": False, "metrics": True},
+    "networkPolicy": {
+        "enabled": True,
+        "apiFrom": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
+        "metricsFrom": [{"namespaceSelector": {"matchLabels": {
+            "kubernetes.io/metadata.name": "monitoring"}}}],
+    },
+    "serviceMonitor": {"enabled": True},
+}
 NATIVE_SLEEP: dict = {"lifecycle": {"preStopAction": "sleep", "preStopSleepSeconds": 7,
                                     "terminationGraceMarginSeconds": 1}}
 
@@ -142,6 +154,7 @@ VALUE_SETS = {
     "hostpath-model": HOSTPATH,
     "image-model": IMAGE_MODEL,
     "native-sleep": NATIVE_SLEEP,
+    "secure": SECURE,
 }
 
 
@@ -188,12 +201,13 @@ def test_grpc_probes_on_grpc_port(helm, tmp_path, name):
     docs = render(helm, tmp_path, VALUE_SETS[name])
     c = server_container(docs)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": 50051, "metrics": 8000}
+    assert ports == {"grpc": 50051, "metrics": 8000, "http": 8080}
     args = c["args"]
     assert args[0] == "serve"
     assert arg_value(args, "--host") == "0.0.0.0"
     assert arg_value(args, "--port") == "50051"
     assert arg_value(args, "--metrics-port") == "8000"
+    assert arg_value(args, "--http-port") == "8080"
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         p = c[probe]
         assert set(p) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"grpc"}, probe
@@ -222,6 +236,8 @@ def test_service_exposes_grpc_and_metrics(helm, tmp_path):
     ports = {p["name"]: p for p in svc["spec"]["ports"]}
     assert ports["grpc"]["port"] == 50051 and ports["grpc"]["appProtocol"] == "grpc"
     assert ports["metrics"]["port"] == 8000
+    assert ports["http"] == {"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP",
+                             "appProtocol": "http"}
     pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= pod_labels.items()
 
@@ -486,6 +502,78 @@ def test_notes_has_grpcurl_example(helm, tmp_path):
     assert "grpcurl -plaintext rel-tinyvllm.llm.svc.cluster.local:50051 list" in proc.stdout
 
 
+# --------------------------------------------------------------------------- HTTP API, TLS, auth
+def test_http_api_can_be_turned_off(helm, tmp_path):
+    values = {"server": {"grpcPort": 50051, "metricsPort": 8000, "httpPort": 0,
+                         "drainTimeoutSeconds": 30}}
+    docs = render(helm, tmp_path, values)
+    c = server_container(docs)
+    assert "--http-port" not in c["args"]
+    assert "http" not in {p["name"] for p in c["ports"]}
+    assert "http" not in {p["name"] for p in one(docs, "Service")["spec"]["ports"]}
+
+
+def test_secure_mounts_secrets_and_passes_their_files(helm, tmp_path):
+    docs = render(helm, tmp_path, SECURE)
+    spec = one(docs, "Deployment")["spec"]["template"]["spec"]
+    c = server_container(docs)
+    args = c["args"]
+    vols = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert vols["tls"]["secret"] == {"secretName": "tinyvllm-tls"}
+    assert vols["api-keys"]["secret"] == {"secretName": "tinyvllm-keys",
+                                          "items": [{"key": "keys.txt", "path": "keys.txt"}]}
+    assert mounts["tls"] == {"name": "tls", "mountPath": "/etc/tinyvllm/tls", "readOnly": True}
+    assert mounts["api-keys"]["readOnly"] is True
+    assert arg_value(args, "--tls-cert-file") == "/etc/tinyvllm/tls/tls.crt"
+    assert arg_value(args, "--tls-key-file") == "/etc/tinyvllm/tls/tls.key"
+    assert arg_value(args, "--tls-client-ca-file") == "/etc/tinyvllm/tls/ca.crt"
+    assert arg_value(args, "--api-key-file") == "/etc/tinyvllm/auth/keys.txt"
+    assert "--no-auth-health" in args and "--auth-metrics" in args
+    # kubelet gRPC probes cannot speak TLS: HTTPS /health on the metrics port instead
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "metrics", "scheme": "HTTPS"}
+        assert "grpc" not in c[probe]
+    ports = {p["name"]: p for p in one(docs, "Service")["spec"]["ports"]}
+    assert ports["http"]["appProtocol"] == "https" and ports["metrics"]["appProtocol"] == "https"
+    (ep,) = one(docs, "ServiceMonitor")["spec"]["endpoints"]
+    assert ep["scheme"] == "https"
+    assert ep["tlsConfig"]["ca"] == {"secret": {"name": "tinyvllm-tls", "key": "ca.crt"}}
+    assert ep["bearerTokenSecret"] == {"name": "tinyvllm-keys", "key": "keys.txt"}
+
+
+def test_plaintext_by_default_and_tls_without_client_auth(helm, tmp_path):
+    args = server_container(render(helm, tmp_path, DEFAULT))["args"]
+    assert not any(a.startswith(("--tls-", "--api-key")) for a in args)
+    one_way = {"tls": {"secretName": "s", "clientAuth": False, "mountPath": "/tls"}}
+    args = server_container(render(helm, tmp_path, one_way))["args"]
+    assert arg_value(args, "--tls-cert-file") == "/tls/tls.crt"
+    assert "--tls-client-ca-file" not in args
+
+
+def test_network_policy_admits_only_the_server_ports(helm, tmp_path):
+    docs = render(helm, tmp_path, SECURE)
+    np = one(docs, "NetworkPolicy")
+    pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert np["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+    api, metrics = np["spec"]["ingress"]
+    assert [p["port"] for p in api["ports"]] == ["grpc", "http"]
+    assert api["from"] == SECURE["networkPolicy"]["apiFrom"]
+    assert [p["port"] for p in metrics["ports"]] == ["metrics"]
+    assert metrics["from"] == SECURE["networkPolicy"]["metricsFrom"]
+    container_ports = {p["name"] for p in server_container(docs)["ports"]}
+    assert {"grpc", "http", "metrics"} <= container_ports  # named ports the policy refers to
+    assert not by_kind(render(helm, tmp_path, DEFAULT), "NetworkPolicy")
+
+
+def test_auth_health_with_probes_is_refused(helm, tmp_path):
+    values = {"auth": {"apiKeySecretName": "k", "apiKeySecretKey": "api-keys",
+                       "mountPath": "/auth", "health": True, "metrics": False}}
+    proc = template(helm, tmp_path, values)
+    assert proc.returncode != 0 and "probes cannot send the API key" in proc.stderr
+
+
 # --------------------------------------------------------------------------- the schema rejects typos
 BAD_VALUES = {
     "replicaCount-string": ({"replicaCount": "two"}, "replicaCount"),
@@ -500,6 +588,9 @@ BAD_VALUES = {
     "bad-pull-policy": ({"image": {"pullPolicy": "Sometimes"}}, "pullPolicy"),
     "port-out-of-range": ({"server": {"grpcPort": 70000}}, "grpcPort"),
     "relative-model-path": ({"model": {"source": "image", "path": "model"}}, "path"),
+    "unknown-tls-key": ({"tls": {"secretname": "x"}}, "secretname"),
+    "http-port-out-of-range": ({"server": {"httpPort": -1}}, "httpPort"),
+    "api-key-path-traversal": ({"auth": {"apiKeySecretKey": "../x"}}, "apiKeySecretKey"),
 }
 
 

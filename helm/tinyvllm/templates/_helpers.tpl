@@ -96,11 +96,34 @@ app.kubernetes.io/component: server
 {{- fail "autoscaling needs queueDepth.enabled, targetCPUUtilizationPercentage or at least one entry in autoscaling.metrics" }}
 {{- end }}
 {{- end }}
+{{- if and .Values.auth.health (not .Values.auth.apiKeySecretName) }}
+{{- fail "auth.health needs auth.apiKeySecretName" }}
+{{- end }}
+{{- if and .Values.auth.health (or .Values.probes.startup.enabled .Values.probes.liveness.enabled .Values.probes.readiness.enabled) }}
+{{- fail "auth.health: the probes cannot send the API key; disable the probes or keep auth.health false" }}
+{{- end }}
 {{- $p := .Values.podDisruptionBudget }}
 {{- if and $p.enabled (not (kindIs "invalid" $p.minAvailable)) (not (kindIs "invalid" $p.maxUnavailable)) }}
 {{- fail "podDisruptionBudget: set only one of minAvailable / maxUnavailable (null the other)" }}
 {{- end }}
 {{- if and $p.enabled (kindIs "invalid" $p.minAvailable) (kindIs "invalid" $p.maxUnavailable) }}
 {{- fail "podDisruptionBudget: set one of minAvailable / maxUnavailable" }}
+{{- end }}
+{{- end }}
+
+{{/* Probe action: the gRPC health service, or with TLS (kubelet gRPC probes speak plaintext
+     only) GET /health over HTTPS on the metrics port, which admits clients without a certificate. */}}
+{{- define "tinyvllm.probeAction" -}}
+{{- if .root.Values.tls.secretName }}
+httpGet:
+  path: /health
+  port: metrics
+  scheme: HTTPS
+{{- else }}
+grpc:
+  port: {{ .root.Values.server.grpcPort }}
+  {{- with .probe.service }}
+  service: {{ . | quote }}
+  {{- end }}
 {{- end }}
 {{- end }}

@@ -1,4 +1,5 @@
-"""`tinyvllm serve`: the gRPC server (Generation, health, reflection) plus /metrics and /health."""
+"""`tinyvllm serve`: the gRPC server (Generation, health, reflection) plus /metrics and /health,
+and with --http-port the OpenAI-compatible HTTP API."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ examples:
   grpcurl -plaintext -d '{"text": "Hello", "sampling": {"max_tokens": 32}}' \\
       127.0.0.1:50051 tinyvllm.v1.Generation/Generate
   tinyvllm client --port 50051 "Hello"
+  tinyvllm serve --http-port 8080                  # + OpenAI-compatible HTTP API
+  curl 127.0.0.1:8080/v1/completions -H 'Content-Type: application/json' \
+      -d '{"prompt": "Hello", "max_tokens": 16}'
+  tinyvllm serve --tls-cert-file s.pem --tls-key-file s.key --api-key-file keys.txt
 """
 
 

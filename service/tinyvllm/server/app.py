@@ -1,13 +1,14 @@
-"""The gRPC server's life cycle: start, serve, drain on SIGTERM, exit.
+"""The server's life cycle: start, serve, drain on SIGTERM, exit.
 
 ```
-start:   gRPC + metrics ports open (health NOT_SERVING) ─▶ engine READY ─▶ health SERVING
+start:   gRPC + metrics (+ HTTP API) ports open (health NOT_SERVING) ─▶ engine READY ─▶ health SERVING
 SIGTERM: health NOT_SERVING, new streams UNAVAILABLE ─▶ in-flight streams finish (at most
          drain_timeout_s, then UNAVAILABLE) ─▶ engine shut down ─▶ exit 0
 engine dies: in-flight streams INTERNAL, health NOT_SERVING ─▶ exit 1 after ENGINE_DEAD_GRACE_S
 engine stalls (work in flight, no step for engine_stall_timeout_s): health NOT_SERVING until it
          steps again
 SIGTERM before the engine is ready: engine stopped ─▶ exit 0
+SIGHUP (or changed TLS files): the certificate is reloaded for new connections on every port
 ```
 """
 
@@ -30,8 +31,10 @@ from tinyvllm.engine import core_proc
 from tinyvllm.frontend.engine_client import SHUTDOWN_TIMEOUT_S, AsyncEngineClient
 from tinyvllm.frontend.errors import EngineUnavailableError
 from tinyvllm.server.errors import ErrorMappingInterceptor
+from tinyvllm.server import security
+from tinyvllm.server.http_server import HttpServer
 from tinyvllm.server.logs import StatsLogger
-from tinyvllm.server.metrics import MetricsHttpServer, ServerMetrics
+from tinyvllm.server.metrics import ServerMetrics, metrics_app
 from tinyvllm.server.servicer import GenerationServicer
 from tinyvllm.v1 import generation_pb2 as pb
 from tinyvllm.v1 import generation_pb2_grpc as pb_grpc
@@ -58,7 +61,8 @@ class ExitReason(enum.Enum):
 
 
 class Server:
-    """One tinyvllm server: gRPC (Generation, health, reflection), metrics HTTP, engine process."""
+    """One tinyvllm server: gRPC (Generation, health, reflection), metrics HTTP, the optional
+    OpenAI-compatible HTTP API (the same servicer), engine process."""
 
     def __init__(self, server_config: ServerConfig, engine_config: EngineConfig,
                  engine_class: str = core_proc.DEFAULT_ENGINE_CLASS) -> None:
@@ -71,7 +75,13 @@ class Server:
             sigterm_grace_s=server_config.drain_timeout_s + STOP_GRACE_S + SHUTDOWN_TIMEOUT_S)
         self.servicer = GenerationServicer(self.engine, server_config)
         self.health = health.aio.HealthServicer()
+        self.auth = security.ApiKeyAuth.from_config(server_config.api_key,
+                                                    server_config.api_key_file)
+        self.tls = security.tls_files_from_config(server_config.tls_cert_file,
+                                                  server_config.tls_key_file,
+                                                  server_config.tls_client_ca_file)
         self._exit: Optional[asyncio.Future] = None
+        self._serving = False  # gRPC health SERVING; HTTP /health follows it
         self.port: Optional[int] = None
 
     async def run(self) -> int:
@@ -80,8 +90,14 @@ class Server:
         self._exit = loop.create_future()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._request_exit, ExitReason.SIGNAL)
+        tls_watch = self._watch_tls(loop)
         grpc_server = await self._start_grpc()
-        http = await self._start_http()
+        try:
+            http = await self._start_http()
+        except OSError as e:
+            logger.error("%s", e)
+            await grpc_server.stop(None)
+            return 1
         code = 1
         stats_task: Optional[asyncio.Task] = None
         try:
@@ -96,34 +112,75 @@ class Server:
             await grpc_server.stop(STOP_GRACE_S)
             await self.engine.shutdown()
             self.servicer.close()
-            if http is not None:
-                await http.stop()
+            for server in reversed(http):  # the metrics port last: probes see the end
+                await server.stop()
+            if tls_watch is not None:
+                tls_watch.cancel()
         logger.info("tinyvllm server exiting with code %d", code)
         return code
 
     async def _start_grpc(self) -> grpc.aio.Server:
         # No per-connection HTTP/2 stream cap: the servicer enforces max_concurrent_streams for
         # the whole server, with a RESOURCE_EXHAUSTED clients can act on.
-        server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()])
+        interceptors: list[grpc.aio.ServerInterceptor] = [ErrorMappingInterceptor()]
+        if self.auth is not None:
+            interceptors.insert(0, security.AuthInterceptor(self.auth, self.config.auth_health))
+        server = grpc.aio.server(interceptors=interceptors)
         pb_grpc.add_GenerationServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        if self.tls is not None:
+            self.port = server.add_secure_port(address, self.tls.grpc_credentials())
+        else:
+            self.port = server.add_insecure_port(address)
         await server.start()
         logger.info("gRPC listening on %s:%d (not serving until the engine is ready)",
                     self.config.host, self.port)
         return server
 
-    async def _start_http(self) -> Optional[MetricsHttpServer]:
-        if not self.config.metrics_port:
+    def _is_healthy(self) -> bool:
+        return self._serving and self.engine.is_healthy
+
+    async def _start_http(self) -> list[HttpServer]:
+        """The metrics port, then the OpenAI-compatible API port (each when configured)."""
+        servers = []
+        if self.config.metrics_port:
+            app = metrics_app(self.metrics, self._is_healthy, self._metrics_authorized)
+            # Metrics port: client certificates asked for, not required (kubelet probes have none).
+            ctx = self.tls.ssl_context(client_required=False) if self.tls else None
+            servers.append(HttpServer(app, self.config.host, self.config.metrics_port,
+                                      "metrics", ctx))
+        if self.config.http_port:
+            from tinyvllm.server.http_api import build_api_app  # FastAPI only when asked for
+            app = build_api_app(self.servicer, self.auth, self.config.auth_health,
+                                self._is_healthy)
+            ctx = self.tls.ssl_context(client_required=True) if self.tls else None
+            servers.append(HttpServer(app, self.config.host, self.config.http_port,
+                                      "OpenAI-compatible HTTP API", ctx, STOP_GRACE_S))
+        for i, server in enumerate(servers):
+            try:
+                await server.start()
+            except OSError:
+                for started in servers[:i]:
+                    await started.stop()
+                raise
+        return servers
+
+    def _metrics_authorized(self, path: str, authorization: Optional[str]) -> bool:
+        needed = self.config.auth_health if path == "/health" else self.config.auth_metrics
+        return self.auth is None or not needed or self.auth.check(authorization)
+
+    def _watch_tls(self, loop: asyncio.AbstractEventLoop) -> Optional[asyncio.Task]:
+        """SIGHUP reloads the certificate; so does a change of its files (polled)."""
+        if self.tls is None:
             return None
-        http = MetricsHttpServer(self.metrics, lambda: self.engine.is_healthy)
-        await http.start(self.config.host, self.config.metrics_port)
-        logger.info("metrics on http://%s:%d/metrics", self.config.host, self.config.metrics_port)
-        return http
+        loop.add_signal_handler(signal.SIGHUP, self.tls.reload)
+        return asyncio.create_task(security.watch_tls_files(
+            self.tls, self.config.tls_reload_interval_s), name="tls-watch")
 
     async def _start_engine(self) -> bool:
         """Start the engine unless a signal arrives first; False if serving should not begin."""
@@ -142,6 +199,7 @@ class Server:
             return False
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._serving = True
         info = self.engine.runtime_info
         logger.info("tinyvllm serving %s on %s:%d (engine pid %d, %d KV blocks of %d tokens)",
                     info.model_name, self.config.host, self.port, self.engine.engine_pid,

@@ -1,4 +1,4 @@
-"""Prometheus metrics (`tinyvllm:` prefix, own registry) and the HTTP endpoint for /metrics, /health.
+"""Prometheus metrics (`tinyvllm:` prefix, own registry) and the metrics port's app (/metrics, /health).
 
 Engine-side numbers (running, waiting, KV usage, prefix cache, preemptions, token counts) are read
 from the latest `EngineStats` at scrape time; request latencies are observed by the frontend as
@@ -9,15 +9,18 @@ is loaded and its name known.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
                                disable_created_metrics)
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
 
 from tinyvllm.frontend.engine_client import EngineObserver
 
@@ -147,45 +150,27 @@ class ServerMetrics(EngineObserver):
         return generate_latest(self.registry)
 
 
-class MetricsHttpServer:
-    """A minimal asyncio HTTP/1.0 server: GET /metrics and GET /health (200 or 503)."""
+def metrics_app(metrics: ServerMetrics, is_healthy: Callable[[], bool],
+                authorized: Callable[[str, Optional[str]], bool]) -> Starlette:
+    """The metrics port's ASGI app: GET /metrics (Prometheus text) and GET /health (200 or 503).
 
-    def __init__(self, metrics: ServerMetrics, is_healthy: Callable[[], bool]) -> None:
-        self.metrics = metrics
-        self.is_healthy = is_healthy
-        self._server: Optional[asyncio.base_events.Server] = None
+    Args:
+        authorized: (path, `authorization` header) -> whether to answer; else 401.
+    """
+    def guard(path: str, handler: Callable[[], Response]) -> Callable[[Request], Any]:
+        async def endpoint(request: Request) -> Response:
+            if not authorized(path, request.headers.get("authorization")):
+                return PlainTextResponse("missing or invalid API key\n", 401,
+                                         headers={"WWW-Authenticate": "Bearer"})
+            return handler()
+        return endpoint
 
-    async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._handle, host, port)
+    def render() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+    def health() -> Response:
+        ok = is_healthy()
+        return PlainTextResponse("SERVING\n" if ok else "NOT_SERVING\n", 200 if ok else 503)
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10.0)
-            method, path = (head.split(b"\r\n", 1)[0].split(b" ") + [b"", b""])[:2]
-            status, ctype, body = self._route(method, path.split(b"?", 1)[0])
-            writer.write(b"HTTP/1.0 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n"
-                         b"Connection: close\r\n\r\n" % (status, ctype.encode(), len(body)))
-            if method != b"HEAD":
-                writer.write(body)
-            await writer.drain()
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError,
-                asyncio.LimitOverrunError):
-            pass
-        finally:
-            writer.close()
-
-    def _route(self, method: bytes, path: bytes) -> tuple[bytes, str, bytes]:
-        if method not in (b"GET", b"HEAD"):
-            return b"405 Method Not Allowed", "text/plain", b"method not allowed\n"
-        if path == b"/metrics":
-            return b"200 OK", CONTENT_TYPE_LATEST, self.metrics.render()
-        if path == b"/health":
-            if self.is_healthy():
-                return b"200 OK", "text/plain", b"SERVING\n"
-            return b"503 Service Unavailable", "text/plain", b"NOT_SERVING\n"
-        return b"404 Not Found", "text/plain", b"not found\n"
+    return Starlette(routes=[Route("/metrics", guard("/metrics", render), methods=["GET"]),
+                             Route("/health", guard("/health", health), methods=["GET"])])
