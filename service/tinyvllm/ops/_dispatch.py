@@ -36,6 +36,7 @@ KERNEL_MIN_CAPABILITY: dict[str, Capability] = {
     "rotary_embedding_and_cache": (8, 0),
     "fused_linear": (8, 0),
     "sample": (8, 0),
+    "rejection_sample": (8, 0),
 }
 
 
