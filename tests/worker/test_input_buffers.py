@@ -20,7 +20,8 @@ def test_sections_are_aligned_disjoint_and_fixed_by_shape():
         start = t.data_ptr()
         assert start % 16 == 0, name
         spans.append((start, start + t.numel() * t.element_size(), name))
-    assert [len(getattr(b, n).np) for n in names] == [5, 5, 5, 4, 3, 12, 3, 3, 3]
+    # logits_indices: one per token (a speculative request has a logits row per position)
+    assert [len(getattr(b, n).np) for n in names] == [5, 5, 5, 4, 3, 12, 5, 3, 3]
     for (_, end, name), (start, _, _) in zip(spans, spans[1:]):
         assert end <= start, name  # back to back, no overlap
     first = [getattr(b, n).device.data_ptr() for n in names]
