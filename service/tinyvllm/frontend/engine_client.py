@@ -120,6 +120,7 @@ class AsyncEngineClient:
         self.engine_class = engine_class
         self.runtime_info: Optional[RuntimeInfo] = None
         self.tokenizer: Any = None
+        self._processor: Any = None  # OutputProcessor, made once the tokenizer is loaded
         self.engine_pid: Optional[int] = None
         self.stats: dict[str, float] = {}
         self.dead_reason: Optional[str] = None
@@ -213,7 +214,9 @@ class AsyncEngineClient:
 
     @property
     def is_ready(self) -> bool:
-        return self.runtime_info is not None and self.dead_reason is None
+        # The engine's READY can arrive before the frontend's tokenizer has loaded.
+        return (self.runtime_info is not None and self._processor is not None
+                and self.dead_reason is None)
 
     @property
     def is_stalled(self) -> bool:
@@ -294,7 +297,7 @@ class AsyncEngineClient:
             raise EngineUnavailableError(f"engine is down: {self.dead_reason}")
         if self.draining or self._closing:
             raise EngineUnavailableError("server is draining and takes no new requests")
-        if self.runtime_info is None:
+        if self.runtime_info is None or self._processor is None:
             raise EngineUnavailableError("engine is not ready yet")
         if self.is_stalled:
             raise EngineUnavailableError(
