@@ -1,5 +1,6 @@
-"""The C++ decode attention over the paged float32 cache (tinyvllm._cpu) against dense float64
-attention and the torch reference, on ragged contexts, GQA ratios and shuffled block tables."""
+"""The C++ paged attention over the float32 cache (tinyvllm._cpu) against dense float64
+attention and the torch reference, on ragged contexts, GQA ratios and shuffled block tables:
+decode rows, and prefill / mixed batches where every token attends as a row of its own."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from tinyvllm.ops import quantized as q
-from tinyvllm.ops.attention import _paged_decode_cpu, paged_attention, paged_attention_ref
+from tinyvllm.ops.attention import _paged_attention_cpu, paged_attention, paged_attention_ref
 from tests.ops.test_references import _build_batch, _dense_causal_attention
 
 pytest.importorskip("tinyvllm._cpu")
@@ -27,7 +28,7 @@ def test_decode_matches_dense(seq_lens, num_heads, num_kv_heads, head_dim, block
     scale = 1 / math.sqrt(head_dim)
     q.set_num_threads(threads)
     try:
-        out = _paged_decode_cpu(query, cache, meta, scale)
+        out = _paged_attention_cpu(query, cache, meta, scale)
     finally:
         q.set_num_threads(None)
     for i, (k, v) in enumerate(dense):
@@ -46,7 +47,7 @@ def test_strided_queries_are_read_in_place():
     wide[:, :192] = query.reshape(2, 192)
     view = wide[:, :192].view(2, 6, 32)
     assert not view.is_contiguous()
-    torch.testing.assert_close(_paged_decode_cpu(view, cache, meta, 0.2),
+    torch.testing.assert_close(_paged_attention_cpu(view, cache, meta, 0.2),
                                paged_attention_ref(query, cache, meta, 0.2), atol=2e-5, rtol=2e-5)
 
 
@@ -55,4 +56,33 @@ def test_block_outside_the_cache_is_refused():
     query, cache, meta, _ = _build_batch([(1, 20)], 4, 2, 32, 16, gen)
     meta.block_tables[0, 1] = cache.shape[1] + 5
     with pytest.raises(IndexError, match="block id .* outside the cache"):
-        _paged_decode_cpu(query, cache, meta, 0.2)
+        _paged_attention_cpu(query, cache, meta, 0.2)
+
+
+@pytest.mark.parametrize("seqs", [[(7, 7)], [(1, 30), (5, 21), (16, 40), (1, 1)], [(3, 33), (9, 9)]])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 32)])
+def test_prefill_and_mixed_batches_match_dense(seqs, num_heads, num_kv_heads, head_dim):
+    """(new tokens, context) per sequence: whole prompts, chunks after a cached prefix, decodes."""
+    gen = torch.Generator().manual_seed(len(seqs) * 10 + num_heads)
+    query, cache, meta, dense = _build_batch(seqs, num_heads, num_kv_heads, head_dim, 16, gen)
+    scale = 1 / math.sqrt(head_dim)
+    out = _paged_attention_cpu(query, cache, meta, scale)
+    qsl = meta.query_start_loc_cpu
+    for i, (k, v) in enumerate(dense):
+        expected = _dense_causal_attention(query[qsl[i]:qsl[i + 1]], k, v, scale)
+        torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].double(), expected, atol=2e-5,
+                                   rtol=2e-5)
+
+
+def test_a_token_gets_the_same_output_in_any_batch():
+    """The last prompt token computed in a whole prefill, and alone after a cached prefix."""
+    gen = torch.Generator().manual_seed(11)
+    query, cache, meta, _ = _build_batch([(12, 12)], 6, 2, 32, 16, gen)
+    whole = _paged_attention_cpu(query, cache, meta, 0.2)
+    meta_last = type(meta)(num_tokens=1, slot_mapping=meta.slot_mapping[-1:],
+                           query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                           seq_lens=meta.seq_lens, block_tables=meta.block_tables,
+                           max_query_len=1, max_seq_len=12, query_start_loc_cpu=[0, 1],
+                           seq_lens_cpu=meta.seq_lens_cpu)
+    alone = _paged_attention_cpu(query[-1:], cache, meta_last, 0.2)
+    assert torch.equal(whole[-1:], alone)

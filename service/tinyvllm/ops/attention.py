@@ -91,40 +91,55 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         from tinyvllm.ops.attention_cuda import paged_attention_cuda
         return paged_attention_cuda(kernel, query, kv_cache, meta, scale, k_scale=k_scale,
                                     v_scale=v_scale)
-    if _cpu_decode_supported(query, kv_cache, meta):
-        return _paged_decode_cpu(query, kv_cache, meta, scale)
+    if _cpu_kernel_supported(query, kv_cache, meta):
+        return _paged_attention_cpu(query, kv_cache, meta, scale)
     return paged_attention_ref(query, kv_cache, meta, scale, k_scale, v_scale)
 
 
-def _cpu_decode_supported(query: torch.Tensor, kv_cache: torch.Tensor,
+def _cpu_kernel_supported(query: torch.Tensor, kv_cache: torch.Tensor,
                           meta: AttentionMetadata) -> bool:
-    """A pure-decode float32 batch on the CPU runs the C++ kernel (tinyvllm._cpu), which reads
-    the paged cache in place instead of gathering every context."""
+    """A float32 batch on the CPU runs the C++ kernel (tinyvllm._cpu), which reads the paged
+    cache in place instead of gathering every context."""
     from tinyvllm.ops.quantized import cpu_kernels
 
-    return (meta.is_pure_decode and query.device.type == "cpu" and query.dtype == torch.float32
+    return (query.device.type == "cpu" and query.dtype == torch.float32
             and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
             and cpu_kernels() is not None and meta.num_seqs > 0)
 
 
-def _paged_decode_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float) -> torch.Tensor:
+def _paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                         scale: float) -> torch.Tensor:
+    """Every new token attends as a decode row of its own: its sequence's block table and the
+    context up to and including itself (the step's K/V are in the cache already). One kernel
+    for decode, prefill and verification rows, so a token's output does not depend on the
+    batch it is in or on how much of its prompt came from the prefix cache."""
     from tinyvllm.ops.quantized import cpu_kernels
 
-    b = meta.num_seqs
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    q = query[:b]
+    qsl = meta.query_start_loc_cpu
+    num_rows = qsl[meta.num_seqs]
+    if meta.is_pure_decode:
+        tables = meta.block_tables[:num_rows]
+        seq_lens = meta.seq_lens[:num_rows]
+    else:
+        q_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(meta.num_seqs)])
+        seq_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs), q_lens)
+        tables = meta.block_tables[seq_of_row]
+        # row t of a sequence with q new tokens and context L sees L - (q - 1 - t) tokens
+        row_in_seq = torch.arange(num_rows) - torch.tensor(qsl[:-1])[seq_of_row]
+        seq_lens = (meta.seq_lens.cpu()[seq_of_row] - q_lens[seq_of_row] + 1 + row_in_seq)
+    tables = tables.to(torch.int32).contiguous()  # [num_rows, max_blocks]
+    seq_lens = seq_lens.to(torch.int32).contiguous()  # [num_rows]
+    q = query[:num_rows]
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
-    tables = meta.block_tables[:b].to(torch.int32).contiguous()  # [b, max_blocks]
-    seq_lens = meta.seq_lens[:b].to(torch.int32).contiguous()
     out = torch.empty_like(query)
     cpu_kernels().paged_decode_attention(
         out.data_ptr(), q.data_ptr(), q.stride(0), kv_cache.data_ptr(), num_blocks, block_size,
         num_kv_heads, head_dim, query.shape[1], tables.data_ptr(), tables.shape[1],
-        seq_lens.data_ptr(), b, scale)
-    if out.shape[0] > b:
-        out[b:] = 0
+        seq_lens.data_ptr(), num_rows, scale)
+    if out.shape[0] > num_rows:
+        out[num_rows:] = 0
     return out
 
 
