@@ -6,6 +6,7 @@ request, no KV block in use, no stream slot held, memory back where it was."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 from pathlib import Path
 
@@ -20,8 +21,10 @@ from .test_edge import FOUR_MB, HealthProbe, _big_text
 
 pytestmark = pytest.mark.slow
 
-MAX_STREAMS = 150
-NUM_STREAMS = 200
+# CI runs 200 streams against a limit of 150; the issue's 500-stream run is the same test with
+# TINYVLLM_SOAK_STREAMS=500 TINYVLLM_SOAK_MAX_STREAMS=600.
+MAX_STREAMS = int(os.environ.get("TINYVLLM_SOAK_MAX_STREAMS", "150"))
+NUM_STREAMS = int(os.environ.get("TINYVLLM_SOAK_STREAMS", "200"))
 CANCEL_FRACTION = 0.3
 HEALTH_LIMIT_S = 0.1
 IDLE = {"tinyvllm:num_requests_running": 0.0, "tinyvllm:num_requests_waiting": 0.0,
