@@ -32,6 +32,31 @@ START_TIMEOUT_S = 300.0
 BASE_ARGS = ("--max-model-len", "1024", "--kv-cache-memory-gb", "0.25", "--log-level", "info")
 
 
+IDLE = {"tinyvllm:num_requests_running": 0.0, "tinyvllm:num_requests_waiting": 0.0,
+        "tinyvllm:kv_cache_usage_perc": 0.0}
+"""The metrics of a server with nothing in flight and no KV block held."""
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 30 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+async def client(server):
+    """A gRPC client of the module's `server` fixture."""
+    from tinyvllm.client import AsyncClient
+
+    async with AsyncClient(server.target) as c:
+        yield c
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
@@ -92,13 +117,7 @@ class ServerProcess:
         return self.proc.wait(timeout=timeout_s)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def launch_server(log_dir: Path, *extra_args: str, env: Optional[dict] = None) -> ServerProcess:

@@ -17,15 +17,13 @@ import pytest
 from tinyvllm.client import AsyncClient, build_request
 from tinyvllm.v1 import generation_pb2 as pb
 
-from .conftest import start_server, wait_for_metrics
+from .conftest import IDLE, start_server, wait_for_metrics
 
 pytestmark = pytest.mark.slow
 
 MAX_STREAMS = 4
 MAX_PROMPT_BYTES = 400_000
 HEALTH_LIMIT_S = 0.1
-IDLE = {"tinyvllm:num_requests_running": 0.0, "tinyvllm:num_requests_waiting": 0.0,
-        "tinyvllm:kv_cache_usage_perc": 0.0}
 GENERATE = "/tinyvllm.v1.Generation/Generate"
 TOKENIZE = "/tinyvllm.v1.Generation/Tokenize"
 DETOKENIZE = "/tinyvllm.v1.Generation/Detokenize"
@@ -39,11 +37,6 @@ def server(tmp_path_factory):
     yield srv
     srv.stop()
 
-
-@pytest.fixture
-async def client(server):
-    async with AsyncClient(server.target) as c:
-        yield c
 
 
 # --- undecodable requests ------------------------------------------------------------------------

@@ -17,14 +17,12 @@ import pytest
 
 from tinyvllm.client import AsyncClient
 
-from .conftest import HOST, free_port, start_server, wait_for_metrics
+from .conftest import IDLE, HOST, free_port, start_server, wait_for_metrics
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 CHAT = [{"role": "user", "content": "Name three colors."}]
-IDLE = {"tinyvllm:num_requests_running": 0.0, "tinyvllm:num_requests_waiting": 0.0,
-        "tinyvllm:kv_cache_usage_perc": 0.0}
 
 
 @pytest.fixture(scope="module")

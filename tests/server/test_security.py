@@ -28,7 +28,7 @@ from tinyvllm.v1 import generation_pb2 as pb
 from tinyvllm.v1 import generation_pb2_grpc as pb_grpc
 
 from .certs import CertificateAuthority, Issued, serial_of, write_pair
-from .conftest import HOST, free_port
+from .conftest import HOST, free_port, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "sk-test-7b0c1f"
@@ -87,13 +87,7 @@ class TlsServer:
             http_client=openai.DefaultHttpxClient(verify=self.ssl_context(client_cert)))
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def start_tls_server(d: Path, *extra: str) -> TlsServer:

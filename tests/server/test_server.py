@@ -21,12 +21,10 @@ from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.v1 import generation_pb2 as pb
 from tinyvllm.v1 import generation_pb2_grpc as pb_grpc
 
-from .conftest import start_server, wait_for_metrics
+from .conftest import IDLE, start_server, wait_for_metrics
 
 pytestmark = pytest.mark.slow
 
-IDLE = {"tinyvllm:num_requests_running": 0.0, "tinyvllm:num_requests_waiting": 0.0,
-        "tinyvllm:kv_cache_usage_perc": 0.0}
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
            "The three primary colors are", "Water boils at", "My favourite book is"]
@@ -38,11 +36,6 @@ def server(tmp_path_factory):
     yield srv
     srv.stop()
 
-
-@pytest.fixture
-async def client(server):
-    async with AsyncClient(server.target) as c:
-        yield c
 
 
 async def test_reflection_lists_services(server):

@@ -16,7 +16,7 @@ import pytest
 
 from tinyvllm.client import AsyncClient
 
-from .conftest import start_server, wait_for_metrics
+from .conftest import IDLE, start_server, wait_for_metrics
 from .test_edge import FOUR_MB, HealthProbe, _big_text
 
 pytestmark = pytest.mark.slow
@@ -27,8 +27,6 @@ MAX_STREAMS = int(os.environ.get("TINYVLLM_SOAK_MAX_STREAMS", "150"))
 NUM_STREAMS = int(os.environ.get("TINYVLLM_SOAK_STREAMS", "200"))
 CANCEL_FRACTION = 0.3
 HEALTH_LIMIT_S = 0.1
-IDLE = {"tinyvllm:num_requests_running": 0.0, "tinyvllm:num_requests_waiting": 0.0,
-        "tinyvllm:kv_cache_usage_perc": 0.0}
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
            "Water boils at", "My favourite book is", "Translate to French: cat"]
 
