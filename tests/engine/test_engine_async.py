@@ -12,7 +12,7 @@ import pytest
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
-from tinyvllm.engine.request import EngineCoreRequest
+from tinyvllm.scheduling.request import EngineCoreRequest
 from tinyvllm.model.loader import LoadedModel
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.model_runner import ModelRunner

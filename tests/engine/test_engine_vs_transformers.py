@@ -126,7 +126,7 @@ def test_aborted_requests_free_their_blocks(smollm2, prompts):
 
 
 def _request(request_id, ids):
-    from tinyvllm.engine.request import EngineCoreRequest
+    from tinyvllm.scheduling.request import EngineCoreRequest
     return EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=GREEDY)
 
 

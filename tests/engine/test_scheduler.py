@@ -3,9 +3,9 @@
 import pytest
 
 from tinyvllm.config import SchedulerConfig
-from tinyvllm.engine.kv_cache_manager import KVCacheManager
-from tinyvllm.engine.request import FinishReason, Request, RequestStatus
-from tinyvllm.engine.scheduler import Scheduler
+from tinyvllm.scheduling.kv_cache_manager import KVCacheManager
+from tinyvllm.scheduling.request import FinishReason, Request, RequestStatus
+from tinyvllm.scheduling.scheduler import Scheduler
 from tinyvllm.sampling_params import SamplingParams
 
 BLOCK = 4

@@ -10,8 +10,8 @@ from typing import Callable, Optional
 
 import pytest
 
-from tinyvllm.engine.request import FinishReason, RequestStatus
-from tinyvllm.engine.scheduler import Scheduler, SchedulerOutput
+from tinyvllm.scheduling.request import FinishReason, RequestStatus
+from tinyvllm.scheduling.scheduler import Scheduler, SchedulerOutput
 from tinyvllm.sampling_params import SamplingParams
 
 from .test_scheduler import BLOCK, make_request, make_scheduler

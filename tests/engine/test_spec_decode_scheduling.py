@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from tinyvllm.config import EngineConfig, SchedulerConfig, SpeculativeConfig
-from tinyvllm.engine.kv_cache_manager import KVCacheManager
-from tinyvllm.engine.request import Request
-from tinyvllm.engine.scheduler import Scheduler
-from tinyvllm.engine.spec_decode import NgramProposer, SpecDecodePolicy, SpecDecodeStats
+from tinyvllm.scheduling.kv_cache_manager import KVCacheManager
+from tinyvllm.scheduling.request import Request
+from tinyvllm.scheduling.scheduler import Scheduler
+from tinyvllm.scheduling.spec_decode import NgramProposer, SpecDecodePolicy, SpecDecodeStats
 from tinyvllm.sampling_params import SamplingParams
 
 BLOCK = 4

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tinyvllm.engine.request import EngineCoreOutput, FinishReason, Logprobs
+from tinyvllm.scheduling.request import EngineCoreOutput, FinishReason, Logprobs
 from tinyvllm.frontend.output_processor import OutputProcessor
 from tinyvllm.outputs import Logprob, RequestOutput
 from tinyvllm.sampling_params import SamplingParams

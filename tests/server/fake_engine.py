@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from tinyvllm.config import EngineConfig, RuntimeInfo
-from tinyvllm.engine.request import EngineCoreOutput, EngineCoreRequest
+from tinyvllm.scheduling.request import EngineCoreOutput, EngineCoreRequest
 from tinyvllm.engine.validation import validate_request
 
 FAIL_TOKEN = 13

@@ -12,8 +12,8 @@ import pytest
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
-from tinyvllm.engine.request import Request
-from tinyvllm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tinyvllm.scheduling.request import Request
+from tinyvllm.scheduling.scheduler import ScheduledRequest, SchedulerOutput
 from tinyvllm.model.loader import LoadedModel
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_sizes,

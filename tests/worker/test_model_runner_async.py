@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tinyvllm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tinyvllm.scheduling.scheduler import ScheduledRequest, SchedulerOutput
 
 from .test_model_runner import PROMPTS, loaded, make_runner, request  # noqa: F401
 

@@ -18,7 +18,7 @@ import torch
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
-from tinyvllm.engine.request import EngineCoreRequest
+from tinyvllm.scheduling.request import EngineCoreRequest
 from tinyvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

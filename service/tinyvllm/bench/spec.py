@@ -20,7 +20,7 @@ from tinyvllm.bench.common import (engine_config, environment, model_fields, pre
                                    print_table, ratio, write_record)
 from tinyvllm.bench.engine_runs import build_engine, greedy
 from tinyvllm.engine.engine_core import EngineCore
-from tinyvllm.engine.request import EngineCoreRequest
+from tinyvllm.scheduling.request import EngineCoreRequest
 from tinyvllm.worker.model_runner import ModelRunner
 
 NAME = "spec"

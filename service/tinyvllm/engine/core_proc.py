@@ -31,7 +31,7 @@ import zmq
 
 from tinyvllm.config import EngineConfig, RuntimeInfo
 from tinyvllm.engine.parent_guard import EngineExit, ParentGuard
-from tinyvllm.engine.request import EngineCoreOutput, EngineCoreRequest, FinishReason
+from tinyvllm.scheduling.request import EngineCoreOutput, EngineCoreRequest, FinishReason
 
 DEFAULT_ENGINE_CLASS = "tinyvllm.engine.engine_core:EngineCore"
 

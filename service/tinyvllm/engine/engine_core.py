@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Iterable, Optional
 import msgspec
 
 from tinyvllm.config import EngineConfig, RuntimeInfo
-from tinyvllm.engine.kv_cache_manager import KVCacheManager
-from tinyvllm.engine.request import EngineCoreOutput, EngineCoreRequest, Request
-from tinyvllm.engine.scheduler import Scheduler, SchedulerOutput
+from tinyvllm.scheduling.kv_cache_manager import KVCacheManager
+from tinyvllm.scheduling.request import EngineCoreOutput, EngineCoreRequest, Request
+from tinyvllm.scheduling.scheduler import Scheduler, SchedulerOutput
 from tinyvllm.engine.validation import RequestValidationError, validate_request
 
 if TYPE_CHECKING:  # torch stays out of engine/ imports

@@ -7,7 +7,7 @@ server can map it to INVALID_ARGUMENT with that name.
 from __future__ import annotations
 
 from tinyvllm.config import RuntimeInfo
-from tinyvllm.engine.request import EngineCoreRequest
+from tinyvllm.scheduling.request import EngineCoreRequest
 
 
 class RequestValidationError(ValueError):

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
-from tinyvllm.engine.request import EngineCoreRequest
+from tinyvllm.scheduling.request import EngineCoreRequest
 from tinyvllm.frontend.output_processor import OutputProcessor
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams

@@ -33,7 +33,7 @@ import zmq.asyncio
 
 from tinyvllm.config import EngineConfig, RuntimeInfo
 from tinyvllm.engine import core_proc
-from tinyvllm.engine.request import EngineCoreOutput, EngineCoreRequest
+from tinyvllm.scheduling.request import EngineCoreOutput, EngineCoreRequest
 from tinyvllm.engine.validation import validate_request
 from tinyvllm.frontend.errors import (EngineDeadError, EngineRequestError,
                                       EngineUnavailableError, QueueFullError)

@@ -14,7 +14,7 @@ from typing import Optional
 
 from tokenizers import Tokenizer
 
-from tinyvllm.engine.request import EngineCoreOutput, FinishReason, Logprobs
+from tinyvllm.scheduling.request import EngineCoreOutput, FinishReason, Logprobs
 from tinyvllm.frontend.detokenizer import IncrementalDetokenizer
 from tinyvllm.outputs import (
     CompletionOutput,

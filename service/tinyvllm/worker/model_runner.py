@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from tinyvllm.config import CacheConfig, EngineConfig
-from tinyvllm.engine.request import Request
-from tinyvllm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tinyvllm.scheduling.request import Request
+from tinyvllm.scheduling.scheduler import ScheduledRequest, SchedulerOutput
 from tinyvllm.model.loader import LoadedModel, load_model
 from tinyvllm.ops import AttentionMetadata, allocate_kv_caches
 from tinyvllm.ops._dispatch import cuda_ops, device_support

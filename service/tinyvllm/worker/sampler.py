@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from tinyvllm.engine.request import Logprobs
+from tinyvllm.scheduling.request import Logprobs
 from tinyvllm.ops.sampling import (apply_min_p, apply_top_k_top_p,  # noqa: F401 (re-exported)
                                    as_int64, kernel_available, sample)
 from tinyvllm.sampling_params import SamplingParams

@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 import torch
 
-from tinyvllm.engine.request import Logprobs, Request
+from tinyvllm.scheduling.request import Logprobs, Request
 from tinyvllm.worker.sampler import SampledTensors, SamplingState
 
 SampledTokens = dict[str, tuple[Union[int, list[int]], Optional[Logprobs]]]

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from tinyvllm.config import SchedulerConfig, SpeculativeConfig
-from tinyvllm.engine.kv_cache_manager import KVCacheManager
-from tinyvllm.engine.spec_decode import SpecDecodePolicy
-from tinyvllm.engine.request import (EngineCoreOutput, FinishReason, Logprobs, Request,
+from tinyvllm.scheduling.kv_cache_manager import KVCacheManager
+from tinyvllm.scheduling.spec_decode import SpecDecodePolicy
+from tinyvllm.scheduling.request import (EngineCoreOutput, FinishReason, Logprobs, Request,
                                      RequestStatus)
 
 

@@ -94,7 +94,7 @@ class Request:
     stop_reason: Optional[int] = None
     num_preemptions: int = 0
     spec_k: int = 0  # draft tokens it may propose next (speculative decoding; adapts)
-    # The n-gram proposer's numpy copy of prompt + output (engine/spec_decode.py), extended as
+    # The n-gram proposer's numpy copy of prompt + output (scheduling/spec_decode.py), extended as
     # tokens are appended.
     spec_token_buffer: Optional[Any] = None
     spec_token_buffer_len: int = 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from tinyvllm import _core
-from tinyvllm.engine.request import Request
+from tinyvllm.scheduling.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tinyvllm.config import SpeculativeConfig
-from tinyvllm.engine.request import Request
+from tinyvllm.scheduling.request import Request
 
 _MIN_CAPACITY = 256
 
