@@ -127,6 +127,33 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
+EXECUTOR_BACKENDS = ("uni", "mp")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = _f(
+        1, "GPUs (or CPU processes) one model is split over: attention heads, MLP columns and "
+        "the vocabulary are sharded, one all-reduce after attention and one after the MLP.")
+    distributed_executor_backend: Optional[str] = _f(
+        None, "uni: the model runs in the engine's own process; mp: one worker process per "
+        "rank, driven by messages. Default: uni for one rank, mp for more.",
+        choices=EXECUTOR_BACKENDS)
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("distributed_executor_backend: uni runs one rank; "
+                             f"tensor_parallel_size {self.tensor_parallel_size} needs mp")
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
+
+
 SPEC_METHODS = ("ngram",)  # a draft-model proposer is planned
 
 
@@ -277,6 +304,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -287,7 +315,7 @@ class EngineConfig:
             TypeError: a key that no config section has, named.
         """
         speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
-        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        sections = _FLAT_SECTIONS
         parts: dict[str, dict[str, Any]] = {name: {} for name in sections}
         owner = {f.name: name for name, c in sections.items() for f in dataclasses.fields(c)}
         for key, value in kwargs.items():
@@ -296,6 +324,11 @@ class EngineConfig:
             parts[owner[key]][key] = value
         return cls(**{name: sections[name](**parts[name]) for name in sections},
                    speculative=speculative)
+
+
+_FLAT_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                  "parallel": ParallelConfig}
+"""EngineConfig's sections whose fields are flat options (`--flag`, `LLM(flag=...)`)."""
 
 
 @dataclass(frozen=True)
@@ -337,15 +370,13 @@ def config_from_args(args: argparse.Namespace, cls: type) -> Any:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=config_from_args(args, ModelConfig),
-        cache=config_from_args(args, CacheConfig),
-        scheduler=config_from_args(args, SchedulerConfig),
+        **{name: config_from_args(args, cls) for name, cls in _FLAT_SECTIONS.items()},
         speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
     )
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+    for cls in _FLAT_SECTIONS.values():
         add_config_arguments(parser, cls)
     keys = ", ".join(f.name for f in dataclasses.fields(SpeculativeConfig))
     parser.add_argument_group("SpeculativeConfig").add_argument(
