@@ -6,6 +6,7 @@ import pytest
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
+from tinyvllm.engine.executor import UniProcExecutor
 from tinyvllm.scheduling.request import EngineCoreRequest
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.model_runner import ModelRunner
@@ -20,7 +21,7 @@ def smollm2(smollm2_model):
 def make_engine(loaded, **engine_kwargs) -> EngineCore:
     """An EngineCore over an already loaded model (loading takes seconds; engines are cheap)."""
     config = EngineConfig.from_kwargs(device="cpu", dtype="float32", **engine_kwargs)
-    return EngineCore(config, ModelRunner(config, loaded=loaded))
+    return EngineCore(config, UniProcExecutor(config, ModelRunner(config, loaded=loaded)))
 
 
 def run_to_completion(engine: EngineCore, prompts: list[list[int]],

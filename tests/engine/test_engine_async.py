@@ -12,6 +12,7 @@ import pytest
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
+from tinyvllm.engine.executor import UniProcExecutor
 from tinyvllm.scheduling.request import EngineCoreRequest
 from tinyvllm.model.loader import LoadedModel
 from tinyvllm.sampling_params import SamplingParams
@@ -33,7 +34,7 @@ def make_engine(tiny, async_scheduling=True, **kwargs) -> EngineCore:
     kwargs.setdefault("num_kv_blocks", 64)
     config = EngineConfig.from_kwargs(device="cpu", dtype="float32", block_size=4,
                                       async_scheduling=async_scheduling, **kwargs)
-    return EngineCore(config, ModelRunner(config, loaded=tiny))
+    return EngineCore(config, UniProcExecutor(config, ModelRunner(config, loaded=tiny)))
 
 
 def add(engine: EngineCore, prompts, params: SamplingParams) -> None:

@@ -24,7 +24,7 @@ def make_request(rid, n_prompt, max_tokens=4, start=100, **kw):
 
 def run_step(s: Scheduler, token=7):
     out = s.schedule()
-    sampled = {x.request.request_id: (token, None) for x in out.scheduled if x.completes_sequence}
+    sampled = {x.request_id: (token, None) for x in out.scheduled if x.completes_sequence}
     return out, s.update(out, sampled)
 
 
@@ -33,16 +33,16 @@ def test_prefill_then_decode_exact_blocks():
     r = make_request("a", 6, max_tokens=10)
     s.add_request(r)
     out, outputs = run_step(s)
-    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 6)]
-    assert r.block_ids == [1, 2]
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 6)]
+    assert s.kv.block_ids(r.request_id) == [1, 2]
     assert [o.new_token_ids for o in outputs] == [[7]]
     out, _ = run_step(s)
     assert out.scheduled[0].num_new_tokens == 1
-    assert r.block_ids == [1, 2]  # position 6 fits in block 2
+    assert s.kv.block_ids(r.request_id) == [1, 2]  # position 6 fits in block 2
     run_step(s)
-    assert r.block_ids == [1, 2]  # position 7 too
+    assert s.kv.block_ids(r.request_id) == [1, 2]  # position 7 too
     run_step(s)
-    assert r.block_ids == [1, 2, 3]  # position 8 opens block 3
+    assert s.kv.block_ids(r.request_id) == [1, 2, 3]  # position 8 opens block 3
 
 
 def test_chunked_prefill_respects_budget_and_samples_only_at_the_end():
@@ -66,7 +66,7 @@ def test_budget_shared_between_decode_and_new_prefill():
     run_step(s)
     s.add_request(b)
     out, _ = run_step(s)
-    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 4)]
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 4)]
 
 
 def test_max_tokens_finishes_and_frees_every_block():
@@ -171,7 +171,7 @@ def test_abort_frees_blocks_of_running_and_waiting_requests():
     s.abort_requests(["a", "b", "unknown"])
     assert s.kv.num_free_blocks == 15 and not s.has_unfinished_requests()
     assert a.finish_reason == FinishReason.ABORT
-    assert s.schedule().finished_request_ids == {"a", "b"}
+    assert set(s.schedule().finished_request_ids) == {"a", "b"}
 
 
 def test_priority_policy_orders_waiting_and_preempts_lowest_priority():
@@ -180,7 +180,7 @@ def test_priority_policy_orders_waiting_and_preempts_lowest_priority():
     s.add_request(low)
     s.add_request(high)
     out, _ = run_step(s)
-    assert out.scheduled[0].request.request_id == "high"
+    assert out.scheduled[0].request_id == "high"
 
 
 def test_duplicate_request_id_is_rejected():

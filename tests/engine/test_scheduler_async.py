@@ -41,9 +41,9 @@ class AsyncDriver:
         out = self.s.schedule()
         self.scheduled.append(out)
         # The sample is decided at launch, like the model's: output index from the snapshot.
-        sampled = {x.request.request_id: (self.token_fn(
-            x.request.request_id,
-            x.num_computed_tokens + x.num_new_tokens - x.request.num_prompt_tokens), None)
+        sampled = {x.request_id: (self.token_fn(
+            x.request_id,
+            x.num_computed_tokens + x.num_new_tokens - self.s.requests[x.request_id].num_prompt_tokens), None)
             for x in out.scheduled if x.completes_sequence}
         return None if out.is_empty else (out, sampled)
 
@@ -61,7 +61,7 @@ class AsyncDriver:
                 assert o.request_id not in self.finish_reasons, "a token after the finish"
                 self.finish_reasons[o.request_id] = o.finish_reason
         for r in self.s.running:  # published blocks hold known token ids only
-            assert r.num_published_blocks * BLOCK <= r.num_tokens
+            assert self.s.kv.num_published_blocks(r.request_id) * BLOCK <= r.num_tokens
         return outputs
 
     def run(self, max_steps: int = 100) -> None:
@@ -73,7 +73,7 @@ class AsyncDriver:
 
     def num_scheduled_tokens(self, request_id: str) -> int:
         return sum(x.num_new_tokens for out in self.scheduled for x in out.scheduled
-                   if x.request.request_id == request_id)
+                   if x.request_id == request_id)
 
 
 def test_decode_is_scheduled_before_the_previous_token_is_known():
@@ -86,11 +86,11 @@ def test_decode_is_scheduled_before_the_previous_token_is_known():
     x = second.scheduled[0]
     assert (x.num_computed_tokens, x.num_new_tokens, x.completes_sequence) == (7, 1, True)
     assert (r.num_computed_tokens, r.num_output_placeholders) == (8, 2)
-    assert r.block_ids == [1, 2]  # position 7 fits in block 2
+    assert s.kv.block_ids(r.request_id) == [1, 2]  # position 7 fits in block 2
     assert [o.new_token_ids for o in s.update(first, {"a": (11, None)})] == [[11]]
     assert (r.output_token_ids, r.num_output_placeholders) == ([11], 1)
     third = s.schedule()  # position 8 opens block 3, before the token at 7 is known
-    assert third.scheduled[0].num_computed_tokens == 8 and r.block_ids == [1, 2, 3]
+    assert third.scheduled[0].num_computed_tokens == 8 and s.kv.block_ids(r.request_id) == [1, 2, 3]
     s.update(second, {"a": (12, None)})
     s.update(third, {"a": (13, None)})
     assert (r.output_token_ids, r.num_output_placeholders, r.num_computed_tokens) == (
@@ -150,7 +150,7 @@ def test_abort_with_step_in_flight_frees_blocks_and_drops_its_tokens():
     first = s.schedule()
     second = s.schedule()
     s.abort_requests(["a"])
-    assert a.finish_reason == FinishReason.ABORT and a.block_ids == []
+    assert a.finish_reason == FinishReason.ABORT and s.kv.block_ids(a.request_id) == []
     outputs = s.update(first, {"a": (1, None), "b": (2, None)})
     assert [o.request_id for o in outputs] == ["b"]  # a's token in flight is dropped
     assert [o.request_id for o in s.update(second, {"a": (3, None), "b": (4, None)})] == ["b"]

@@ -12,6 +12,7 @@ import pytest
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
+from tinyvllm.engine.executor import UniProcExecutor
 from tinyvllm.scheduling.request import EngineCoreRequest
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.model_runner import ModelRunner
@@ -27,7 +28,7 @@ MAX_TOKENS = 16
 def make_engine(loaded, spec=None, **kwargs) -> EngineCore:
     config = EngineConfig.from_kwargs(device="cpu", dtype="float32", speculative_config=spec,
                                       **kwargs)
-    return EngineCore(config, ModelRunner(config, loaded=loaded))
+    return EngineCore(config, UniProcExecutor(config, ModelRunner(config, loaded=loaded)))
 
 
 def generate(engine: EngineCore, prompts, params) -> list[list[int]]:

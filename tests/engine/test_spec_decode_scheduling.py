@@ -91,14 +91,14 @@ def test_draft_slots_are_allocated_then_rolled_back():
     (step,) = out.scheduled
     # suffix [1, 2, 3] matched at 0..2: the draft is 4 1 2 3, at positions 7..10.
     assert step.draft_token_ids == [4, 1, 2, 3] and step.num_new_tokens == 5
-    assert r.num_computed_tokens == 11 and r.block_ids == [1, 2, 3]
+    assert r.num_computed_tokens == 11 and s.kv.block_ids(r.request_id) == [1, 2, 3]
     # The target accepts 4 and 1, then says 9: positions 7..8 kept, 9..10 rolled back.
     (result,) = s.update(out, {"a": ([4, 1, 9], None)})
     assert result.new_token_ids == [4, 1, 9]
     assert r.output_token_ids == [3, 4, 1, 9]
     assert r.num_computed_tokens == 9 and r.num_tokens == 10
-    assert r.block_ids == [1, 2, 3]  # position 8 is in block 3
-    assert r.num_published_blocks == 2  # positions 0..7: only accepted tokens' full blocks
+    assert s.kv.block_ids(r.request_id) == [1, 2, 3]  # position 8 is in block 3
+    assert s.kv.num_published_blocks(r.request_id) == 2  # positions 0..7: only accepted tokens' full blocks
     assert s.kv.num_free_blocks == free_before - 1
     assert s.spec.stats.num_accepted_tokens == 2 and s.spec.stats.num_draft_tokens == 4
 
@@ -110,9 +110,9 @@ def test_rejected_drafts_blocks_are_freed():
     s.update(s.schedule(), {"a": (8, None)})  # 8 tokens: blocks 1, 2 full
     out = s.schedule()
     assert out.scheduled[0].draft_token_ids == [5, 6, 7, 8]
-    assert r.block_ids == [1, 2, 3]  # positions 7..11
+    assert s.kv.block_ids(r.request_id) == [1, 2, 3]  # positions 7..11
     s.update(out, {"a": ([1], None)})  # the first draft is rejected
-    assert r.num_computed_tokens == 8 and r.block_ids == [1, 2]
+    assert r.num_computed_tokens == 8 and s.kv.block_ids(r.request_id) == [1, 2]
     assert s.kv.num_free_blocks == s.kv.num_blocks - 1 - 2
 
 

@@ -17,6 +17,7 @@ from tests.engine.conftest import assert_all_blocks_free, run_to_completion
 from tinyvllm import ops
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
+from tinyvllm.engine.executor import UniProcExecutor
 from tinyvllm.model.synthetic import SMOLLM2_135M_SHAPE, make_random_model
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.model_runner import ModelRunner
@@ -110,7 +111,7 @@ def engine(**kwargs) -> EngineCore:
     kwargs.setdefault("num_kv_blocks", 512)
     config = EngineConfig.from_kwargs(model=MODEL, device="cuda", dtype="bfloat16",
                                       max_model_len=1024, **kwargs)
-    return EngineCore(config, ModelRunner(config))
+    return EngineCore(config, UniProcExecutor(config, ModelRunner(config)))
 
 
 def generate(core: EngineCore, prompts: list[list[int]], max_tokens: int):

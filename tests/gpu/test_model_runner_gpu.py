@@ -23,6 +23,7 @@ import torch
 from tests.engine.conftest import assert_all_blocks_free, run_to_completion
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
+from tinyvllm.engine.executor import UniProcExecutor
 from tinyvllm.ops import _dispatch
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker import cuda_graph
@@ -78,7 +79,7 @@ def engine(path, **kwargs) -> EngineCore:
     kwargs.setdefault("num_kv_blocks", NUM_BLOCKS)
     config = EngineConfig.from_kwargs(model=str(path), device=kwargs.pop("device", "cuda"),
                                       **kwargs)
-    return EngineCore(config, ModelRunner(config))
+    return EngineCore(config, UniProcExecutor(config, ModelRunner(config)))
 
 
 def generate(core: EngineCore, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:

@@ -14,6 +14,7 @@ import torch
 from tests.engine.conftest import assert_all_blocks_free, run_to_completion
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
+from tinyvllm.engine.executor import UniProcExecutor
 from tinyvllm.model.loader import LoadedModel
 from tinyvllm.model.synthetic import make_random_model, synthetic_tokenizer, tiny_arch
 from tinyvllm.sampling_params import SamplingParams
@@ -39,7 +40,7 @@ def run(small, async_scheduling: bool, **kwargs) -> tuple[list[list[int]], int]:
     config = EngineConfig.from_kwargs(device="cuda", dtype="bfloat16", num_kv_blocks=256,
                                       max_num_seqs=8, async_scheduling=async_scheduling,
                                       **kwargs)
-    core = EngineCore(config, ModelRunner(config, loaded=small))
+    core = EngineCore(config, UniProcExecutor(config, ModelRunner(config, loaded=small)))
     fills = [0]
     fill = core.runner.buffers.fill_prev_token_ids
 

@@ -12,14 +12,14 @@ import pytest
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
-from tinyvllm.scheduling.request import Request
-from tinyvllm.scheduling.scheduler import ScheduledRequest, SchedulerOutput
+from tinyvllm.engine.executor import UniProcExecutor
+from tinyvllm.scheduling.output import NewRequest, ScheduledRequest, SchedulerOutput
 from tinyvllm.model.loader import LoadedModel
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_sizes,
                                         decode_seq_len_tiers)
-from tinyvllm.worker.input_buffers import BlockTableCache
 from tinyvllm.worker.model_runner import ModelRunner
+from tinyvllm.worker.requests import CachedRequest, apply_scheduler_output
 
 from tests.engine.conftest import run_to_completion
 
@@ -40,18 +40,30 @@ def make_runner(loaded, **kwargs) -> ModelRunner:
     return ModelRunner(config, loaded=loaded)
 
 
-def request(request_id: str, prompt: list[int], output: list[int], num_computed: int,
-            block_ids: list[int]) -> Request:
-    r = Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=GREEDY)
-    r.output_token_ids = list(output)
-    r.num_computed_tokens = num_computed
-    r.block_ids = list(block_ids)
-    return r
+def scheduled(request_id: str, prompt: list[int], output: list[int], num_computed: int,
+              block_ids: list[int], num_new: int) -> tuple[NewRequest, list[int], ScheduledRequest]:
+    """A request the worker learns of in this step with `output` already sampled (as after a
+    preemption), its blocks, and its share of the step."""
+    new = NewRequest(request_id, list(prompt), GREEDY)
+    share = ScheduledRequest(request_id, num_new, num_computed,
+                             completes_sequence=num_computed + num_new >= len(prompt) + len(output),
+                             new_block_ids=list(block_ids))
+    return new, list(output), share
+
+
+def prepare(runner: ModelRunner, *requests):
+    """The runner's inputs for a step of these `scheduled(...)` requests."""
+    out = SchedulerOutput(new_requests=[n for n, _, _ in requests],
+                          scheduled=[s for _, _, s in requests])
+    rows = apply_scheduler_output(runner.requests, out, runner.device)
+    for row, (_, output, _) in zip(rows, requests):
+        row.output_token_ids.extend(output)
+    return runner._prepare_inputs(out, rows)
 
 
 def make_engine(loaded, **kwargs) -> EngineCore:
     runner = make_runner(loaded, **kwargs)
-    return EngineCore(runner.config, runner)
+    return EngineCore(runner.config, UniProcExecutor(runner.config, runner))
 
 
 def generate(engine: EngineCore, prompts: list[list[int]], params=GREEDY) -> list[list[int]]:
@@ -82,14 +94,19 @@ def test_pick_smallest_graph_that_fits():
     assert graphs.pick(1, 201) is None  # context above the largest tier: eager
 
 
-def test_block_table_cache_grows_and_rebuilds():
-    cache = BlockTableCache()
+def test_record_block_table_follows_offsets():
+    r = CachedRequest(NewRequest("a", [1, 2, 3], GREEDY), "cpu")
     ids = list(range(1, 21))
-    assert cache.get("a", ids[:3]).tolist() == [1, 2, 3]
-    assert cache.get("a", ids).tolist() == ids  # grown past the first capacity
-    assert cache.get("a", [7, 8]).tolist() == [7, 8]  # replaced list (preempted, refilled)
-    cache.drop("a")
-    assert cache.get("a", [9]).tolist() == [9]
+    r.set_blocks(0, ids[:3])
+    assert r.block_table.tolist() == [1, 2, 3]
+    r.set_blocks(3, ids[3:])
+    assert r.block_table.tolist() == ids  # grown past the first capacity
+    r.set_blocks(2, [99])  # a rollback freed blocks 3.. and one was allocated again
+    assert r.block_table.tolist() == [1, 2, 99]
+    r.set_blocks(0, [7, 8])  # resumed after preemption: a whole new table
+    assert r.block_table.tolist() == [7, 8]
+    with pytest.raises(RuntimeError, match="block offset 5"):
+        r.set_blocks(5, [1])
 
 
 # --- inputs --------------------------------------------------------------------------------------
@@ -98,11 +115,9 @@ def test_mixed_batch_inputs(loaded):
     runner = make_runner(loaded)
     # a: decode at position 11 (prompt 11 + 1 output); b: 3-token chunk 2..4 of a 5-token prompt
     # that completes it; c: first chunk of 6 tokens of a 13-token prompt (not sampled).
-    a = request("a", PROMPTS[0], [42], 11, [3, 9, 5])
-    b = request("b", PROMPTS[1], [], 2, [7, 2])
-    c = request("c", PROMPTS[2], [], 0, [4, 6])
-    out = SchedulerOutput([ScheduledRequest(a, 1), ScheduledRequest(b, 3), ScheduledRequest(c, 6)])
-    inputs = runner._prepare_inputs(out)
+    inputs = prepare(runner, scheduled("a", PROMPTS[0], [42], 11, [3, 9, 5], 1),
+                     scheduled("b", PROMPTS[1], [], 2, [7, 2], 3),
+                     scheduled("c", PROMPTS[2], [], 0, [4, 6], 6))
     meta = inputs.meta
     buf = runner.buffers
     assert inputs.graph is None and inputs.num_tokens == 10
@@ -122,10 +137,10 @@ def test_mixed_batch_inputs(loaded):
 def test_decode_padded_to_graph_bucket(loaded):
     runner = make_runner(loaded)
     runner.graphs = DecodeGraphs(None, [], runner.buffers, [1, 2, 4], [16, 32], BLOCK_SIZE)
-    reqs = [request("a", PROMPTS[0], [42, 43], 12, [3, 9, 5, 8]),
-            request("b", PROMPTS[1], [1], 5, [7, 2]),
-            request("c", [1, 2, 3], [], 2, [6])]  # the last prompt token: also one new token
-    inputs = runner._prepare_inputs(SchedulerOutput([ScheduledRequest(r, 1) for r in reqs]))
+    inputs = prepare(runner, scheduled("a", PROMPTS[0], [42, 43], 12, [3, 9, 5, 8], 1),
+                     scheduled("b", PROMPTS[1], [1], 5, [7, 2], 1),
+                     # the last prompt token: also one new token
+                     scheduled("c", [1, 2, 3], [], 2, [6], 1))
     buf = runner.buffers
     assert inputs.graph == GraphKey(4, 16, 4) and inputs.meta is None
     assert buf.input_ids.np[:4].tolist() == [43, 1, 3, 0]
@@ -140,9 +155,8 @@ def test_decode_padded_to_graph_bucket(loaded):
 
 def test_step_too_large_is_refused(loaded):
     runner = make_runner(loaded, max_num_batched_tokens=8)
-    r = request("a", PROMPTS[2], [], 0, [4, 6, 1, 2])
     with pytest.raises(ValueError, match="max_num_batched_tokens=8"):
-        runner._prepare_inputs(SchedulerOutput([ScheduledRequest(r, 13)]))
+        prepare(runner, scheduled("a", PROMPTS[2], [], 0, [4, 6, 1, 2], 13))
 
 
 # --- tokens --------------------------------------------------------------------------------------
@@ -170,13 +184,13 @@ def test_batching_and_chunking_do_not_change_tokens(loaded, kwargs):
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
-def test_block_tables_dropped_when_requests_finish(loaded):
+def test_records_dropped_when_requests_finish(loaded):
     runner = make_runner(loaded)
-    engine = EngineCore(runner.config, runner)
+    engine = EngineCore(runner.config, UniProcExecutor(runner.config, runner))
     generate(engine, PROMPTS)
     # Finished ids reach the runner with the next schedule, i.e. during the next run.
     generate(engine, PROMPTS[:1])
-    assert set(runner.block_tables._tables) <= {"0"}
+    assert set(runner.requests) <= {"0"}
 
 
 def test_cpu_buffers_are_the_device_buffers(loaded):

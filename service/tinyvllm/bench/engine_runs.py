@@ -18,6 +18,7 @@ import torch
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
+from tinyvllm.engine.executor import UniProcExecutor
 from tinyvllm.scheduling.request import EngineCoreRequest
 from tinyvllm.sampling_params import SamplingParams
 
@@ -73,7 +74,7 @@ class BatchRun:
 
 def build_engine(config: EngineConfig, runner=None) -> EngineCore:
     """An engine (loading the model unless `runner`, an already loaded ModelRunner, is given)."""
-    return EngineCore(config, model_runner=runner)
+    return EngineCore(config, UniProcExecutor(config, runner))
 
 
 def greedy(output_len: int) -> SamplingParams:

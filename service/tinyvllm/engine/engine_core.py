@@ -22,18 +22,23 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import Any, Iterable, Optional, Protocol
 
 import msgspec
 
 from tinyvllm.config import EngineConfig, RuntimeInfo
-from tinyvllm.scheduling.kv_cache_manager import KVCacheManager
-from tinyvllm.scheduling.request import EngineCoreOutput, EngineCoreRequest, Request
-from tinyvllm.scheduling.scheduler import Scheduler, SchedulerOutput
+from tinyvllm.engine.executor import make_executor
 from tinyvllm.engine.validation import RequestValidationError, validate_request
+from tinyvllm.scheduling.kv_cache_manager import KVCacheManager
+from tinyvllm.scheduling.output import SampledTokens, SchedulerOutput
+from tinyvllm.scheduling.request import EngineCoreOutput, EngineCoreRequest, Request
+from tinyvllm.scheduling.scheduler import Scheduler
 
-if TYPE_CHECKING:  # torch stays out of engine/ imports
-    from tinyvllm.worker.step_handle import StepHandle
+
+class StepHandle(Protocol):
+    """A launched step (`ModelRunner.execute_async`, or a step published to worker processes)."""
+
+    def result(self) -> SampledTokens: ...
 
 logger = logging.getLogger(__name__)
 
@@ -63,44 +68,53 @@ class EngineStats(msgspec.Struct, array_like=True):
 @dataclass
 class _LaunchedStep:
     out: SchedulerOutput
-    handle: "StepHandle"
+    handle: StepHandle
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_runner=None):
-        from tinyvllm.worker.model_runner import ModelRunner  # torch stays out of engine/ imports
+    """The step loop over a scheduler and an executor (by default the one the config names:
+    `ParallelConfig.executor_backend`; tests and benchmarks pass their own)."""
 
+    def __init__(self, config: EngineConfig, executor: Any = None):
         self.config = config
-        self.runner = model_runner or ModelRunner(config)
-        loaded = self.runner.loaded
-        self.tokenizer = loaded.tokenizer
-        self.max_model_len = self._fit_max_model_len()
+        if config.speculative.enabled and config.parallel.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: speculative decoding with "
+                             "tensor_parallel_size > 1 is not supported yet")
+        self.executor = executor if executor is not None else make_executor(config)
+        info = self.executor.info
+        self.tokenizer = self.executor.tokenizer
+        self.max_model_len = self._fit_max_model_len(info.num_blocks, info.block_size,
+                                                     info.max_model_len)
         self.runtime_info = RuntimeInfo(
-            num_kv_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
-            max_model_len=self.max_model_len, vocab_size=loaded.arch.vocab_size,
-            eos_token_ids=tuple(self.tokenizer.eos_token_ids), model_name=loaded.name,
-            device=str(self.runner.device), dtype=str(self.runner.dtype).removeprefix("torch."))
+            num_kv_blocks=info.num_blocks, block_size=info.block_size,
+            max_model_len=self.max_model_len, vocab_size=info.vocab_size,
+            eos_token_ids=tuple(info.eos_token_ids), model_name=info.model_name,
+            device=info.device, dtype=info.dtype)
         seed = config.cache.prefix_cache_seed
-        kv = KVCacheManager(self.runner.num_blocks, self.runner.block_size,
-                            config.cache.enable_prefix_caching,
+        kv = KVCacheManager(info.num_blocks, info.block_size, config.cache.enable_prefix_caching,
                             seed if seed is not None else secrets.randbits(63))
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, config.speculative)
-        self._eos = frozenset(self.tokenizer.eos_token_ids)
-        self._num_prompt_tokens = 0
+        self._eos = frozenset(info.eos_token_ids)
         self._num_generation_tokens = 0
         self._num_scheduled_tokens = 0
         wanted = config.scheduler.async_scheduling
-        self.async_scheduling = self.runner.device.type == "cuda" if wanted is None else wanted
+        self.async_scheduling = self.executor.device_type == "cuda" if wanted is None else wanted
         self._in_flight: Optional[_LaunchedStep] = None
 
-    def _fit_max_model_len(self) -> int:
+    @staticmethod
+    def _fit_max_model_len(num_blocks: int, block_size: int, max_model_len: int) -> int:
         """The context length, capped so that one request alone always fits in the KV cache
         (otherwise preemption could never make room for it)."""
-        capacity = (self.runner.num_blocks - 1) * self.runner.block_size
-        if capacity < self.runner.max_model_len:
+        capacity = (num_blocks - 1) * block_size
+        if capacity < max_model_len:
             logger.warning("max_model_len %d capped to %d tokens: the KV cache holds no more",
-                           self.runner.max_model_len, capacity)
-        return min(self.runner.max_model_len, capacity)
+                           max_model_len, capacity)
+        return min(max_model_len, capacity)
+
+    @property
+    def runner(self):
+        """The in-process model runner (UniProcExecutor only)."""
+        return self.executor.runner
 
     @property
     def kv(self) -> KVCacheManager:
@@ -159,16 +173,12 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return None
         out = self.scheduler.schedule()
-        handle = self.runner.execute_async(out)  # also hands over finished ids when empty
+        handle = self.executor.execute_async(out)  # also hands over finished ids when empty
         return None if out.is_empty else _LaunchedStep(out, handle)
 
     def _count(self, out: SchedulerOutput, outputs: list[EngineCoreOutput]) -> None:
         self._num_scheduled_tokens = out.num_scheduled_tokens
         self._num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
-        for s in out.scheduled:
-            self._num_prompt_tokens += max(0, min(s.num_new_tokens,
-                                                  s.request.num_prompt_tokens
-                                                  - s.num_computed_tokens))
 
     def get_stats(self) -> EngineStats:
         kv = self.kv
@@ -178,7 +188,7 @@ class EngineCore:
             num_kv_blocks=kv.num_blocks - 1, num_free_kv_blocks=kv.num_free_blocks,
             kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
-            num_prompt_tokens=self._num_prompt_tokens,
+            num_prompt_tokens=self.scheduler.num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
             num_scheduled_tokens=self._num_scheduled_tokens,
             spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
@@ -194,4 +204,5 @@ class EngineCore:
         if self._in_flight is not None:
             self._in_flight.handle.result()
             self._in_flight = None
+        self.executor.shutdown()
 

@@ -1,7 +1,10 @@
 """KVCacheManager: a thin facade over the C++ block pool and hasher (`tinyvllm._core`).
 
-It counts; it never decides. The scheduler asks "can this request have n more tokens?" and gets
-block ids or `None`. Every call crosses into C++ once per request per step with a batch of ids.
+It counts; it never decides. It owns every request's KV bookkeeping, keyed by request id: the
+block ids, the chained hashes of its full blocks and how many leading blocks are published to the
+prefix cache. The scheduler asks "can this request have n more tokens?" and gets the new block ids
+or `None`; it never writes block fields. Every call crosses into C++ once per request per step
+with a batch of ids.
 """
 
 from __future__ import annotations
@@ -16,6 +19,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class _RequestBlocks:
+    """One request's blocks: ids in sequence order, hashes of its full blocks (chained), and
+    the number of leading blocks already in the prefix cache."""
+
+    __slots__ = ("block_ids", "block_hashes", "num_published")
+
+    def __init__(self) -> None:
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_published = 0
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
                  hash_seed: Optional[int] = None):
@@ -23,6 +38,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = _core.BlockPool(num_blocks, enable_caching)
         self.hasher = _core.BlockHasher(block_size, hash_seed)
+        self._requests: dict[str, _RequestBlocks] = {}
         # Prefix-cache statistics, in tokens (what vLLM's metrics count).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -39,6 +55,21 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's blocks in sequence order (empty when it holds none). Read-only."""
+        entry = self._requests.get(request_id)
+        return entry.block_ids if entry is not None else []
+
+    def num_published_blocks(self, request_id: str) -> int:
+        entry = self._requests.get(request_id)
+        return entry.num_published if entry is not None else 0
+
+    def _entry(self, request: Request) -> _RequestBlocks:
+        entry = self._requests.get(request.request_id)
+        if entry is None:
+            entry = self._requests[request.request_id] = _RequestBlocks()
+        return entry
+
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Longest cached prefix of a request that has nothing computed yet.
 
@@ -48,9 +79,10 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         num_tokens = request.num_tokens
-        self._extend_hashes(request, num_tokens)
+        entry = self._entry(request)
+        self._extend_hashes(request, entry, num_tokens)
         max_hit_blocks = (num_tokens - 1) // self.block_size
-        hits = self.pool.lookup(request.block_hashes, max_hit_blocks)
+        hits = self.pool.lookup(entry.block_hashes, max_hit_blocks)
         self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
@@ -60,15 +92,16 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens of `request`.
 
         ```
-        | <- request.block_ids -> | <- new_computed_blocks -> | <- new blocks -> |
-        |  num_computed_tokens    |  cached prefix hits        | num_new_tokens   |
+        | <- blocks it holds -> | <- new_computed_blocks -> | <- new blocks -> |
+        |  num_computed_tokens  |  cached prefix hits        | num_new_tokens   |
         ```
-        Returns the newly allocated block ids, or None (and nothing changes) when the pool cannot
-        supply them.
+        Returns the ids appended to the request's blocks (the hits, then the new ones), or None
+        (and nothing changes) when the pool cannot supply them. The hits count as published.
         """
+        entry = self._entry(request)
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
-        num_new_blocks = num_required - len(request.block_ids) - len(new_computed_blocks)
+        num_new_blocks = num_required - len(entry.block_ids) - len(new_computed_blocks)
         if new_computed_blocks:
             # Touch first: a cached block may sit in the free queue and must not be evicted by the
             # allocation below.
@@ -78,46 +111,63 @@ class KVCacheManager:
             if new_computed_blocks:
                 self.pool.free(list(reversed(new_computed_blocks)))
             return None
-        request.block_ids.extend(new_computed_blocks)
-        request.block_ids.extend(new_blocks)
+        if new_computed_blocks:
+            entry.block_ids.extend(new_computed_blocks)
+            entry.num_published = len(entry.block_ids)
+            new_blocks = list(new_computed_blocks) + new_blocks
+        entry.block_ids.extend(new_blocks[len(new_computed_blocks):])
         return new_blocks
 
-    def cache_computed_blocks(self, request: Request, num_published: int) -> int:
-        """Publish the request's full blocks whose KV is now written; returns how many are."""
-        if not self.enable_caching:
-            return num_published
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Publish the request's full blocks whose KV is now written (of its computed tokens
+        whose ids are known)."""
+        entry = self._requests.get(request.request_id)
+        if not self.enable_caching or entry is None:
+            return
         num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
-        if num_full <= num_published:
-            return num_published
-        self._extend_hashes(request, num_full * self.block_size)
-        self.pool.cache_blocks(request.block_ids[num_published:num_full],
-                               request.block_hashes[num_published:num_full])
-        return num_full
+        if num_full <= entry.num_published:
+            return
+        self._extend_hashes(request, entry, num_full * self.block_size)
+        self.pool.cache_blocks(entry.block_ids[entry.num_published:num_full],
+                               entry.block_hashes[entry.num_published:num_full])
+        entry.num_published = num_full
 
     def trim(self, request: Request) -> None:
         """Free the request's blocks past its computed tokens (the slots of rejected draft
         tokens), tail first. They were never published: only computed blocks are."""
+        entry = self._requests.get(request.request_id)
+        if entry is None:
+            return
         keep = cdiv(request.num_computed_tokens, self.block_size)
-        if len(request.block_ids) > keep:
-            self.pool.free(request.block_ids[keep:][::-1])
-            del request.block_ids[keep:]
+        if len(entry.block_ids) > keep:
+            self.pool.free(entry.block_ids[keep:][::-1])
+            del entry.block_ids[keep:]
 
     def free(self, request: Request) -> None:
-        """Release a request's blocks, tail first so that its last blocks are evicted first."""
-        if request.block_ids:
-            self.pool.free(request.block_ids[::-1])
-            request.block_ids = []
+        """Release a request's blocks, tail first so that its last blocks are evicted first.
+        Its block hashes stay (a preempted request looks its prefix up again with them)."""
+        entry = self._requests.get(request.request_id)
+        if entry is not None and entry.block_ids:
+            self.pool.free(entry.block_ids[::-1])
+            entry.block_ids = []
+        if entry is not None:
+            entry.num_published = 0
+
+    def forget(self, request: Request) -> None:
+        """Free a finished request's blocks and drop its bookkeeping."""
+        self.free(request)
+        self._requests.pop(request.request_id, None)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 
-    def _extend_hashes(self, request: Request, num_tokens: int) -> None:
+    def _extend_hashes(self, request: Request, entry: _RequestBlocks, num_tokens: int) -> None:
         """Hash the request's full blocks up to `num_tokens` that are not hashed yet."""
-        have = len(request.block_hashes)
+        have = len(entry.block_hashes)
         want = num_tokens // self.block_size
         if want <= have:
             return
         tokens = request.all_token_ids[have * self.block_size:want * self.block_size]
-        parent = request.block_hashes[-1] if have else None
+        parent = entry.block_hashes[-1] if have else None
         salt = request.cache_salt.encode() if request.cache_salt else b""
-        request.block_hashes.extend(self.hasher.hash_blocks(tokens, parent, salt))
+        entry.block_hashes.extend(self.hasher.hash_blocks(tokens, parent, salt))

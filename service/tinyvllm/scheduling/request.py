@@ -86,10 +86,8 @@ class Request:
     # most the step in flight plus the one just scheduled). They count toward the sequence length
     # when scheduling, so that a decode of a token still in flight is scheduled at its position.
     num_output_placeholders: int = 0
-    num_cached_tokens: int = -1  # set on first scheduling; -1 = not yet looked up
-    block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, chained
-    num_published_blocks: int = 0  # leading block_ids already in the prefix cache
+    # Set on first scheduling (when the workers learn of it); -1 = not scheduled yet.
+    num_cached_tokens: int = -1
     finish_reason: Optional[FinishReason] = None
     stop_reason: Optional[int] = None
     num_preemptions: int = 0

@@ -27,49 +27,19 @@ from typing import Iterable, Optional
 
 from tinyvllm.config import SchedulerConfig, SpeculativeConfig
 from tinyvllm.scheduling.kv_cache_manager import KVCacheManager
+from tinyvllm.scheduling.output import (NewRequest, SampledTokens, ScheduledRequest,
+                                        SchedulerOutput)
+from tinyvllm.scheduling.request import EngineCoreOutput, FinishReason, Request, RequestStatus
 from tinyvllm.scheduling.spec_decode import SpecDecodePolicy
-from tinyvllm.scheduling.request import (EngineCoreOutput, FinishReason, Logprobs, Request,
-                                     RequestStatus)
 
 
 @dataclass
-class ScheduledRequest:
-    """One request's share of a step, as it stood when scheduled (the request moves on while the
-    step is in flight)."""
+class _Step:
+    """A scheduled step's requests, in row order, kept by the scheduler until `update` (the
+    message itself carries ids only)."""
 
-    request: Request
-    num_new_tokens: int
-    # Speculative decoding: the tokens proposed after the request's last one, computed at
-    # positions num_computed_tokens + 1 ... (num_new_tokens = 1 + len(draft_token_ids)).
-    draft_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = field(init=False)  # before this step: its first position
-    # After this step the request has no uncomputed token: its last position is sampled.
-    completes_sequence: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        r = self.request
-        self.num_computed_tokens = r.num_computed_tokens
-        self.completes_sequence = (r.num_computed_tokens + self.num_new_tokens
-                                   >= r.num_tokens + r.num_output_placeholders)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    # Requests that finished (or were aborted) since the last step: the model runner drops its
-    # per-request state for them.
-    finished_request_ids: set[str] = field(default_factory=set)
-    # Requests preempted in this step: their blocks are gone, their sampling state (a seeded
-    # generator) is kept, so that they resume the same random stream.
-    preempted_request_ids: set[str] = field(default_factory=set)
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+    out: SchedulerOutput
+    requests: list[Request] = field(default_factory=list)
 
 
 class WaitingQueue:
@@ -119,8 +89,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
-        self._finished_ids: set[str] = set()
+        self._finished_ids: list[str] = []
+        self._steps: dict[int, _Step] = {}  # scheduled, not yet updated
+        self._next_step_id = 0
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # computed prompt tokens, cumulative (metrics)
 
     # --- requests in and out ------------------------------------------------------------------
 
@@ -167,18 +140,49 @@ class Scheduler:
     # --- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_request_ids=self._finished_ids)
-        self._finished_ids = set()
+        """The next step, as a message for the workers. The scheduler keeps the step's requests
+        until `update(out, ...)` (a step with nothing scheduled needs no update)."""
+        out = SchedulerOutput(step_id=self._next_step_id, finished_request_ids=self._finished_ids)
+        self._next_step_id += 1
+        self._finished_ids = []
+        step = _Step(out)
         budget = self.config.max_num_batched_tokens
-        budget, preempted = self._schedule_running(out, budget)
+        budget, preempted = self._schedule_running(step, budget)
         if not preempted:
-            self._schedule_waiting(out, budget)
-        for s in out.scheduled:  # after every allocation: preemption may have dropped some
-            s.request.num_computed_tokens += s.num_new_tokens
-            s.request.num_output_placeholders += s.completes_sequence
+            self._schedule_waiting(step, budget)
+        for request, s in zip(step.requests, out.scheduled):  # after every allocation:
+            request.num_computed_tokens += s.num_new_tokens    # preemption may have dropped some
+            request.num_output_placeholders += s.completes_sequence
+        if out.scheduled:
+            self._steps[out.step_id] = step
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+    def _add_scheduled(self, step: _Step, request: Request, num_new: int, block_offset: int,
+                       new_block_ids: list[int], drafts: list[int] = ()) -> None:
+        r = request
+        step.requests.append(r)
+        step.out.scheduled.append(ScheduledRequest(
+            request_id=r.request_id, num_new_tokens=num_new,
+            num_computed_tokens=r.num_computed_tokens,
+            completes_sequence=(r.num_computed_tokens + num_new
+                                >= r.num_tokens + r.num_output_placeholders),
+            block_offset=block_offset, new_block_ids=new_block_ids,
+            draft_token_ids=list(drafts)))
+
+    def _drop_scheduled(self, step: _Step, victim: Request) -> int:
+        """Take a preempted request out of the step; returns the tokens it had there."""
+        freed = 0
+        keep_requests, keep_scheduled = [], []
+        for r, s in zip(step.requests, step.out.scheduled):
+            if r is victim:
+                freed += s.num_new_tokens
+            else:
+                keep_requests.append(r)
+                keep_scheduled.append(s)
+        step.requests, step.out.scheduled = keep_requests, keep_scheduled
+        return freed
+
+    def _schedule_running(self, step: _Step, budget: int) -> tuple[int, bool]:
         preempted_any = False
         speculate = self.spec.active(len(self.running))
         i = 0
@@ -190,25 +194,26 @@ class Scheduler:
             num_new = self._num_new_tokens(request, budget)
             drafts = self._draft(request, budget) if speculate and num_new == 1 else []
             num_new += len(drafts)
-            while self.kv.allocate_slots(request, num_new) is None:
+            block_offset = len(self.kv.block_ids(request.request_id))
+            while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
                 if victim_index < i:  # scheduled earlier in this step: give its tokens back
                     i -= 1
-                    budget += sum(s.num_new_tokens for s in out.scheduled if s.request is victim)
-                self._preempt(victim, out)
+                self._preempt(victim, step)
+                budget += self._drop_scheduled(step, victim)
                 preempted_any = True
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new, drafts))
+                self._add_scheduled(step, request, num_new, block_offset, new_blocks, drafts)
                 budget -= num_new
                 i += 1
                 continue
             # The request preempted itself; running[i] is now the next one.
         return budget, preempted_any
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, step: _Step, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.num_output_placeholders:
@@ -220,16 +225,19 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new, hits) is None:
+            new_blocks = self.kv.allocate_slots(request, num_new, hits)
+            if new_blocks is None:
                 break
             self.waiting.pop()
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens < 0:  # first scheduled: the workers learn of it
                 request.num_cached_tokens = num_cached
+                step.out.new_requests.append(NewRequest(
+                    request.request_id, request.prompt_token_ids, request.sampling_params,
+                    sorted(request.eos_token_ids)))
             request.num_computed_tokens = num_cached
-            request.num_published_blocks = len(hits)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            self._add_scheduled(step, request, num_new, 0, new_blocks)
             budget -= num_new
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
@@ -261,22 +269,19 @@ class Scheduler:
             return self.running[-1]
         return max(self.running, key=lambda r: (r.priority, r.arrival_time))
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request, step: _Step) -> None:
         self.running.remove(request)
-        out.scheduled = [s for s in out.scheduled if s.request is not request]
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_published_blocks = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        out.preempted_request_ids.add(request.request_id)
+        step.out.preempted_request_ids.append(request.request_id)
         self.waiting.add(request, front=True)
 
     # --- after the model ran --------------------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, tuple[int, Optional[Logprobs]]]
-               ) -> list[EngineCoreOutput]:
+    def update(self, out: SchedulerOutput, sampled: SampledTokens) -> list[EngineCoreOutput]:
         """Take in a step's sampled tokens and collect what the frontend must hear.
 
         `sampled` maps request ids whose sequence was completed this step to the sampled token
@@ -285,20 +290,21 @@ class Scheduler:
         still gets its token (its KV was computed; it is recomputed with the rest).
         """
         outputs = []
-        for s in out.scheduled:
-            request = s.request
+        step = self._steps.pop(out.step_id)
+        for request, s in zip(step.requests, out.scheduled):
+            self.num_prompt_tokens += max(0, min(s.num_new_tokens,
+                                                 request.num_prompt_tokens - s.num_computed_tokens))
             if request.is_finished:
                 continue  # finished or aborted while this step was in flight: dropped
             if s.draft_token_ids:
-                outputs.append(self._update_verified(s, sampled[request.request_id][0]))
+                outputs.append(self._update_verified(request, s, sampled[request.request_id][0]))
                 continue
             request.num_output_placeholders -= s.completes_sequence
             if request.status == RequestStatus.RUNNING:
                 # Before the append, so only blocks of known token ids. Their KV is written by
                 # this step or queued in the one in flight: any step that reads a published block
                 # is launched later, so its kernels run after those writes.
-                request.num_published_blocks = self.kv.cache_computed_blocks(
-                    request, request.num_published_blocks)
+                self.kv.cache_computed_blocks(request)
             if not s.completes_sequence:
                 continue  # a prefill chunk that has not reached the end of the sequence yet
             token_id, logprobs = sampled[request.request_id]
@@ -314,12 +320,12 @@ class Scheduler:
                 stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens))
         return outputs
 
-    def _update_verified(self, s: ScheduledRequest, token_ids: list[int]) -> EngineCoreOutput:
+    def _update_verified(self, request: Request, s: ScheduledRequest,
+                         token_ids: list[int]) -> EngineCoreOutput:
         """A verification step's outcome: token_ids are the accepted drafts and the target's own
         token. The rejected drafts' KV is rolled back (num_computed_tokens, and the blocks that
         only they used), then the tokens are appended up to a stop, and the full blocks of
         accepted tokens published."""
-        request = s.request
         request.num_output_placeholders -= 1
         num_accepted = len(token_ids) - 1
         request.num_computed_tokens = s.num_computed_tokens + len(token_ids)
@@ -336,8 +342,7 @@ class Scheduler:
             self._remove(request)
             self._finish(request, reason)
         else:
-            request.num_published_blocks = self.kv.cache_computed_blocks(
-                request, request.num_published_blocks)
+            self.kv.cache_computed_blocks(request)
         return EngineCoreOutput(
             request_id=request.request_id, new_token_ids=new_token_ids,
             finish_reason=reason.value if reason is not None else None,
@@ -367,6 +372,6 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.kv.free(request)
+        self.kv.forget(request)
         del self.requests[request.request_id]
-        self._finished_ids.add(request.request_id)
+        self._finished_ids.append(request.request_id)

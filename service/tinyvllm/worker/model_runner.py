@@ -17,8 +17,7 @@ import numpy as np
 import torch
 
 from tinyvllm.config import CacheConfig, EngineConfig
-from tinyvllm.scheduling.request import Request
-from tinyvllm.scheduling.scheduler import ScheduledRequest, SchedulerOutput
+from tinyvllm.scheduling.output import ScheduledRequest, SchedulerOutput
 from tinyvllm.model.loader import LoadedModel, load_model
 from tinyvllm.ops import AttentionMetadata, allocate_kv_caches
 from tinyvllm.ops._dispatch import cuda_ops, device_support
@@ -27,10 +26,12 @@ from tinyvllm.ops.kv_cache import FP8_DTYPE, PADDING_SLOT, resolve_kv_cache_dtyp
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_sizes,
                                         decode_seq_len_tiers)
-from tinyvllm.worker.input_buffers import BlockTableCache, InputBuffers
+from tinyvllm.worker.input_buffers import InputBuffers
+from tinyvllm.worker.requests import CachedRequest, apply_scheduler_output
 from tinyvllm.worker.sampler import Sampler, SamplingState
 from tinyvllm.worker.spec_decode import verify
-from tinyvllm.worker.step_handle import SampledTokens, StepHandle
+from tinyvllm.scheduling.output import SampledTokens
+from tinyvllm.worker.step_handle import StepHandle
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class ModelInputs:
     meta: Optional[AttentionMetadata]  # None when a CUDA graph runs the step
     graph: Optional[GraphKey]
     logits_indices: torch.Tensor  # [num_logit_rows] int64: rows of the tokens to sample from
-    sampled_requests: list[Request]
+    sampled_requests: list[CachedRequest]
     # Per sampled request, its draft tokens (speculative decoding; empty for the others). A
     # request with k drafts has k + 1 logits rows: its last token's and each draft's position.
     draft_token_ids: list[list[int]]
@@ -122,9 +123,8 @@ class ModelRunner:
         longest = max(self.max_model_len, self.max_num_tokens)  # the profile run is one sequence
         self.buffers = InputBuffers(self.max_num_tokens, self.max_num_seqs,
                                     -(-longest // self.block_size), self.device)
-        self.block_tables = BlockTableCache()
         self.sampler = Sampler()
-        self.sampling_states: dict[str, SamplingState] = {}
+        self.requests: dict[str, CachedRequest] = {}  # what the scheduler has told us of
         self._prev_sampled: Optional[_PrevSampled] = None
         self._ids_ring: list[torch.Tensor] = []
         self.num_blocks = self._determine_num_blocks(config.cache)
@@ -229,14 +229,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_async(self, out: SchedulerOutput) -> StepHandle:
         """Launch one step (inputs, forward, logits, sampling) without waiting for it."""
-        for request_id in out.finished_request_ids:
-            self.sampling_states.pop(request_id, None)
-            self.block_tables.drop(request_id)
-        for request_id in out.preempted_request_ids:
-            self.block_tables.drop(request_id)
-        if out.is_empty:
+        rows = apply_scheduler_output(self.requests, out, self.device)
+        if rows is None:
             return StepHandle.done()
-        inputs = self._prepare_inputs(out)
+        inputs = self._prepare_inputs(out, rows)
         logits = self._forward(inputs)
         requests = inputs.sampled_requests
         self._prev_sampled = None
@@ -244,7 +240,7 @@ class ModelRunner:
             return StepHandle.done()
         if inputs.has_drafts:
             return StepHandle.finished(self._verify(logits, inputs))
-        states = [self._sampling_state(r) for r in requests]
+        states = [r.sampling for r in requests]
         sampled = self.sampler.sample(logits, states)
         self._prev_sampled = _PrevSampled(sampled.token_ids,
                                           {r.request_id: i for i, r in enumerate(requests)})
@@ -266,15 +262,17 @@ class ModelRunner:
             row += len(drafts) + 1
         result: SampledTokens = {}
         if plain:
-            states = [self._sampling_state(r) for r in plain]
+            states = [r.sampling for r in plain]
             rows = logits[torch.tensor(plain_rows, device=logits.device)]
             out = self.sampler.sample(rows, states).to_output(states)
             result.update({r.request_id: (t, lp)
                            for r, t, lp in zip(plain, out.token_ids, out.logprobs)})
-        states = [self._sampling_state(r) for r, _ in spec]
+        states = [r.sampling for r, _ in spec]
         kept = verify(logits[torch.tensor(spec_rows, device=logits.device)], states,
                       [d for _, d in spec])
         result.update({r.request_id: (tokens, None) for (r, _), tokens in zip(spec, kept)})
+        for r in inputs.sampled_requests:
+            r.append_sampled(result[r.request_id][0])
         return result
 
     def _next_ids_buffer(self) -> Optional[torch.Tensor]:
@@ -303,7 +301,7 @@ class ModelRunner:
                             b.positions_device(inputs.num_tokens), self.kv_caches, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices]) if num_sampled else None
 
-    def _prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
+    def _prepare_inputs(self, out: SchedulerOutput, rows: list[CachedRequest]) -> ModelInputs:
         scheduled = out.scheduled
         num_seqs, num_tokens = len(scheduled), out.num_scheduled_tokens
         if num_seqs > self.max_num_seqs or num_tokens > self.max_num_tokens:
@@ -317,11 +315,11 @@ class ModelRunner:
         if graph is not None:
             num_rows, width = graph.batch_size, graph.block_table_width
         else:
-            num_rows, width = num_seqs, max(len(s.request.block_ids) for s in scheduled)
+            num_rows, width = num_seqs, max(r.num_blocks for r in rows)
         b = self.buffers
         b.wait_until_writable()
         b.begin(max(num_tokens, num_rows), num_rows, width)
-        sampled, num_prev, num_logit_rows = self._fill_host(scheduled,
+        sampled, num_prev, num_logit_rows = self._fill_host(scheduled, rows,
                                                             b.block_table_rows(num_rows, width))
         if num_rows > num_seqs:
             self._fill_padding(num_seqs, num_rows)
@@ -338,8 +336,8 @@ class ModelRunner:
                            draft_token_ids=[s.draft_token_ids for s in scheduled
                                             if s.completes_sequence])
 
-    def _fill_host(self, scheduled: list[ScheduledRequest], tables: np.ndarray
-                   ) -> tuple[list[Request], int, int]:
+    def _fill_host(self, scheduled: list[ScheduledRequest], records: list[CachedRequest],
+                   tables: np.ndarray) -> tuple[list[CachedRequest], int, int]:
         """Write token ids, positions, slots, offsets, lengths and block tables of the batch into
         the host buffers. Returns the requests whose last position is sampled, in row order, how
         many input ids are left to fill from the previous step's samples (prev_token_*), and
@@ -349,14 +347,14 @@ class ModelRunner:
         ids, positions, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
         qsl, seq_lens, logits_idx = b.query_start_loc.np, b.seq_lens.np, b.logits_indices.np
         qsl[0] = offset = num_prev = num_logit_rows = 0
-        sampled: list[Request] = []
-        for i, s in enumerate(scheduled):
-            r, n, start = s.request, s.num_new_tokens, s.num_computed_tokens
-            table = self.block_tables.get(r.request_id, r.block_ids)
+        sampled: list[CachedRequest] = []
+        for i, (s, r) in enumerate(zip(scheduled, records)):
+            n, start = s.num_new_tokens, s.num_computed_tokens
+            table = r.block_table
             tables[i, :len(table)] = table
             if n == 1:  # decode: scalar writes, no numpy temporaries
                 if start < r.num_tokens:
-                    ids[offset] = _token_at(r, start)
+                    ids[offset] = r.token_at(start)
                 else:  # sampled by the step in flight: the host does not know it yet
                     ids[offset] = 0
                     b.prev_token_dst.np[num_prev] = offset
@@ -367,10 +365,10 @@ class ModelRunner:
             else:
                 pos = np.arange(start, start + n)
                 if s.draft_token_ids:  # its last token, then the drafts to verify
-                    ids[offset] = _token_at(r, start)
+                    ids[offset] = r.token_at(start)
                     ids[offset + 1:offset + n] = s.draft_token_ids
                 else:
-                    ids[offset:offset + n] = _token_slice(r, start, start + n)
+                    ids[offset:offset + n] = r.token_slice(start, start + n)
                 positions[offset:offset + n] = pos
                 slots[offset:offset + n] = table[pos // bs].astype(np.int64) * bs + pos % bs
             offset += n
@@ -383,11 +381,10 @@ class ModelRunner:
                 num_logit_rows += num_rows
                 sampled.append(r)
                 # The (first) token sampled here sits at position start + n - num_rows + 1.
-                self._sampling_state(r).output_index = (start + n - num_rows + 1
-                                                        - r.num_prompt_tokens)
+                r.sampling.output_index = start + n - num_rows + 1 - r.num_prompt_tokens
         return sampled, num_prev, num_logit_rows
 
-    def _prev_row(self, request: Request, position: int) -> int:
+    def _prev_row(self, request: CachedRequest, position: int) -> int:
         """The row of `request` in the previous step's samples, which must hold its token at
         `position` (the one token it has in flight)."""
         prev = self._prev_sampled
@@ -406,33 +403,3 @@ class ModelRunner:
         b.slot_mapping.np[num_seqs:num_rows] = PADDING_SLOT
         b.query_start_loc.np[num_seqs + 1:num_rows + 1] = np.arange(num_seqs + 1, num_rows + 1)
         b.seq_lens.np[num_seqs:num_rows] = 1
-
-    def _sampling_state(self, request: Request) -> SamplingState:
-        state = self.sampling_states.get(request.request_id)
-        if state is None:
-            params = request.sampling_params
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(params.seed)
-            state = SamplingState(params=params, prompt_token_ids=request.prompt_token_ids,
-                                  output_token_ids=request.output_token_ids,
-                                  eos_token_ids=request.eos_token_ids, generator=generator)
-            self.sampling_states[request.request_id] = state
-        return state
-
-
-def _token_at(request: Request, index: int) -> int:
-    p = request.num_prompt_tokens
-    return request.prompt_token_ids[index] if index < p else request.output_token_ids[index - p]
-
-
-def _token_slice(request: Request, start: int, end: int) -> np.ndarray:
-    """Token ids [start, end) of prompt + output without concatenating the whole sequence."""
-    p = request.num_prompt_tokens
-    if start >= p:
-        return np.asarray(request.output_token_ids[start - p:end - p], dtype=np.int64)
-    if end <= p:
-        return np.asarray(request.prompt_token_ids[start:end], dtype=np.int64)
-    return np.asarray(request.prompt_token_ids[start:] + request.output_token_ids[:end - p],
-                      dtype=np.int64)

@@ -2,28 +2,26 @@
 
 `ModelRunner.execute_async` launches a step and returns a handle without a host sync; the engine
 schedules and launches the next step, then calls `result()`, which waits for this step's copy of
-the sampled ids into pinned host memory (an event, not a stream sync: later steps keep running).
+the sampled ids into pinned host memory (an event, not a stream sync: later steps keep running),
+and appends them to the worker's records of the requests.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
-from tinyvllm.scheduling.request import Logprobs, Request
+from tinyvllm.scheduling.output import SampledTokens
+from tinyvllm.worker.requests import CachedRequest
 from tinyvllm.worker.sampler import SampledTensors, SamplingState
-
-SampledTokens = dict[str, tuple[Union[int, list[int]], Optional[Logprobs]]]
-"""What a step returns: request id -> (sampled token id, its logprobs when asked); for a request
-that speculated, (the list of tokens it keeps: accepted drafts, then the target's own, None)."""
 
 
 class StepHandle:
     """A launched step. `result()` waits for its sampled ids (the step's one host sync) and
     returns them; on the CPU, or when nothing was sampled, it is done from the start."""
 
-    def __init__(self, requests: list[Request], states: list[SamplingState],
+    def __init__(self, requests: list[CachedRequest], states: list[SamplingState],
                  sampled: Optional[SampledTensors], ready: Optional[torch.cuda.Event]):
         self._requests = requests
         self._states = states
@@ -44,7 +42,7 @@ class StepHandle:
         return handle
 
     @classmethod
-    def launch(cls, requests: list[Request], states: list[SamplingState],
+    def launch(cls, requests: list[CachedRequest], states: list[SamplingState],
                sampled: SampledTensors,
                ids_buffer: Optional[torch.Tensor] = None) -> "StepHandle":
         """Start the device-to-host copies of `sampled` (CUDA) and record when they are done.
@@ -63,5 +61,7 @@ class StepHandle:
             out = self._sampled.to_output(self._states)
             self._result = {r.request_id: (tok, lp) for r, tok, lp in
                             zip(self._requests, out.token_ids, out.logprobs)}
+            for r, tok in zip(self._requests, out.token_ids):
+                r.output_token_ids.append(tok)
             self._sampled = None
         return self._result
