@@ -10,7 +10,7 @@ import pytest
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.model import paths
-from tinyvllm.sampling_params import SamplingParamsError
+from tinyvllm.errors import InvalidRequestError
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +80,7 @@ def test_logprobs_are_returned_per_token(llm):
 
 
 def test_bad_inputs_name_the_field(llm):
-    with pytest.raises(SamplingParamsError, match="^top_p"):
+    with pytest.raises(InvalidRequestError, match="^top_p"):
         SamplingParams(top_p=1.5)
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate({"prompt_token_ids": [10 ** 7]}, use_tqdm=False)

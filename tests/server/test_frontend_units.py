@@ -10,13 +10,13 @@ import grpc
 import pytest
 
 from tinyvllm.config import EngineConfig
-from tinyvllm.engine.validation import RequestValidationError
+from tinyvllm.errors import InvalidRequestError
 from tinyvllm.frontend.collector import RequestOutputCollector
 from tinyvllm.frontend.engine_client import AsyncEngineClient
 from tinyvllm.frontend.errors import (EngineDeadError, EngineUnavailableError, QueueFullError)
 from tinyvllm.frontend.request_pool import RequestPool
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tinyvllm.sampling_params import SamplingParams, SamplingParamsError
+from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.server import convert
 from tinyvllm.server.errors import status_for
 from tinyvllm.v1 import generation_pb2 as pb
@@ -81,9 +81,7 @@ def test_stream_options_defaults():
 
 
 @pytest.mark.parametrize("exc,code", [
-    (RequestValidationError("prompt", "must not be empty"), grpc.StatusCode.INVALID_ARGUMENT),
-    (SamplingParamsError("top_p", "bad"), grpc.StatusCode.INVALID_ARGUMENT),
-    (convert.InvalidArgumentError("chat", "bad"), grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidRequestError("prompt", "must not be empty"), grpc.StatusCode.INVALID_ARGUMENT),
     (QueueFullError("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineUnavailableError("draining"), grpc.StatusCode.UNAVAILABLE),
     (EngineDeadError("req-7", "exit 9"), grpc.StatusCode.INTERNAL),
@@ -126,7 +124,7 @@ async def test_engine_process_round_trip_and_fault():
                                          for i in range(8)))
         assert results == [[101 + i, 102 + i, 103 + i] for i in range(8)]
         assert client.num_in_flight == 0 and client.stats["num_running"] == 0
-        with pytest.raises(RequestValidationError) as info:
+        with pytest.raises(InvalidRequestError) as info:
             await _collect(client, "bad", [10**9], 3)
         assert info.value.field_name == "prompt_token_ids"
         victim = asyncio.ensure_future(_collect(client, "victim", [200], 10_000))

@@ -31,6 +31,7 @@ import zmq
 
 from tinyvllm.config import EngineConfig, RuntimeInfo
 from tinyvllm.engine.parent_guard import EngineExit, ParentGuard
+from tinyvllm.errors import InvalidRequestError
 from tinyvllm.scheduling.request import EngineCoreOutput, EngineCoreRequest, FinishReason
 
 DEFAULT_ENGINE_CLASS = "tinyvllm.engine.engine_core:EngineCore"
@@ -225,7 +226,7 @@ class EngineCoreLoop:
     def _add(self, req: EngineCoreRequest) -> None:
         try:
             self.core.add_request(req)
-        except ValueError as e:  # RequestValidationError, SamplingParamsError
+        except InvalidRequestError as e:
             self.pending_outputs.append(EngineCoreOutput(
                 request_id=req.request_id, new_token_ids=[],
                 finish_reason=FinishReason.ERROR.value, error=str(e)))

@@ -30,7 +30,8 @@ from tinyvllm.config import EngineConfig, RuntimeInfo
 from tinyvllm.scheduling.kv_cache_manager import KVCacheManager
 from tinyvllm.scheduling.request import EngineCoreOutput, EngineCoreRequest, Request
 from tinyvllm.scheduling.scheduler import Scheduler, SchedulerOutput
-from tinyvllm.engine.validation import RequestValidationError, validate_request
+from tinyvllm.engine.validation import validate_request
+from tinyvllm.errors import InvalidRequestError
 
 if TYPE_CHECKING:  # torch stays out of engine/ imports
     from tinyvllm.worker.step_handle import StepHandle
@@ -107,10 +108,10 @@ class EngineCore:
         return self.scheduler.kv
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        """Queue a request. Raises RequestValidationError naming the bad field."""
+        """Queue a request. Raises InvalidRequestError naming the bad field."""
         validate_request(req, self.runtime_info)
         if req.request_id in self.scheduler.requests:
-            raise RequestValidationError("request_id", f"{req.request_id!r} is already in use")
+            raise InvalidRequestError("request_id", f"{req.request_id!r} is already in use")
         request = Request.from_engine_core_request(req, self._eos, self.max_model_len)
         self.scheduler.add_request(request)
 

@@ -251,7 +251,7 @@ class AsyncEngineClient:
         `request_id` is the caller's: it is echoed in the outputs and errors, and need not be
         unique (the engine runs the request under an id of this client's).
 
-        Raises (before the first output): RequestValidationError, QueueFullError,
+        Raises (before the first output): InvalidRequestError, QueueFullError,
         EngineUnavailableError. Later: EngineDeadError, EngineRequestError. Leaving the
         iteration early (cancel, deadline, `aclose()`) aborts the request in the engine.
         """

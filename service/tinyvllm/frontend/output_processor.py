@@ -14,6 +14,7 @@ from typing import Optional
 
 from tokenizers import Tokenizer
 
+from tinyvllm.errors import InvalidRequestError
 from tinyvllm.scheduling.request import EngineCoreOutput, FinishReason, Logprobs
 from tinyvllm.frontend.detokenizer import IncrementalDetokenizer
 from tinyvllm.outputs import (
@@ -73,7 +74,7 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float) -> None:
         if request_id in self._requests:
-            raise ValueError(f"request_id: {request_id!r} is already running")
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         wants_logprobs = params.logprobs is not None
         self._requests[request_id] = _RequestState(
             request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,

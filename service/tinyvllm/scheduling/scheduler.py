@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from tinyvllm.config import SchedulerConfig, SpeculativeConfig
+from tinyvllm.errors import InvalidRequestError
 from tinyvllm.scheduling.kv_cache_manager import KVCacheManager
 from tinyvllm.scheduling.spec_decode import SpecDecodePolicy
 from tinyvllm.scheduling.request import (EngineCoreOutput, FinishReason, Logprobs, Request,
@@ -126,7 +127,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise ValueError(f"request_id: {request.request_id!r} is already running")
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
