@@ -24,9 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional
 
-import msgspec
-
 from tinyvllm.config import EngineConfig, RuntimeInfo
+from tinyvllm.engine.stats import EngineStats
 from tinyvllm.scheduling.kv_cache_manager import KVCacheManager
 from tinyvllm.scheduling.request import EngineCoreOutput, EngineCoreRequest, Request
 from tinyvllm.scheduling.scheduler import Scheduler, SchedulerOutput
@@ -37,28 +36,6 @@ if TYPE_CHECKING:  # torch stays out of engine/ imports
     from tinyvllm.worker.step_handle import StepHandle
 
 logger = logging.getLogger(__name__)
-
-
-class EngineStats(msgspec.Struct, array_like=True):
-    """A snapshot for metrics; counters are cumulative since start."""
-
-    num_running: int
-    num_waiting: int
-    num_kv_blocks: int  # usable blocks (the null block excluded)
-    num_free_kv_blocks: int
-    kv_cache_usage: float
-    prefix_cache_queries: int  # tokens looked up
-    prefix_cache_hits: int  # tokens found
-    num_preemptions: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    num_scheduled_tokens: int  # in the last step
-    # Speculative decoding (cumulative): verification steps, draft tokens proposed and accepted,
-    # and accepted draft tokens by position in the draft (index 0: the first draft token).
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_num_accepted_per_position: list[int] = []
 
 
 @dataclass

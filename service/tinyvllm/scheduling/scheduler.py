@@ -311,7 +311,7 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 request_id=request.request_id, new_token_ids=[token_id],
                 new_logprobs=[logprobs] if logprobs is not None else None,
-                finish_reason=reason.value if reason is not None else None,
+                finish_reason=reason,
                 stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens))
         return outputs
 
@@ -341,7 +341,7 @@ class Scheduler:
                 request, request.num_published_blocks)
         return EngineCoreOutput(
             request_id=request.request_id, new_token_ids=new_token_ids,
-            finish_reason=reason.value if reason is not None else None,
+            finish_reason=reason,
             stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens)
 
     def _check_stop(self, request: Request, token_id: int) -> Optional[FinishReason]:

@@ -12,6 +12,7 @@ from typing import Any, Optional
 from tinyvllm.errors import InvalidRequestError
 from tinyvllm.frontend.prompts import PromptInput
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.scheduling.request import FinishReason
 from tinyvllm.v1 import generation_pb2 as pb
 
 
@@ -36,10 +37,11 @@ class DomainRequest:
 
 
 _FINISH_REASONS = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
+"""The proto's finish reasons; ERROR has none (a failed request ends with a status instead)."""
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 """Roles a chat message may have: those chat templates know. A role is rendered verbatim, so any
@@ -141,8 +143,7 @@ def response_from_output(out: Any, stream: StreamSpec) -> Optional[pb.GenerateRe
 
 def _fill_final(resp: pb.GenerateResponse, out: Any) -> None:
     c = out.outputs[0]
-    reason = getattr(c.finish_reason, "value", c.finish_reason)
-    resp.finish_reason = _FINISH_REASONS.get(reason, pb.FINISH_REASON_UNSPECIFIED)
+    resp.finish_reason = _FINISH_REASONS.get(c.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
     if isinstance(c.stop_reason, str):
         resp.stop_string = c.stop_reason
     elif isinstance(c.stop_reason, int):

@@ -15,10 +15,13 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from tinyvllm.errors import InvalidRequestError
+from tinyvllm.scheduling.request import FinishReason
 from tinyvllm.v1 import generation_pb2 as pb
 
-FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                  pb.FINISH_REASON_ABORT: "abort"}
+FINISH_REASONS = {pb.FINISH_REASON_STOP: FinishReason.STOP,
+                  pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+                  pb.FINISH_REASON_ABORT: FinishReason.ABORT}
+"""The proto's finish reasons; OpenAI's JSON carries their values ("stop", "length")."""
 
 # Sampling fields with the same name and meaning in OpenAI/vLLM JSON and SamplingParameters.
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
@@ -219,7 +222,7 @@ class ResponseBuilder:
 
     def chunk(self, resp: pb.GenerateResponse, first: bool) -> dict:
         """One streamed chunk (`chat.completion.chunk` or `text_completion`)."""
-        finish = FINISH_REASONS.get(resp.finish_reason)
+        finish = _finish_reason(resp)
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -245,7 +248,7 @@ class ResponseBuilder:
         text = "".join(r.text for r in responses)
         logprobs = self._logprobs([lp for r in responses for lp in r.logprobs])
         choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
-                                  "finish_reason": FINISH_REASONS.get(last.finish_reason)}
+                                  "finish_reason": _finish_reason(last)}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -261,6 +264,12 @@ class ResponseBuilder:
         return {"tokens": [e.token for e in entries],
                 "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries]}
+
+
+def _finish_reason(resp: pb.GenerateResponse) -> Optional[str]:
+    """OpenAI's `finish_reason`: None until the last response."""
+    reason = FINISH_REASONS.get(resp.finish_reason)
+    return None if reason is None else reason.value
 
 
 def _stop_reason(resp: pb.GenerateResponse) -> Union[str, int, None]:
