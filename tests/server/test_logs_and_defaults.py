@@ -16,9 +16,9 @@ import pytest
 
 from tinyvllm.client import AsyncClient
 from tinyvllm.engine.stats import EngineStats
-from tinyvllm.model import load_tokenizer
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.server.logs import StatsLogger
+from tinyvllm.tokenization import load_tokenizer
 
 from .conftest import start_server
 

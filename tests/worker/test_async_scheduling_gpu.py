@@ -15,7 +15,8 @@ from tests.engine.conftest import assert_all_blocks_free, run_to_completion
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
 from tinyvllm.model.loader import LoadedModel
-from tinyvllm.model.synthetic import make_random_model, synthetic_tokenizer, tiny_arch
+from tinyvllm.model.synthetic import make_random_model, tiny_arch
+from tinyvllm.tokenization.synthetic import synthetic_tokenizer
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.model_runner import ModelRunner
 

@@ -150,7 +150,7 @@ class AsyncEngineClient:
             EngineUnavailableError: the engine failed to start or timed out.
         """
         from tinyvllm.frontend.output_processor import OutputProcessor
-        from tinyvllm.model.tokenizer import load_tokenizer
+        from tinyvllm.tokenization import load_tokenizer
 
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
