@@ -82,9 +82,9 @@ def test_logprobs_are_returned_per_token(llm):
 def test_bad_inputs_name_the_field(llm):
     with pytest.raises(InvalidRequestError, match="^top_p"):
         SamplingParams(top_p=1.5)
-    with pytest.raises(ValueError, match="prompt_token_ids"):
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids"):
         llm.generate({"prompt_token_ids": [10 ** 7]}, use_tqdm=False)
-    with pytest.raises(ValueError, match="^prompt"):
+    with pytest.raises(InvalidRequestError, match="^prompt"):
         llm.generate({"prompt_token_ids": []}, use_tqdm=False)
     with pytest.raises(TypeError, match="no_such_option"):
         LLM(no_such_option=1)
