@@ -12,7 +12,7 @@ import torch
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The SmolLM2-135M-Instruct Q4_1 GGUF file."""
-    from tinyvllm.model.paths import default_model_path
+    from tinyvllm.model_files import default_model_path
 
     try:
         return default_model_path()
@@ -41,7 +41,8 @@ def tiny_model():
     """`LoadedModel` of a tiny random Llama (vocab 512, seed 3, float32, CPU) with a synthetic
     tokenizer. Tests must not modify its weights."""
     from tinyvllm.model.loader import LoadedModel
-    from tinyvllm.model.synthetic import make_random_model, synthetic_tokenizer, tiny_arch
+    from tinyvllm.model.synthetic import make_random_model, tiny_arch
+    from tinyvllm.tokenization.synthetic import synthetic_tokenizer
 
     arch = tiny_arch(vocab_size=512)
     model = make_random_model(arch, seed=3, dtype=torch.float32, device=torch.device("cpu"))

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from tinyvllm.scheduling.request import FinishReason
+
 
 @dataclass
 class Logprob:
@@ -33,7 +35,7 @@ class CompletionOutput:
         token_ids: the generated token ids so far.
         cumulative_logprob: sum of the sampled tokens' logprobs (None unless logprobs asked).
         logprobs: per generated token (None unless logprobs asked).
-        finish_reason: "stop", "length", "abort" or "error"; None while running.
+        finish_reason: why it ended (STOP, LENGTH, ABORT or ERROR); None while running.
         stop_reason: the stop string or stop token id that ended it; None for EOS or length.
         delta_text, delta_token_ids, delta_logprobs: what the latest step added.
     """
@@ -43,7 +45,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: Optional[float] = None
     logprobs: Optional[list[PositionLogprobs]] = None
-    finish_reason: Optional[str] = None
+    finish_reason: Optional[FinishReason] = None
     stop_reason: Union[int, str, None] = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
@@ -73,7 +75,7 @@ class RequestOutput:
     """One request's state after an engine step.
 
     Attributes:
-        error: the engine's message when finish_reason is "error" (for the INTERNAL status).
+        error: the engine's message when finish_reason is ERROR (for the INTERNAL status).
     """
 
     request_id: str

@@ -1,7 +1,7 @@
 """Sampling parameters, shaped like vLLM's `SamplingParams`.
 
-Every invalid value raises `ValueError` whose message starts with the field name, so that the gRPC
-layer can turn it into INVALID_ARGUMENT naming the field.
+Every invalid value raises `InvalidRequestError` naming the field, which the servers turn into
+INVALID_ARGUMENT (gRPC) or 400 (HTTP) naming it.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
+
+from tinyvllm.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 """Most top-n logprobs a request may ask for."""
@@ -23,14 +25,6 @@ MAX_REPETITION_PENALTY = 100.0
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty")
-
-
-class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; `field_name` names it."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field_name = field_name
 
 
 @dataclass
@@ -86,7 +80,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(name: str, message: str) -> None:
-            raise SamplingParamsError(name, message)
+            raise InvalidRequestError(name, message)
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be at least 1, got {self.n}")

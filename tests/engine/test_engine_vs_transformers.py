@@ -133,8 +133,8 @@ def _request(request_id, ids):
 def test_context_length_is_capped_to_what_the_cache_holds(smollm2):
     engine = make_engine(smollm2, num_kv_blocks=9)  # 8 usable blocks of 16 tokens
     assert engine.runtime_info.max_model_len == 128
-    from tinyvllm.engine.validation import RequestValidationError
-    with pytest.raises(RequestValidationError, match="^prompt: is 128 tokens"):
+    from tinyvllm.errors import InvalidRequestError
+    with pytest.raises(InvalidRequestError, match="^prompt: is 128 tokens"):
         engine.add_request(_request("too-long", list(range(100, 228))))
     out = run_to_completion(engine, [list(range(100, 220))],
                             SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))

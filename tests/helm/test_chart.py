@@ -113,10 +113,11 @@ def arg_value(args: list[str], flag: str) -> str | None:
 DEFAULT: dict = {}
 ALL_FEATURES: dict = {
     "replicaCount": 2,
+    "tensorParallelSize": 2,
     "image": {"repository": "example/tinyvllm", "tag": "0.1.0"},
-    "gpu": {"enabled": True, "count": 2},
+    "gpu": {"enabled": True},
     "model": {"source": "pvc", "pvc": {"claimName": "llama-weights"}, "subPath": "llama-3-8b"},
-    "engineArgs": ["--tensor-parallel-size", "2", "--max-num-seqs", "128"],
+    "engineArgs": ["--max-num-seqs", "128"],
     "env": [{"name": "TINYVLLM_LOG_LEVEL", "value": "debug"}],
     "resources": {"requests": {"cpu": "4", "memory": "32Gi"}, "limits": {"memory": "64Gi"}},
     "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
@@ -291,8 +292,8 @@ def test_gpu_limit_only_when_asked(helm, tmp_path):
         return server_container(render(helm, tmp_path, values)).get("resources", {}).get("limits", {})
 
     assert not any("nvidia.com" in k for k in limits(DEFAULT))
-    assert not any("nvidia.com" in k for k in limits({"gpu": {"enabled": False, "count": 4,
-                                                              "resourceName": "nvidia.com/gpu"}}))
+    assert not any("nvidia.com" in k for k in limits({"tensorParallelSize": 4, "gpu": {
+        "enabled": False, "resourceName": "nvidia.com/gpu"}}))
     lim = limits(ALL_FEATURES)
     assert lim["nvidia.com/gpu"] == 2
     assert lim["memory"] == "64Gi"  # user limits kept alongside the GPU
@@ -341,8 +342,37 @@ def test_model_baked_in_image(helm, tmp_path):
 def test_engine_args_and_env_passthrough(helm, tmp_path):
     c = server_container(render(helm, tmp_path, ALL_FEATURES))
     args = c["args"]
-    assert args[-4:] == ["--tensor-parallel-size", "2", "--max-num-seqs", "128"]
+    assert args[-2:] == ["--max-num-seqs", "128"]
     assert {"name": "TINYVLLM_LOG_LEVEL", "value": "debug"} in c["env"]
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_tensor_parallel_size_sets_the_flag_and_the_gpu_limit_together(helm, tmp_path, gpu):
+    """tensorParallelSize: 2 → `--tensor-parallel-size 2` and, on GPUs, 2 GPUs per pod; the
+    replicas stay separate pods (one model is never split across them)."""
+    values = {"replicaCount": 3, "tensorParallelSize": 2, "gpu": {"enabled": gpu}}
+    docs = render(helm, tmp_path, values)
+    deployment = one(docs, "Deployment")
+    c = server_container(docs)
+    assert c["args"].count("--tensor-parallel-size") == 1
+    assert arg_value(c["args"], "--tensor-parallel-size") == "2"
+    limits = c.get("resources", {}).get("limits", {})
+    assert limits.get("nvidia.com/gpu") == (2 if gpu else None)
+    assert deployment["spec"]["replicas"] == 3
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSIONS[0], strict=True)
+
+
+def test_tensor_parallel_size_defaults_to_one_gpu(helm, tmp_path):
+    c = server_container(render(helm, tmp_path, {"gpu": {"enabled": True}}))
+    assert arg_value(c["args"], "--tensor-parallel-size") == "1"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+@pytest.mark.parametrize("flag", [["--tensor-parallel-size", "2"], ["--tensor-parallel-size=2"]])
+def test_tensor_parallel_size_in_engine_args_is_refused(helm, tmp_path, flag):
+    proc = template(helm, tmp_path, {"tensorParallelSize": 2, "engineArgs": flag})
+    assert proc.returncode != 0 and "set tensorParallelSize" in proc.stderr, proc.stderr
 
 
 def test_hpa_owns_replicas(helm, tmp_path):
@@ -414,14 +444,16 @@ def _exported_metric_samples() -> set[str]:
     """Sample names the server's /metrics carries once a request has finished."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    from tinyvllm.engine.stats import EngineStats
+    from tinyvllm.scheduling.request import FinishReason
     from tinyvllm.server.metrics import ServerMetrics
 
     m = ServerMetrics()
     m.set_model_name("m")
-    m.on_step({"num_scheduled_tokens": 3})
+    m.on_step(EngineStats(num_scheduled_tokens=3))
     m.on_first_token(0.1, 0.01)
     m.on_inter_token(0.02)
-    m.on_finished("length", 0.5)
+    m.on_finished(FinishReason.LENGTH, 0.5)
     return {s.name for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
 
 
@@ -581,7 +613,8 @@ BAD_VALUES = {
     "unknown-nested-key": ({"probes": {"startup": {"failureTreshold": 5}}}, "failureTreshold"),
     "bad-model-source": ({"model": {"source": "s3"}}, "source"),
     "pvc-without-claim": ({"model": {"source": "pvc"}}, "claimName"),
-    "gpu-count-zero": ({"gpu": {"enabled": True, "count": 0}}, "count"),
+    "tensor-parallel-zero": ({"tensorParallelSize": 0}, "tensorParallelSize"),
+    "gpu-count-removed": ({"gpu": {"enabled": True, "count": 2}}, "count"),
     "grace-margin-zero": ({"lifecycle": {"terminationGraceMarginSeconds": 0}}, "terminationGraceMarginSeconds"),
     "negative-drain": ({"server": {"drainTimeoutSeconds": -1}}, "drainTimeoutSeconds"),
     "bad-service-type": ({"service": {"type": "Ingress"}}, "type"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import gguf
 import pytest
 
-from tinyvllm.model import load_tokenizer
+from tinyvllm.tokenization import load_tokenizer
 
 spm = pytest.importorskip("sentencepiece")
 
@@ -91,7 +91,7 @@ def test_special_tokens(sentencepiece):
 
 
 def test_other_tokenizer_models_are_refused_by_name():
-    from tinyvllm.model.gguf_tokenizer import tokenizer_from_gguf
+    from tinyvllm.tokenization.gguf_tokenizer import tokenizer_from_gguf
 
     with pytest.raises(NotImplementedError, match="'bert'"):
         tokenizer_from_gguf({"tokenizer.ggml.model": "bert"})

@@ -8,7 +8,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tinyvllm.model import load_model, load_tokenizer
+from tinyvllm.model import load_model
+from tinyvllm.tokenization import load_tokenizer
 
 VOCAB_SIZE = 384
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"

@@ -87,7 +87,7 @@ def test_absent_name_says_where_it_looked(hub):
 
 
 def test_reported_name_is_the_repo(hub):
-    from tinyvllm.model.paths import model_name
+    from tinyvllm.model_files import model_name
 
     snapshot = hub / "hub" / "models--tinyvllm-test--tiny-mistral" / "snapshots" / COMMIT
     assert model_name(snapshot) == "tinyvllm-test/tiny-mistral"

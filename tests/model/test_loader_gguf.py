@@ -8,7 +8,8 @@ import pytest
 import torch
 from tokenizers import pre_tokenizers
 
-from tinyvllm.model import load_model, load_tokenizer
+from tinyvllm.model import load_model
+from tinyvllm.tokenization import load_tokenizer
 from tinyvllm.model.synthetic import make_random_model, tiny_arch
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -6,27 +6,12 @@ Each step emits one token per request: the request's last prompt token + 1. A pr
 
 from __future__ import annotations
 
-import msgspec
-
 from tinyvllm.config import EngineConfig, RuntimeInfo
-from tinyvllm.scheduling.request import EngineCoreOutput, EngineCoreRequest
+from tinyvllm.engine.stats import EngineStats
+from tinyvllm.scheduling.request import EngineCoreOutput, EngineCoreRequest, FinishReason
 from tinyvllm.engine.validation import validate_request
 
 FAIL_TOKEN = 13
-
-
-class FakeStats(msgspec.Struct):
-    num_running: int
-    num_waiting: int = 0
-    num_kv_blocks: int = 100
-    num_free_kv_blocks: int = 100
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_scheduled_tokens: int = 0
 
 
 class FakeEngineCore:
@@ -55,13 +40,14 @@ class FakeEngineCore:
             out.append(req.prompt_token_ids[-1] + 1 + len(out))
             done = len(out) >= req.sampling_params.max_tokens
             outputs.append(EngineCoreOutput(request_id=request_id, new_token_ids=[out[-1]],
-                                            finish_reason="length" if done else None))
+                                            finish_reason=FinishReason.LENGTH if done else None))
             if done:
                 del self.requests[request_id]
         return outputs
 
-    def get_stats(self) -> FakeStats:
-        return FakeStats(num_running=len(self.requests), kv_cache_usage=0.01 * len(self.requests))
+    def get_stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self.requests), num_kv_blocks=100,
+                           num_free_kv_blocks=100, kv_cache_usage=0.01 * len(self.requests))
 
     def shutdown(self) -> None:
         self.requests.clear()

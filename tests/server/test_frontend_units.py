@@ -7,18 +7,23 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import msgspec
 import pytest
 
 from tinyvllm.config import EngineConfig
-from tinyvllm.engine.validation import RequestValidationError
+from tinyvllm.engine import core_proc
+from tinyvllm.engine.stats import EngineStats
+from tinyvllm.errors import InvalidRequestError
 from tinyvllm.frontend.collector import RequestOutputCollector
 from tinyvllm.frontend.engine_client import AsyncEngineClient
 from tinyvllm.frontend.errors import (EngineDeadError, EngineUnavailableError, QueueFullError)
 from tinyvllm.frontend.request_pool import RequestPool
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tinyvllm.sampling_params import SamplingParams, SamplingParamsError
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.scheduling.request import EngineCoreOutput, FinishReason
 from tinyvllm.server import convert
 from tinyvllm.server.errors import status_for
+from tinyvllm.server.metrics import ServerMetrics
 from tinyvllm.v1 import generation_pb2 as pb
 
 from .fake_engine import FAIL_TOKEN
@@ -28,7 +33,7 @@ FAKE_ENGINE = "tests.server.fake_engine:FakeEngineCore"
 
 def _output(delta_text: str, delta_ids: list[int], finished: bool = False) -> RequestOutput:
     c = CompletionOutput(index=0, delta_text=delta_text, delta_token_ids=delta_ids,
-                         finish_reason="length" if finished else None)
+                         finish_reason=FinishReason.LENGTH if finished else None)
     return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1], outputs=[c],
                          finished=finished, num_cached_tokens=0, metrics=RequestMetrics(0.0))
 
@@ -81,9 +86,7 @@ def test_stream_options_defaults():
 
 
 @pytest.mark.parametrize("exc,code", [
-    (RequestValidationError("prompt", "must not be empty"), grpc.StatusCode.INVALID_ARGUMENT),
-    (SamplingParamsError("top_p", "bad"), grpc.StatusCode.INVALID_ARGUMENT),
-    (convert.InvalidArgumentError("chat", "bad"), grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidRequestError("prompt", "must not be empty"), grpc.StatusCode.INVALID_ARGUMENT),
     (QueueFullError("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineUnavailableError("draining"), grpc.StatusCode.UNAVAILABLE),
     (EngineDeadError("req-7", "exit 9"), grpc.StatusCode.INTERNAL),
@@ -106,6 +109,39 @@ def test_unknown_errors_are_internal_with_the_request_id():
     assert code == grpc.StatusCode.INTERNAL and "req-42" in details
 
 
+def test_step_outputs_cross_the_ipc_typed():
+    """The engine's message decodes to what it was built from: FinishReason members and an
+    EngineStats, not strings and dicts."""
+    msg = core_proc.StepOutputs(
+        outputs=[EngineCoreOutput("a", [5], finish_reason=FinishReason.LENGTH),
+                 EngineCoreOutput("b", [6])],
+        stats=EngineStats(num_running=1, num_scheduled_tokens=2,
+                          spec_num_accepted_per_position=[3, 1]),
+        step_start_time=1.5)
+    decoded = msgspec.msgpack.Decoder(core_proc.EngineOutput).decode(msgspec.msgpack.encode(msg))
+    assert decoded == msg
+    assert decoded.outputs[0].finish_reason is FinishReason.LENGTH
+    assert decoded.outputs[1].finish_reason is None
+    assert type(decoded.stats) is EngineStats and decoded.stats.num_scheduled_tokens == 2
+
+
+def test_metrics_read_the_engine_stats_and_finish_reasons():
+    metrics = ServerMetrics()
+    metrics.set_model_name("m")
+    assert 'tinyvllm:num_requests_running{model_name="m"} 0.0' in metrics.render().decode()
+    metrics.on_step(EngineStats(num_running=2, num_generation_tokens=7, num_scheduled_tokens=8,
+                                spec_num_accepted_per_position=[4, 1]))
+    metrics.on_finished(FinishReason.STOP, 0.5)
+    text = metrics.render().decode()
+    for line in ('tinyvllm:num_requests_running{model_name="m"} 2.0',
+                 'tinyvllm:generation_tokens_total{model_name="m"} 7.0',
+                 'tinyvllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",'
+                 'position="1"} 1.0',
+                 'tinyvllm:request_success_total{finished_reason="stop",model_name="m"} 1.0',
+                 'tinyvllm:iteration_tokens_total_sum{model_name="m"} 8.0'):
+        assert line in text, line
+
+
 async def _collect(client: AsyncEngineClient, request_id: str, prompt_ids: list[int],
                    max_tokens: int) -> list[int]:
     ids: list[int] = []
@@ -125,8 +161,8 @@ async def test_engine_process_round_trip_and_fault():
         results = await asyncio.gather(*(_collect(client, f"r{i}", [100 + i], 3)
                                          for i in range(8)))
         assert results == [[101 + i, 102 + i, 103 + i] for i in range(8)]
-        assert client.num_in_flight == 0 and client.stats["num_running"] == 0
-        with pytest.raises(RequestValidationError) as info:
+        assert client.num_in_flight == 0 and client.stats.num_running == 0
+        with pytest.raises(InvalidRequestError) as info:
             await _collect(client, "bad", [10**9], 3)
         assert info.value.field_name == "prompt_token_ids"
         victim = asyncio.ensure_future(_collect(client, "victim", [200], 10_000))

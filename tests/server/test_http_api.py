@@ -84,6 +84,10 @@ async def test_tokenize_and_detokenize_match_grpc(server, model):
     assert _post(server, "/detokenize", {"tokens": ids}) == (200, {"prompt": "Hello world"})
     status, body = _post(server, "/detokenize", {"tokens": [10**7]})
     assert status == 400 and body["error"]["param"] == "token_ids"
+    status, body = _post(server, "/tokenize", {"prompt": "a", "messages": CHAT})
+    assert status == 400 and body["error"]["param"] == "prompt"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["message"].startswith("prompt: ")
 
 
 # --- generation equals gRPC's --------------------------------------------------------------------

@@ -11,12 +11,14 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 
 from tinyvllm.client import AsyncClient
-from tinyvllm.model import load_tokenizer
+from tinyvllm.engine.stats import EngineStats
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.server.logs import StatsLogger
+from tinyvllm.tokenization import load_tokenizer
 
 from .conftest import start_server
 
@@ -123,18 +125,17 @@ def test_llm_default(smollm2_path, rest_of_context):
 
 def test_stats_logger_numbers():
     """Throughput over the interval from the cumulative counters; silent while idle."""
-    stats = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_running": 0,
-             "num_waiting": 0, "kv_cache_usage": 0.0, "prefix_cache_queries": 0,
-             "prefix_cache_hits": 0}
+    stats = EngineStats(num_kv_blocks=100, num_free_kv_blocks=100)
     logger = StatsLogger(lambda: stats, interval_s=2.0)
     logger._last_time = 0.0
     assert logger.log_once(2.0) is None  # idle
-    stats.update(num_prompt_tokens=100, num_generation_tokens=40, num_running=3, num_waiting=1,
-                 kv_cache_usage=0.25, prefix_cache_queries=100, prefix_cache_hits=75)
+    stats = msgspec.structs.replace(
+        stats, num_prompt_tokens=100, num_generation_tokens=40, num_running=3, num_waiting=1,
+        kv_cache_usage=0.25, prefix_cache_queries=100, prefix_cache_hits=75)
     assert logger.log_once(4.0) == {
         "avg_prompt_throughput_tok_s": 50.0, "avg_generation_throughput_tok_s": 20.0,
         "num_requests_running": 3, "num_requests_waiting": 1, "kv_cache_usage_perc": 25.0,
         "prefix_cache_hit_rate_perc": 75.0}
-    stats.update(num_running=0, num_waiting=0, kv_cache_usage=0.0)
+    stats = msgspec.structs.replace(stats, num_running=0, num_waiting=0, kv_cache_usage=0.0)
     assert logger.log_once(6.0)["avg_generation_throughput_tok_s"] == 0.0  # work just ended
     assert logger.log_once(8.0) is None  # then silence

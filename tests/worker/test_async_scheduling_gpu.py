@@ -16,7 +16,8 @@ from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
 from tinyvllm.engine.executor import UniProcExecutor
 from tinyvllm.model.loader import LoadedModel
-from tinyvllm.model.synthetic import make_random_model, synthetic_tokenizer, tiny_arch
+from tinyvllm.model.synthetic import make_random_model, tiny_arch
+from tinyvllm.tokenization.synthetic import synthetic_tokenizer
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.model_runner import ModelRunner
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from tinyvllm.sampling_params import SamplingParams, SamplingParamsError
+from tinyvllm.errors import InvalidRequestError
+from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.sampler import (
     Sampler,
     SamplingState,
@@ -256,7 +257,7 @@ def test_logprobs_rank_of_a_forced_unlikely_token():
     ("logprobs", 21), ("min_tokens", -1), ("max_tokens", 0), ("stop", [""]),
 ])
 def test_invalid_params_name_the_field(field, value):
-    with pytest.raises(SamplingParamsError) as info:
+    with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**{field: value})
     assert str(info.value).startswith(field)
     assert info.value.field_name == field

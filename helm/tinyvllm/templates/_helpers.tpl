@@ -87,6 +87,11 @@ app.kubernetes.io/component: server
 {{- if and (ne $m.source "image") (contains ".." $m.subPath) }}
 {{- fail "model.subPath must not contain '..'" }}
 {{- end }}
+{{- range .Values.engineArgs }}
+{{- if hasPrefix "--tensor-parallel-size" (toString .) }}
+{{- fail "engineArgs: set tensorParallelSize instead of --tensor-parallel-size (it also sets the GPU limit)" }}
+{{- end }}
+{{- end }}
 {{- $a := .Values.autoscaling }}
 {{- if $a.enabled }}
 {{- if gt (int $a.minReplicas) (int $a.maxReplicas) }}

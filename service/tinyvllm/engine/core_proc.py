@@ -18,7 +18,6 @@ SIGTERM (`parent_guard`), so a dead frontend never leaves an engine hanging in a
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import os
 import sys
@@ -31,6 +30,8 @@ import zmq
 
 from tinyvllm.config import EngineConfig, RuntimeInfo
 from tinyvllm.engine.parent_guard import EngineExit, ParentGuard
+from tinyvllm.engine.stats import EngineStats
+from tinyvllm.errors import InvalidRequestError
 from tinyvllm.scheduling.request import EngineCoreOutput, EngineCoreRequest, FinishReason
 
 DEFAULT_ENGINE_CLASS = "tinyvllm.engine.engine_core:EngineCore"
@@ -70,12 +71,12 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
     """Everything one engine step produced.
 
-    `stats` is `EngineStats` as a dict (so the frontend need not import the engine), and
-    `step_start_time` is `time.monotonic()` when the step began (the clock is system-wide).
+    `stats` are the engine's numbers after it, and `step_start_time` is `time.monotonic()` when
+    the step began (the clock is system-wide).
     """
 
     outputs: list[EngineCoreOutput]
-    stats: dict[str, float]
+    stats: EngineStats
     step_start_time: float
 
 
@@ -156,17 +157,6 @@ def send_or_exit(socket: zmq.Socket, data: bytes, guard: ParentGuard) -> None:
             socket.poll(SEND_POLL_MS, zmq.POLLOUT)
 
 
-def _stats_dict(stats: Any) -> dict[str, float]:
-    """Numbers by name; a list field becomes one key per element, `name:index`."""
-    d = msgspec.structs.asdict(stats) if isinstance(stats, msgspec.Struct) else \
-        dataclasses.asdict(stats)
-    for key, value in list(d.items()):
-        if isinstance(value, list):
-            del d[key]
-            d.update({f"{key}:{i}": v for i, v in enumerate(value)})
-    return d
-
-
 def _load_engine(path: str) -> Any:
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -225,10 +215,10 @@ class EngineCoreLoop:
     def _add(self, req: EngineCoreRequest) -> None:
         try:
             self.core.add_request(req)
-        except ValueError as e:  # RequestValidationError, SamplingParamsError
+        except InvalidRequestError as e:
             self.pending_outputs.append(EngineCoreOutput(
                 request_id=req.request_id, new_token_ids=[],
-                finish_reason=FinishReason.ERROR.value, error=str(e)))
+                finish_reason=FinishReason.ERROR, error=str(e)))
 
     def _step(self) -> None:
         start = time.monotonic()
@@ -238,8 +228,8 @@ class EngineCoreLoop:
     def _send(self, start: float, step_outputs: Optional[list[EngineCoreOutput]] = None) -> None:
         outputs = self.pending_outputs + list(step_outputs or [])
         self.pending_outputs = []
-        stats = _stats_dict(self.core.get_stats())
-        if step_outputs is None:
-            stats["num_scheduled_tokens"] = 0  # no step ran: nothing was scheduled
+        stats: EngineStats = self.core.get_stats()
+        if step_outputs is None:  # no step ran: nothing was scheduled
+            stats = msgspec.structs.replace(stats, num_scheduled_tokens=0)
         send_or_exit(self.outputs, self.encoder.encode(
             StepOutputs(outputs=outputs, stats=stats, step_start_time=start)), self.guard)

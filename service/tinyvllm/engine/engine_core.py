@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Protocol
 
-import msgspec
-
 from tinyvllm.config import EngineConfig, RuntimeInfo
 from tinyvllm.engine.executor import make_executor
-from tinyvllm.engine.validation import RequestValidationError, validate_request
+from tinyvllm.engine.stats import EngineStats
+from tinyvllm.engine.validation import validate_request
+from tinyvllm.errors import InvalidRequestError
 from tinyvllm.scheduling.kv_cache_manager import KVCacheManager
 from tinyvllm.scheduling.output import SampledTokens, SchedulerOutput
 from tinyvllm.scheduling.request import EngineCoreOutput, EngineCoreRequest, Request
@@ -41,28 +41,6 @@ class StepHandle(Protocol):
     def result(self) -> SampledTokens: ...
 
 logger = logging.getLogger(__name__)
-
-
-class EngineStats(msgspec.Struct, array_like=True):
-    """A snapshot for metrics; counters are cumulative since start."""
-
-    num_running: int
-    num_waiting: int
-    num_kv_blocks: int  # usable blocks (the null block excluded)
-    num_free_kv_blocks: int
-    kv_cache_usage: float
-    prefix_cache_queries: int  # tokens looked up
-    prefix_cache_hits: int  # tokens found
-    num_preemptions: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    num_scheduled_tokens: int  # in the last step
-    # Speculative decoding (cumulative): verification steps, draft tokens proposed and accepted,
-    # and accepted draft tokens by position in the draft (index 0: the first draft token).
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_num_accepted_per_position: list[int] = []
 
 
 @dataclass
@@ -121,10 +99,10 @@ class EngineCore:
         return self.scheduler.kv
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        """Queue a request. Raises RequestValidationError naming the bad field."""
+        """Queue a request. Raises InvalidRequestError naming the bad field."""
         validate_request(req, self.runtime_info)
         if req.request_id in self.scheduler.requests:
-            raise RequestValidationError("request_id", f"{req.request_id!r} is already in use")
+            raise InvalidRequestError("request_id", f"{req.request_id!r} is already in use")
         request = Request.from_engine_core_request(req, self._eos, self.max_model_len)
         self.scheduler.add_request(request)
 

@@ -158,7 +158,7 @@ class MultiprocExecutor:
         except BaseException:
             self.shutdown()
             raise
-        from tinyvllm.model.tokenizer import load_tokenizer
+        from tinyvllm.tokenization import load_tokenizer
         self.tokenizer = load_tokenizer(config.model.model)
         self.device_type = self.info.device.split(":")[0]
 

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
+from tinyvllm.errors import InvalidRequestError
 from tinyvllm.scheduling.request import EngineCoreRequest
 from tinyvllm.frontend.output_processor import OutputProcessor
 from tinyvllm.outputs import RequestOutput
@@ -78,7 +79,7 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if len(sampling_params) != n:
-            raise ValueError(f"sampling_params: got {len(sampling_params)} for {n} prompts")
+            raise InvalidRequestError("sampling_params", f"got {len(sampling_params)} for {n} prompts")
         return list(sampling_params)
 
     def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -89,7 +90,8 @@ class LLM:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        raise ValueError("prompt: must be a string or a dict with 'prompt' or 'prompt_token_ids'")
+        raise InvalidRequestError(
+            "prompt", "must be a string or a dict with 'prompt' or 'prompt_token_ids'")
 
     def _run(self, inputs, params, priority, use_tqdm) -> list[RequestOutput]:
         processor = OutputProcessor(self.tokenizer.backend)

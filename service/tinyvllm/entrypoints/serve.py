@@ -71,10 +71,9 @@ def run(args: argparse.Namespace) -> int:
 
 def resolve_model(model):
     """The model's files (downloading a Hub name); a synthetic model name has none."""
-    from tinyvllm.model.paths import resolve_model_path
-    from tinyvllm.model.synthetic import SYNTHETIC_MODELS
+    from tinyvllm.model_files import SYNTHETIC_MODEL_VOCAB_SIZES, resolve_model_path
 
-    return None if model in SYNTHETIC_MODELS else resolve_model_path(model)
+    return None if model in SYNTHETIC_MODEL_VOCAB_SIZES else resolve_model_path(model)
 
 
 def _run_event_loop(main) -> int:

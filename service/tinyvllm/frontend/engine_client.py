@@ -33,7 +33,8 @@ import zmq.asyncio
 
 from tinyvllm.config import EngineConfig, RuntimeInfo
 from tinyvllm.engine import core_proc
-from tinyvllm.scheduling.request import EngineCoreOutput, EngineCoreRequest
+from tinyvllm.engine.stats import EngineStats
+from tinyvllm.scheduling.request import EngineCoreOutput, EngineCoreRequest, FinishReason
 from tinyvllm.engine.validation import validate_request
 from tinyvllm.frontend.errors import (EngineDeadError, EngineRequestError,
                                       EngineUnavailableError, QueueFullError)
@@ -85,13 +86,13 @@ def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
 class EngineObserver:
     """Hooks for metrics; the default does nothing. Times are `time.monotonic()` seconds."""
 
-    def on_step(self, stats: dict[str, float]) -> None: ...
+    def on_step(self, stats: EngineStats) -> None: ...
 
     def on_first_token(self, ttft_s: float, queue_s: float) -> None: ...
 
     def on_inter_token(self, latency_s: float) -> None: ...
 
-    def on_finished(self, finish_reason: str, e2e_s: float) -> None: ...
+    def on_finished(self, finish_reason: FinishReason, e2e_s: float) -> None: ...
 
 
 class AsyncEngineClient:
@@ -122,7 +123,7 @@ class AsyncEngineClient:
         self.tokenizer: Any = None
         self._processor: Any = None  # OutputProcessor, made once the tokenizer is loaded
         self.engine_pid: Optional[int] = None
-        self.stats: dict[str, float] = {}
+        self.stats: Optional[EngineStats] = None  # from the engine's latest message
         self.dead_reason: Optional[str] = None
         self.draining = False
         self._states: dict[str, RequestState] = {}  # by engine-side request id
@@ -149,7 +150,7 @@ class AsyncEngineClient:
             EngineUnavailableError: the engine failed to start or timed out.
         """
         from tinyvllm.frontend.output_processor import OutputProcessor
-        from tinyvllm.model.tokenizer import load_tokenizer
+        from tinyvllm.tokenization import load_tokenizer
 
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
@@ -251,7 +252,7 @@ class AsyncEngineClient:
         `request_id` is the caller's: it is echoed in the outputs and errors, and need not be
         unique (the engine runs the request under an id of this client's).
 
-        Raises (before the first output): RequestValidationError, QueueFullError,
+        Raises (before the first output): InvalidRequestError, QueueFullError,
         EngineUnavailableError. Later: EngineDeadError, EngineRequestError. Leaving the
         iteration early (cancel, deadline, `aclose()`) aborts the request in the engine.
         """
@@ -315,8 +316,8 @@ class AsyncEngineClient:
         if not state.finished:  # cancelled, deadline, or failed: the engine may still run it
             self._processor.abort_request(request_id)
             self.abort(request_id)
-            self.observer.on_finished("abort", time.monotonic() - state.arrival_time)
-            state.finish_reason = state.finish_reason or "abort"
+            self.observer.on_finished(FinishReason.ABORT, time.monotonic() - state.arrival_time)
+            state.finish_reason = state.finish_reason or FinishReason.ABORT
         _log_access(state, time.monotonic())
         self._pool.release(state)
 
@@ -370,7 +371,7 @@ class AsyncEngineClient:
 
     def _on_step(self, msg: core_proc.StepOutputs) -> None:
         self._last_progress = time.monotonic()
-        self._engine_idle = not (msg.stats.get("num_running") or msg.stats.get("num_waiting"))
+        self._engine_idle = not (msg.stats.num_running or msg.stats.num_waiting)
         self.stats = msg.stats
         self.observer.on_step(msg.stats)
         outputs = [o for o in msg.outputs if o.request_id in self._states]
@@ -397,7 +398,7 @@ class AsyncEngineClient:
             if state.waiting:
                 self._num_waiting -= 1
             state.finished = True
-            state.finish_reason = "error"
+            state.finish_reason = FinishReason.ERROR
             state.collector.fail(EngineRequestError(state.external_request_id, out.error))
             return
         if out.outputs[0].delta_token_ids:
@@ -415,11 +416,9 @@ class AsyncEngineClient:
             if state.waiting:
                 self._num_waiting -= 1
             state.finished = True
-            reason = out.outputs[0].finish_reason
-            state.finish_reason = str(getattr(reason, "value", reason))
+            state.finish_reason = out.outputs[0].finish_reason
             state.num_cached_tokens = out.num_cached_tokens or 0
-            self.observer.on_finished(str(getattr(reason, "value", reason)),
-                                      now - state.arrival_time)
+            self.observer.on_finished(state.finish_reason, now - state.arrival_time)
         state.collector.put(out)
 
     def _fail_request(self, output: EngineCoreOutput) -> None:
@@ -428,7 +427,7 @@ class AsyncEngineClient:
         if state.waiting:
             self._num_waiting -= 1
         state.finished = True  # the engine has dropped it already
-        state.finish_reason = "error"
+        state.finish_reason = FinishReason.ERROR
         state.collector.fail(EngineRequestError(state.external_request_id, output.error))
 
     # --- engine death ------------------------------------------------------------------------------
@@ -457,7 +456,7 @@ class AsyncEngineClient:
     def _fail_all(self, reason: str, error_type: type) -> None:
         for state in self._states.values():
             if not state.finished:
-                state.finish_reason = "error"
+                state.finish_reason = FinishReason.ERROR
                 err = (error_type(state.external_request_id, reason)
                        if error_type is EngineDeadError
                        else error_type(reason))

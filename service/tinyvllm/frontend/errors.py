@@ -1,4 +1,7 @@
-"""Errors the frontend raises to its callers; `tinyvllm.server.errors` maps them to status codes."""
+"""Errors the frontend raises to its callers; `tinyvllm.server.errors` maps them to status codes.
+
+A bad request is `tinyvllm.errors.InvalidRequestError`, whichever layer finds it.
+"""
 
 from __future__ import annotations
 

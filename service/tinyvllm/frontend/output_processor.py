@@ -14,6 +14,7 @@ from typing import Optional
 
 from tokenizers import Tokenizer
 
+from tinyvllm.errors import InvalidRequestError
 from tinyvllm.scheduling.request import EngineCoreOutput, FinishReason, Logprobs
 from tinyvllm.frontend.detokenizer import IncrementalDetokenizer
 from tinyvllm.outputs import (
@@ -73,7 +74,7 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float) -> None:
         if request_id in self._requests:
-            raise ValueError(f"request_id: {request_id!r} is already running")
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         wants_logprobs = params.logprobs is not None
         self._requests[request_id] = _RequestState(
             request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
@@ -113,10 +114,10 @@ class OutputProcessor:
         new_token_ids = detok.token_ids[num_before:]  # shorter when a stop string cut them
         delta_logprobs = self._append_logprobs(state, output.new_logprobs, len(new_token_ids))
 
-        finish_reason: Optional[str] = output.finish_reason
+        finish_reason: Optional[FinishReason] = output.finish_reason
         stop_reason: int | str | None = output.stop_reason
         if stop_string is not None:
-            finish_reason, stop_reason = FinishReason.STOP.value, stop_string
+            finish_reason, stop_reason = FinishReason.STOP, stop_string
         finished = finish_reason is not None
 
         self._update_metrics(state, len(new_token_ids), finished, now)
@@ -126,7 +127,7 @@ class OutputProcessor:
             index=0, text=detok.released_text, token_ids=list(detok.token_ids),
             cumulative_logprob=state.cumulative_logprob,
             logprobs=list(state.logprobs) if state.logprobs is not None else None,
-            finish_reason=_reason_str(finish_reason), stop_reason=stop_reason,
+            finish_reason=finish_reason, stop_reason=stop_reason,
             delta_text=delta_text, delta_token_ids=new_token_ids, delta_logprobs=delta_logprobs)
         request_output = RequestOutput(
             request_id=state.request_id, prompt=state.prompt,
@@ -172,7 +173,3 @@ class OutputProcessor:
         if finished:
             metrics.finished_time = now
 
-
-def _reason_str(reason: Optional[str]) -> Optional[str]:
-    """FinishReason members and their string values both become the plain string."""
-    return reason.value if isinstance(reason, FinishReason) else reason

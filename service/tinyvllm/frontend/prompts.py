@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from tokenizers import Tokenizer as BackendTokenizer
 
-from tinyvllm.engine.validation import RequestValidationError
+from tinyvllm.errors import InvalidRequestError
 
 T = TypeVar("T")
 
@@ -69,7 +69,7 @@ class PromptTokenizer:
     """Tokenizes prompts for a server: limits first, large inputs off the event loop.
 
     Args:
-        tokenizer: the model's `tinyvllm.model.tokenizer.Tokenizer`.
+        tokenizer: the model's `tinyvllm.tokenization.Tokenizer`.
         max_prompt_bytes: prompts larger than this are refused before tokenizing.
         parse_special_in_chat_content: parse special-token strings inside chat message content as
             special tokens (off: content is plain text, so a user cannot forge a turn).
@@ -92,14 +92,14 @@ class PromptTokenizer:
         """(prompt text, prompt token ids).
 
         Raises:
-            RequestValidationError: the prompt is larger than max_prompt_bytes ("prompt"), or a
+            InvalidRequestError: the prompt is larger than max_prompt_bytes ("prompt"), or a
                 chat the template cannot render ("chat").
         """
         if prompt.token_ids is not None:
             return None, prompt.token_ids
         num_bytes = prompt.num_bytes()
         if num_bytes > self.max_prompt_bytes:
-            raise RequestValidationError(
+            raise InvalidRequestError(
                 "prompt", f"is {num_bytes} bytes; the most this server tokenizes is "
                 f"{self.max_prompt_bytes} (--max-prompt-bytes)")
         if prompt.text is not None:
@@ -127,7 +127,7 @@ class PromptTokenizer:
         """Render `messages` with the chat template (generation prompt appended) and encode it.
 
         Raises:
-            RequestValidationError: the template rejects the messages, or cannot keep content
+            InvalidRequestError: the template rejects the messages, or cannot keep content
                 that holds special-token strings apart from its own text.
         """
         text = self._render(messages)
@@ -140,7 +140,7 @@ class PromptTokenizer:
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except ValueError as e:
-            raise RequestValidationError("chat", str(e)) from None
+            raise InvalidRequestError("chat", str(e)) from None
 
     def _has_special(self, messages: list[dict[str, str]]) -> bool:
         return any(s in m["content"] for m in messages for s in self._special_strings)
@@ -161,7 +161,7 @@ class PromptTokenizer:
                 break
             content, found, rest = rest.partition(close)
             if not found or open_ in content:
-                raise RequestValidationError(
+                raise InvalidRequestError(
                     "chat", "message content holds special-token strings that this model's "
                     "chat template does not keep apart from its own text")
             ids += _encode_plain(self._plain(), content) if content else []

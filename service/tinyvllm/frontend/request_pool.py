@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from tinyvllm.frontend.collector import RequestOutputCollector
+from tinyvllm.scheduling.request import FinishReason
 
 
 class RequestState:
@@ -33,11 +34,11 @@ class RequestState:
         self.last_token_time: Optional[float] = None
         self.queue_s: Optional[float] = None
         self.finished = False
-        # For the access log: counts so far, and how it ended ("stop", "length", "error"...).
+        # For the access log: counts so far, and how it ended.
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
-        self.finish_reason: Optional[str] = None
+        self.finish_reason: Optional[FinishReason] = None
 
     @property
     def waiting(self) -> bool:

@@ -1,17 +1,16 @@
-"""Model definitions (Llama family), tokenizer, and weight loading (HF safetensors, GGUF).
+"""Model definitions (Llama family) and weight loading (HF safetensors, GGUF).
 
-Names are imported lazily, so that the server's frontend, which only needs the tokenizer, does not
-import torch (seconds of start-up with the event loop blocked, and its memory).
+Names are imported lazily: `import tinyvllm.model` alone loads no torch. The tokenizer and the
+model-file helpers, which the frontend needs without torch, live in `tinyvllm.tokenization` and
+`tinyvllm.model_files`.
 """
 
 import importlib
 
 _WHERE = {"LlamaArch": "arch", "LlamaForCausalLM": "llama", "LoadedModel": "loader",
-          "load_model": "loader", "resolve_model_path": "loader", "Tokenizer": "tokenizer",
-          "load_tokenizer": "tokenizer"}
+          "load_model": "loader"}
 
-__all__ = ["LlamaArch", "LlamaForCausalLM", "LoadedModel", "load_model", "resolve_model_path",
-           "Tokenizer", "load_tokenizer"]
+__all__ = ["LlamaArch", "LlamaForCausalLM", "LoadedModel", "load_model"]
 
 
 def __getattr__(name: str):

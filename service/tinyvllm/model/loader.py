@@ -14,12 +14,12 @@ from tqdm.auto import tqdm
 
 from tinyvllm.model.arch import SUPPORTED_GGUF_ARCHITECTURES, LlamaArch
 from tinyvllm.model.llama import LlamaForCausalLM, build_empty_model
-from tinyvllm.model.paths import is_gguf, read_gguf, resolve_model_path
-from tinyvllm.model.synthetic import SYNTHETIC_MODELS, make_random_model, synthetic_tokenizer
-from tinyvllm.model.tokenizer import (Tokenizer, model_name, tokenizer_from_gguf_metadata,
-                                      tokenizer_from_hf_dir)
+from tinyvllm.model.synthetic import SYNTHETIC_MODELS, make_random_model
+from tinyvllm.model_files import is_gguf, model_name, read_gguf, resolve_model_path
+from tinyvllm.tokenization import Tokenizer, tokenizer_from_gguf_metadata, tokenizer_from_hf_dir
+from tinyvllm.tokenization.synthetic import synthetic_tokenizer
 
-__all__ = ["LoadedModel", "load_model", "resolve_model_path"]
+__all__ = ["LoadedModel", "load_model"]
 
 logger = logging.getLogger(__name__)
 

@@ -154,8 +154,8 @@ def _pack_embedding_and_head(net: LlamaForCausalLM, tensors: dict[str, Any], arc
 def open_gguf_tensors(path: Path) -> tuple[LlamaArch, Any, dict[str, Any], bool]:
     """(arch, tokenizer, GGUF tensors by name, whether q/k rows are permuted) of a GGUF file."""
     from tinyvllm.model import loader
-    from tinyvllm.model.paths import read_gguf
-    from tinyvllm.model.tokenizer import model_name, tokenizer_from_gguf_metadata
+    from tinyvllm.model_files import model_name, read_gguf
+    from tinyvllm.tokenization import tokenizer_from_gguf_metadata
 
     reader, meta = read_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
@@ -174,7 +174,7 @@ def load_gguf_packed(path: Path, device: torch.device):
     """A LoadedModel of a GGUF file with its quantized projections kept packed (CPU, float32
     activations). Raises as `loader.load_model` does."""
     from tinyvllm.model import loader
-    from tinyvllm.model.tokenizer import model_name
+    from tinyvllm.model_files import model_name
 
     arch, tokenizer, tensors, permuted = open_gguf_tensors(path)
     net = build_empty_model(arch, torch.float32, device)

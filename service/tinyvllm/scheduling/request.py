@@ -12,7 +12,10 @@ import msgspec
 from tinyvllm.sampling_params import SamplingParams
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
+    """Why a request ended. A str enum: msgspec sends its value across IPC, and it prints, logs
+    and serializes to JSON as that value ("stop")."""
+
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context length
     ABORT = "abort"  # cancelled by the client, a deadline or shutdown
@@ -53,7 +56,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
     new_logprobs: Optional[list[Logprobs]] = None
-    finish_reason: Optional[str] = None  # a FinishReason value once finished
+    finish_reason: Optional[FinishReason] = None  # set once finished
     stop_reason: Optional[int] = None  # the stop token id that ended it, if any
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: Optional[str] = None

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from tinyvllm.config import SchedulerConfig, SpeculativeConfig
+from tinyvllm.errors import InvalidRequestError
 from tinyvllm.scheduling.kv_cache_manager import KVCacheManager
 from tinyvllm.scheduling.output import (NewRequest, SampledTokens, ScheduledRequest,
                                         SchedulerOutput)
@@ -99,7 +100,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise ValueError(f"request_id: {request.request_id!r} is already running")
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -316,7 +317,7 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 request_id=request.request_id, new_token_ids=[token_id],
                 new_logprobs=[logprobs] if logprobs is not None else None,
-                finish_reason=reason.value if reason is not None else None,
+                finish_reason=reason,
                 stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens))
         return outputs
 
@@ -345,7 +346,7 @@ class Scheduler:
             self.kv.cache_computed_blocks(request)
         return EngineCoreOutput(
             request_id=request.request_id, new_token_ids=new_token_ids,
-            finish_reason=reason.value if reason is not None else None,
+            finish_reason=reason,
             stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens)
 
     def _check_stop(self, request: Request, token_id: int) -> Optional[FinishReason]:

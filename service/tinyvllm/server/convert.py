@@ -1,7 +1,7 @@
 """Protobuf <-> domain objects. No I/O, no engine: pure functions the servicer calls.
 
-Every bad input raises an error with a `field_name` (InvalidArgumentError here,
-SamplingParamsError from SamplingParams), which `server.errors` maps to INVALID_ARGUMENT.
+Every bad input raises `InvalidRequestError` naming the field (here, or from SamplingParams),
+which `server.errors` maps to INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -9,17 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from tinyvllm.errors import InvalidRequestError
 from tinyvllm.frontend.prompts import PromptInput
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.scheduling.request import FinishReason
 from tinyvllm.v1 import generation_pb2 as pb
-
-
-class InvalidArgumentError(ValueError):
-    """A request field is invalid; the message starts with the field name."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field_name = field_name
 
 
 @dataclass(frozen=True)
@@ -43,10 +37,11 @@ class DomainRequest:
 
 
 _FINISH_REASONS = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
+"""The proto's finish reasons; ERROR has none (a failed request ends with a status instead)."""
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 """Roles a chat message may have: those chat templates know. A role is rendered verbatim, so any
@@ -65,11 +60,11 @@ _OPTIONAL_SAMPLING_FIELDS = (
 # --- requests -----------------------------------------------------------------------------------
 
 def sampling_params_from_proto(msg: pb.SamplingParameters, stream: StreamSpec) -> SamplingParams:
-    """Raises SamplingParamsError or InvalidArgumentError naming the field."""
+    """Raises InvalidRequestError naming the field."""
     kwargs: dict[str, Any] = {f: getattr(msg, f) for f in _OPTIONAL_SAMPLING_FIELDS
                               if msg.HasField(f)}
     if msg.HasField("n") and msg.n != 1:
-        raise InvalidArgumentError("n", f"only 1 completion per stream is supported, got {msg.n}")
+        raise InvalidRequestError("n", f"only 1 completion per stream is supported, got {msg.n}")
     return SamplingParams(
         stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         include_stop_str_in_output=msg.include_stop_str_in_output, logprobs=stream.logprobs,
@@ -86,12 +81,12 @@ def stream_spec_from_proto(req: pb.GenerateRequest) -> StreamSpec:
 
 def chat_messages_from_proto(chat: pb.ChatPrompt) -> list[dict[str, str]]:
     if not chat.messages:
-        raise InvalidArgumentError("chat.messages", "must not be empty")
+        raise InvalidRequestError("chat.messages", "must not be empty")
     for i, m in enumerate(chat.messages):
         if not m.role:
-            raise InvalidArgumentError(f"chat.messages[{i}].role", "must not be empty")
+            raise InvalidRequestError(f"chat.messages[{i}].role", "must not be empty")
         if m.role not in CHAT_ROLES:
-            raise InvalidArgumentError(
+            raise InvalidRequestError(
                 f"chat.messages[{i}].role",
                 f"must be one of {', '.join(CHAT_ROLES)}, got {m.role!r:.80}")
     return [{"role": m.role, "content": m.content} for m in chat.messages]
@@ -101,16 +96,16 @@ def prompt_from_proto(req: Any) -> PromptInput:
     """The prompt of a request with a `prompt` (Generate) or `input` (Tokenize) oneof.
 
     Raises:
-        InvalidArgumentError: no prompt, an empty one, or malformed chat messages.
+        InvalidRequestError: no prompt, an empty one, or malformed chat messages.
     """
     kind = req.WhichOneof("prompt" if isinstance(req, pb.GenerateRequest) else "input")
     if kind is None:
-        raise InvalidArgumentError("prompt", "one of text, token_ids or chat must be set")
+        raise InvalidRequestError("prompt", "one of text, token_ids or chat must be set")
     if kind == "token_ids":
         return PromptInput(token_ids=list(req.token_ids.ids))
     if kind == "text":
         if not req.text:
-            raise InvalidArgumentError("prompt", "must not be empty")
+            raise InvalidRequestError("prompt", "must not be empty")
         return PromptInput(text=req.text)
     return PromptInput(messages=chat_messages_from_proto(req.chat))
 
@@ -118,7 +113,7 @@ def prompt_from_proto(req: Any) -> PromptInput:
 def domain_request_from_proto(req: pb.GenerateRequest) -> DomainRequest:
     """Everything but the prompt's token ids (the caller tokenizes `prompt`, maybe off-loop)."""
     if len(req.request_id) > MAX_REQUEST_ID_LEN:
-        raise InvalidArgumentError(
+        raise InvalidRequestError(
             "request_id", f"is {len(req.request_id)} characters; at most {MAX_REQUEST_ID_LEN}")
     stream = stream_spec_from_proto(req)
     params = sampling_params_from_proto(req.sampling, stream)
@@ -148,8 +143,7 @@ def response_from_output(out: Any, stream: StreamSpec) -> Optional[pb.GenerateRe
 
 def _fill_final(resp: pb.GenerateResponse, out: Any) -> None:
     c = out.outputs[0]
-    reason = getattr(c.finish_reason, "value", c.finish_reason)
-    resp.finish_reason = _FINISH_REASONS.get(reason, pb.FINISH_REASON_UNSPECIFIED)
+    resp.finish_reason = _FINISH_REASONS.get(c.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
     if isinstance(c.stop_reason, str):
         resp.stop_string = c.stop_reason
     elif isinstance(c.stop_reason, int):

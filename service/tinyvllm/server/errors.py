@@ -20,11 +20,9 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 
-from tinyvllm.engine.validation import RequestValidationError
+from tinyvllm.errors import InvalidRequestError
 from tinyvllm.frontend.errors import (EngineDeadError, EngineRequestError,
                                       EngineUnavailableError, QueueFullError)
-from tinyvllm.sampling_params import SamplingParamsError
-from tinyvllm.server.convert import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +32,7 @@ current_request_id: contextvars.ContextVar[Optional[str]] = contextvars.ContextV
 SERVICE_PREFIX = "/tinyvllm.v1.Generation/"
 
 _STATUS_BY_TYPE: tuple[tuple[type, grpc.StatusCode], ...] = (
-    (RequestValidationError, grpc.StatusCode.INVALID_ARGUMENT),
-    (SamplingParamsError, grpc.StatusCode.INVALID_ARGUMENT),
-    (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (EngineDeadError, grpc.StatusCode.INTERNAL),
@@ -63,8 +59,8 @@ class UndecodableRequest:
     message_type: str
     error: str
 
-    def as_error(self) -> InvalidArgumentError:
-        return InvalidArgumentError(self.message_type, f"the request is not a valid "
+    def as_error(self) -> InvalidRequestError:
+        return InvalidRequestError(self.message_type, f"the request is not a valid "
                                     f"{self.message_type} message ({self.error})")
 
 

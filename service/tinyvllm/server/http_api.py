@@ -7,7 +7,9 @@ POST /v1/completions, /v1/chat/completions ─▶ openai_protocol: body → Gene
 GET /v1/models · POST /tokenize · POST /detokenize · GET /health
 ```
 Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; the status comes from
-the same exception table as gRPC's (`server.errors.status_for`). A client that disconnects has its
+the same exception table as gRPC's (`server.errors.status_for`): a bad request is an
+`InvalidRequestError` wherever it is found (pydantic's body checks included), answered 400 with
+its `field_name` as `param`. A client that disconnects has its
 request aborted in the engine: streams are cancelled by Starlette, and waits before the first
 byte of a response race a disconnect watcher.
 """
@@ -22,9 +24,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 import grpc
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi.exceptions import RequestValidationError as BodyValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from tinyvllm.errors import InvalidRequestError
 from tinyvllm.server import openai_protocol as oai
 from tinyvllm.server.errors import status_for
 from tinyvllm.server.security import ApiKeyAuth
@@ -54,7 +57,8 @@ class ApiError(Exception):
     @classmethod
     def from_exception(cls, exc: BaseException) -> "ApiError":
         code, details = status_for(exc)
-        return cls(HTTP_STATUS.get(code, 500), details, getattr(exc, "field_name", None))
+        param = exc.field_name if isinstance(exc, InvalidRequestError) else None
+        return cls(HTTP_STATUS.get(code, 500), details, param)
 
     def body(self) -> dict:
         return oai.error_body(self.message, ERROR_TYPES.get(self.status, "server_error"),
@@ -109,23 +113,27 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
 
-    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+    async def invalid_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return ApiError.from_exception(exc).response()
+
+    async def invalid_body(request: Request, exc: BodyValidationError) -> JSONResponse:
+        return ApiError.from_exception(_body_error(exc)).response()
 
     async def client_gone(request: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; ends quietly
 
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(ClientDisconnected, client_gone)
-    app.add_exception_handler(RequestValidationError, invalid_body)
+    app.add_exception_handler(InvalidRequestError, invalid_request)
+    app.add_exception_handler(BodyValidationError, invalid_body)
 
 
-def _validation_error(exc: RequestValidationError) -> ApiError:
-    """pydantic's first error as a 400 naming the field (`messages[0].role`)."""
+def _body_error(exc: BodyValidationError) -> InvalidRequestError:
+    """pydantic's first error, naming the field (`messages[0].role`; `body` for the whole)."""
     err = exc.errors()[0]
     loc = [p for p in err.get("loc", ()) if p != "body"]
     if err.get("type") == "json_invalid":
-        return ApiError(400, f"the body is not valid JSON: {err.get('msg')}")
+        return InvalidRequestError("body", f"is not valid JSON: {err.get('msg')}")
     param = ""
     for part in loc:
         if isinstance(part, int):
@@ -135,7 +143,7 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     message = err.get("msg", "invalid value")
     if err.get("type") == "extra_forbidden":
         message = "unknown field (not supported by tinyvllm)"
-    return ApiError(400, f"{param}: {message}" if param else message, param or None)
+    return InvalidRequestError(param or "body", message)
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "dict"}
@@ -202,10 +210,9 @@ class _Routes:
 
     async def tokenize(self, body: oai.TokenizeRequest) -> dict:
         if (body.prompt is None) == (body.messages is None):
-            raise ApiError(400, "give exactly one of prompt or messages", "prompt")
+            raise InvalidRequestError("prompt", "give exactly one of prompt or messages")
         if not body.add_special_tokens:
-            raise ApiError(400, "add_special_tokens: false is not supported",
-                           "add_special_tokens")
+            raise InvalidRequestError("add_special_tokens", "false is not supported")
         self._model_name(body.model)
         msg = (pb.TokenizeRequest(text=body.prompt) if body.prompt is not None else
                pb.TokenizeRequest(chat=self._call(lambda: oai.chat_messages_to_proto(
@@ -221,8 +228,7 @@ class _Routes:
         try:
             msg.token_ids.extend(body.tokens)
         except (ValueError, TypeError):
-            raise ApiError(400, "tokens: token ids must be integers in [0, 2^32)",
-                           "tokens") from None
+            raise InvalidRequestError("tokens", "token ids must be integers in [0, 2^32)") from None
         if body.skip_special_tokens is not None:
             msg.skip_special_tokens = body.skip_special_tokens
         resp = await _mapped(self.servicer.Detokenize(msg, None))

@@ -22,6 +22,8 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
+from tinyvllm.engine.stats import EngineStats
+
 LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -56,14 +58,14 @@ class StatsLogger:
     """Logs engine throughput and load every `interval_s` (silent while the engine is idle).
 
     Args:
-        get_stats: the latest `EngineStats` as a dict (cumulative token counters, gauges).
+        get_stats: the engine's latest `EngineStats` (None before its first message).
         interval_s: seconds between lines.
     """
 
-    def __init__(self, get_stats: Callable[[], dict[str, float]], interval_s: float) -> None:
+    def __init__(self, get_stats: Callable[[], Optional[EngineStats]], interval_s: float) -> None:
         self.get_stats = get_stats
         self.interval_s = interval_s
-        self._last: dict[str, float] = {}
+        self._last: Optional[EngineStats] = None
         self._last_time = time.monotonic()
         self._was_idle = True
 
@@ -74,27 +76,26 @@ class StatsLogger:
 
     def log_once(self, now: float) -> Optional[dict[str, float]]:
         """Log the interval ending `now`; returns its fields (None when idle, nothing logged)."""
-        stats, last = dict(self.get_stats()), self._last
+        stats = self.get_stats() or EngineStats()
+        last = self._last or EngineStats()
         elapsed = max(now - self._last_time, 1e-9)
         self._last, self._last_time = stats, now
-
-        def delta(key: str) -> float:
-            return stats.get(key, 0) - last.get(key, 0)
-
-        busy = stats.get("num_running", 0) or stats.get("num_waiting", 0)
-        moved = delta("num_prompt_tokens") or delta("num_generation_tokens")
+        num_prompt_tokens = stats.num_prompt_tokens - last.num_prompt_tokens
+        num_generation_tokens = stats.num_generation_tokens - last.num_generation_tokens
+        busy = stats.num_running or stats.num_waiting
+        moved = num_prompt_tokens or num_generation_tokens
         if not busy and not moved and self._was_idle:
             return None  # one line after work ends, then silence until there is more
         self._was_idle = not busy and not moved
-        queries = delta("prefix_cache_queries")
+        queries = stats.prefix_cache_queries - last.prefix_cache_queries
+        hits = stats.prefix_cache_hits - last.prefix_cache_hits
         fields = {
-            "avg_prompt_throughput_tok_s": round(delta("num_prompt_tokens") / elapsed, 1),
-            "avg_generation_throughput_tok_s": round(delta("num_generation_tokens") / elapsed, 1),
-            "num_requests_running": int(stats.get("num_running", 0)),
-            "num_requests_waiting": int(stats.get("num_waiting", 0)),
-            "kv_cache_usage_perc": round(100 * stats.get("kv_cache_usage", 0.0), 1),
-            "prefix_cache_hit_rate_perc": round(
-                100 * delta("prefix_cache_hits") / queries if queries else 0.0, 1)}
+            "avg_prompt_throughput_tok_s": round(num_prompt_tokens / elapsed, 1),
+            "avg_generation_throughput_tok_s": round(num_generation_tokens / elapsed, 1),
+            "num_requests_running": stats.num_running,
+            "num_requests_waiting": stats.num_waiting,
+            "kv_cache_usage_perc": round(100 * stats.kv_cache_usage, 1),
+            "prefix_cache_hit_rate_perc": round(100 * hits / queries if queries else 0.0, 1)}
         stats_logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "

@@ -22,7 +22,9 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from tinyvllm.engine.stats import EngineStats
 from tinyvllm.frontend.engine_client import EngineObserver
+from tinyvllm.scheduling.request import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,7 @@ E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                  120.0, 240.0, 480.0, 960.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
-# (metric suffix, EngineStats key, help)
+# (metric suffix, EngineStats field, help)
 _GAUGES = (
     ("num_requests_running", "num_running", "Requests in the engine's running batch."),
     ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
@@ -50,35 +52,36 @@ _COUNTERS = (
     ("spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Draft tokens proposed."),
     ("spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Draft tokens accepted."),
 )
-_PER_POSITION = "spec_num_accepted_per_position:"  # EngineStats list, one key per position
+assert {field for _, field, _ in _GAUGES + _COUNTERS} <= set(EngineStats.__struct_fields__)
 
 
 MODEL_LABEL = "model_name"
 
 
 class _EngineStatsCollector(Collector):
-    def __init__(self, get_stats: Callable[[], dict[str, float]],
+    """The engine's series, read from its latest `EngineStats` (zeros before the first one)."""
+
+    def __init__(self, get_stats: Callable[[], Optional[EngineStats]],
                  get_model_name: Callable[[], Optional[str]]) -> None:
         self._get_stats = get_stats
         self._get_model_name = get_model_name
 
     def collect(self) -> Iterator[Metric]:
         model_name = self._get_model_name()
-        stats = self._get_stats()
+        stats = self._get_stats() or EngineStats()
         for kind, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
-            for suffix, key, help_text in table:
+            for suffix, field, help_text in table:
                 family = kind(PREFIX + suffix, help_text, labels=[MODEL_LABEL])
                 if model_name is not None:  # no sample before the model is loaded
-                    family.add_metric([model_name], stats.get(key, 0))
+                    family.add_metric([model_name], getattr(stats, field))
                 yield family
         per_position = CounterMetricFamily(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by position in the draft (0: the first).",
             labels=[MODEL_LABEL, "position"])
         if model_name is not None:
-            for key, value in stats.items():
-                if key.startswith(_PER_POSITION):
-                    per_position.add_metric([model_name, key.removeprefix(_PER_POSITION)], value)
+            for position, value in enumerate(stats.spec_num_accepted_per_position):
+                per_position.add_metric([model_name, str(position)], value)
         yield per_position
 
 
@@ -93,7 +96,7 @@ class ServerMetrics(EngineObserver):
     def __init__(self, model_name: Optional[str] = None) -> None:
         disable_created_metrics()  # `*_created` series only confuse dashboards
         self.registry = CollectorRegistry()
-        self.stats: dict[str, float] = {}
+        self.stats: Optional[EngineStats] = None
         self.model_name = model_name
         self.registry.register(_EngineStatsCollector(lambda: self.stats, lambda: self.model_name))
         r, m = self.registry, [MODEL_LABEL]
@@ -130,10 +133,10 @@ class ServerMetrics(EngineObserver):
         # model name) is known; the fallback keeps a stray observation from raising.
         return self.model_name or "unknown"
 
-    def on_step(self, stats: dict[str, float]) -> None:
+    def on_step(self, stats: EngineStats) -> None:
         self.stats = stats
-        if stats.get("num_scheduled_tokens"):
-            self.iteration_tokens.labels(self._label()).observe(stats["num_scheduled_tokens"])
+        if stats.num_scheduled_tokens:
+            self.iteration_tokens.labels(self._label()).observe(stats.num_scheduled_tokens)
 
     def on_first_token(self, ttft_s: float, queue_s: float) -> None:
         self.ttft.labels(self._label()).observe(ttft_s)
@@ -142,8 +145,8 @@ class ServerMetrics(EngineObserver):
     def on_inter_token(self, latency_s: float) -> None:
         self.itl.labels(self._label()).observe(latency_s)
 
-    def on_finished(self, finish_reason: str, e2e_s: float) -> None:
-        self.request_success.labels(self._label(), finish_reason).inc()
+    def on_finished(self, finish_reason: FinishReason, e2e_s: float) -> None:
+        self.request_success.labels(self._label(), finish_reason.value).inc()
         self.e2e.labels(self._label()).observe(e2e_s)
 
     def render(self) -> bytes:

@@ -14,11 +14,14 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tinyvllm.server.convert import InvalidArgumentError
+from tinyvllm.errors import InvalidRequestError
+from tinyvllm.scheduling.request import FinishReason
 from tinyvllm.v1 import generation_pb2 as pb
 
-FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                  pb.FINISH_REASON_ABORT: "abort"}
+FINISH_REASONS = {pb.FINISH_REASON_STOP: FinishReason.STOP,
+                  pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+                  pb.FINISH_REASON_ABORT: FinishReason.ABORT}
+"""The proto's finish reasons; OpenAI's JSON carries their values ("stop", "length")."""
 
 # Sampling fields with the same name and meaning in OpenAI/vLLM JSON and SamplingParameters.
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
@@ -100,21 +103,21 @@ class DetokenizeRequest(_Strict):
 def completion_to_proto(req: CompletionRequest) -> pb.GenerateRequest:
     msg = _base_request(req, req.max_tokens, req.logprobs)
     if req.echo:
-        raise InvalidArgumentError("echo", "echoing the prompt is not supported")
+        raise InvalidRequestError("echo", "echoing the prompt is not supported")
     _set_completion_prompt(msg, req.prompt)
     return msg
 
 
 def chat_to_proto(req: ChatCompletionRequest) -> pb.GenerateRequest:
     if req.max_tokens is not None and req.max_completion_tokens is not None:
-        raise InvalidArgumentError("max_completion_tokens", "give it or max_tokens, not both")
+        raise InvalidRequestError("max_completion_tokens", "give it or max_tokens, not both")
     if req.top_logprobs is not None and not req.logprobs:
-        raise InvalidArgumentError("top_logprobs", "needs logprobs: true")
+        raise InvalidRequestError("top_logprobs", "needs logprobs: true")
     max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     msg = _base_request(req, max_tokens, num_logprobs)
     if not req.messages:
-        raise InvalidArgumentError("messages", "must not be empty")
+        raise InvalidRequestError("messages", "must not be empty")
     for i, m in enumerate(req.messages):
         msg.chat.messages.append(pb.ChatMessage(role=m.role, content=message_text(m, i)))
     return msg
@@ -127,7 +130,7 @@ def message_text(m: ChatMessage, index: int) -> str:
     texts = []
     for j, part in enumerate(m.content):
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise InvalidArgumentError(f"messages[{index}].content[{j}]",
+            raise InvalidRequestError(f"messages[{index}].content[{j}]",
                                        "only parts of type 'text' with a string 'text' are "
                                        "supported")
         texts.append(part["text"])
@@ -142,7 +145,7 @@ def chat_messages_to_proto(messages: list[ChatMessage]) -> pb.ChatPrompt:
 def _base_request(req: _SamplingRequest, max_tokens: Optional[int],
                   num_logprobs: Optional[int]) -> pb.GenerateRequest:
     if req.n != 1:
-        raise InvalidArgumentError("n", f"only 1 choice per request is supported, got {req.n}")
+        raise InvalidRequestError("n", f"only 1 choice per request is supported, got {req.n}")
     msg = pb.GenerateRequest(priority=_checked(req.priority, "priority", _INT32),
                              cache_salt=req.cache_salt or "")
     s = msg.sampling
@@ -168,7 +171,7 @@ _INT32 = (-(2**31), 2**31 - 1)
 
 def _checked(value: int, name: str, bounds: tuple[int, int]) -> int:
     if not bounds[0] <= value <= bounds[1]:
-        raise InvalidArgumentError(name, f"{value} is out of range [{bounds[0]}, {bounds[1]}]")
+        raise InvalidRequestError(name, f"{value} is out of range [{bounds[0]}, {bounds[1]}]")
     return value
 
 
@@ -180,24 +183,24 @@ def _assign(msg: Any, name: str, value: Any) -> None:
         else:
             setattr(msg, name, value)
     except (ValueError, TypeError) as e:
-        raise InvalidArgumentError(name, f"{value!r} is not a valid value ({e})") from None
+        raise InvalidRequestError(name, f"{value!r} is not a valid value ({e})") from None
 
 
 def _set_completion_prompt(msg: pb.GenerateRequest, prompt: Any) -> None:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
-            raise InvalidArgumentError("prompt", f"one prompt per request is supported, got "
+            raise InvalidRequestError("prompt", f"one prompt per request is supported, got "
                                        f"{len(prompt)}")
         prompt = prompt[0]
     if isinstance(prompt, str):
         msg.text = prompt
     elif not prompt:
-        raise InvalidArgumentError("prompt", "must not be empty")
+        raise InvalidRequestError("prompt", "must not be empty")
     else:
         try:
             msg.token_ids.ids.extend(prompt)
         except (ValueError, TypeError):
-            raise InvalidArgumentError("prompt", "token ids must be integers in [0, 2^32)") from None
+            raise InvalidRequestError("prompt", "token ids must be integers in [0, 2^32)") from None
 
 
 # --- responses ----------------------------------------------------------------------------------
@@ -219,7 +222,7 @@ class ResponseBuilder:
 
     def chunk(self, resp: pb.GenerateResponse, first: bool) -> dict:
         """One streamed chunk (`chat.completion.chunk` or `text_completion`)."""
-        finish = FINISH_REASONS.get(resp.finish_reason)
+        finish = _finish_reason(resp)
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -245,7 +248,7 @@ class ResponseBuilder:
         text = "".join(r.text for r in responses)
         logprobs = self._logprobs([lp for r in responses for lp in r.logprobs])
         choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
-                                  "finish_reason": FINISH_REASONS.get(last.finish_reason)}
+                                  "finish_reason": _finish_reason(last)}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -261,6 +264,12 @@ class ResponseBuilder:
         return {"tokens": [e.token for e in entries],
                 "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries]}
+
+
+def _finish_reason(resp: pb.GenerateResponse) -> Optional[str]:
+    """OpenAI's `finish_reason`: None until the last response."""
+    reason = FINISH_REASONS.get(resp.finish_reason)
+    return None if reason is None else reason.value
 
 
 def _stop_reason(resp: pb.GenerateResponse) -> Union[str, int, None]:

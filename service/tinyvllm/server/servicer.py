@@ -12,7 +12,7 @@ from typing import AsyncIterator, Optional
 import grpc.aio
 
 from tinyvllm.config import ServerConfig
-from tinyvllm.engine.validation import RequestValidationError
+from tinyvllm.errors import InvalidRequestError
 from tinyvllm.frontend.engine_client import AsyncEngineClient
 from tinyvllm.frontend.prompts import PromptTokenizer, default_max_prompt_bytes
 from tinyvllm.frontend.stream_limit import StreamLimiter
@@ -107,7 +107,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         vocab_size = self.engine.runtime_info.vocab_size
         if ids and max(ids) >= vocab_size:
             bad = next(t for t in ids if t >= vocab_size)
-            raise RequestValidationError(
+            raise InvalidRequestError(
                 "token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
         return self.engine.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 

