@@ -305,13 +305,13 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, steps_addr: str
 def _start_runner(config: EngineConfig, rank: int, world_size: int, dist_init: str):
     import torch
 
-    from tinyvllm import distributed
     from tinyvllm.worker.model_runner import ModelRunner, resolve_device
 
     device = resolve_device(config.model.device)
     if device.type == "cuda":
         torch.cuda.set_device(rank)  # one device per rank; "cuda" below means this one
     if world_size > 1:
+        from tinyvllm import distributed
         distributed.init_tensor_parallel(rank, world_size, init_method=dist_init,
                                          backend="nccl" if device.type == "cuda" else "gloo")
     return ModelRunner(config)

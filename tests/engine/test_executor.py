@@ -1,0 +1,68 @@
+"""Executors: worker processes driven by SchedulerOutput messages give the engine the same tokens
+as the in-process runner; a worker that dies takes the engine down with an error naming it."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tinyvllm.config import EngineConfig
+from tinyvllm.engine.engine_core import EngineCore
+from tinyvllm.engine.executor import MultiprocExecutor, UniProcExecutor
+from tinyvllm.sampling_params import SamplingParams
+
+from tests.engine.conftest import assert_all_blocks_free, run_to_completion
+
+PROMPTS = [[1, 504, 3458, 314, 253, 1837], [1, 28, 1115, 281, 3705, 28, 1115, 281], [9, 8, 7]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=8, ignore_eos=True)
+
+
+def _config(model_path, **kwargs) -> EngineConfig:
+    return EngineConfig.from_kwargs(model=str(model_path), device="cpu", dtype="float32",
+                                    max_model_len=256, num_kv_blocks=48, block_size=16,
+                                    max_num_batched_tokens=16, **kwargs)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_worker_process_gives_the_in_process_tokens(smollm2_path, async_scheduling):
+    """Chunked prefill (16-token budget), greedy and seeded rows in one batch, with and without
+    a step scheduled ahead of the one in flight."""
+    params = [GREEDY, SEEDED, GREEDY]
+    uni = EngineCore(_config(smollm2_path, async_scheduling=async_scheduling))
+    expected = run_to_completion(uni, PROMPTS, params)
+    uni.shutdown()
+    engine = EngineCore(_config(smollm2_path, async_scheduling=async_scheduling,
+                                distributed_executor_backend="mp"))
+    try:
+        assert isinstance(engine.executor, MultiprocExecutor)
+        assert run_to_completion(engine, PROMPTS, params) == expected
+        assert run_to_completion(engine, PROMPTS[:1], GREEDY) == expected[:1]  # records reused
+        assert_all_blocks_free(engine)
+    finally:
+        engine.shutdown()
+    assert not any(p.is_alive() for p in engine.executor._procs)
+
+
+def test_dead_worker_fails_the_step_naming_its_rank(smollm2_path):
+    engine = EngineCore(_config(smollm2_path, distributed_executor_backend="mp"))
+    try:
+        run_to_completion(engine, PROMPTS[:1], GREEDY)
+        os.kill(engine.executor._procs[0].pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="worker rank 0 .* exited with code -9"):
+            run_to_completion(engine, PROMPTS[:1], GREEDY)
+    finally:
+        engine.shutdown()
+
+
+def test_in_process_is_the_default_for_one_rank(tiny_model):
+    config = EngineConfig.from_kwargs(device="cpu", dtype="float32")
+    assert config.parallel.executor_backend == "uni"
+    assert EngineConfig.from_kwargs(tensor_parallel_size=2).parallel.executor_backend == "mp"
+    with pytest.raises(ValueError, match="uni runs one rank"):
+        EngineConfig.from_kwargs(tensor_parallel_size=2, distributed_executor_backend="uni")
+    from tinyvllm.worker.model_runner import ModelRunner
+    engine = EngineCore(config, UniProcExecutor(config, ModelRunner(config, loaded=tiny_model)))
+    assert engine.runtime_info.vocab_size == 512
