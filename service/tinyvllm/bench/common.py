@@ -149,10 +149,11 @@ def environment(args: argparse.Namespace, device: torch.device) -> dict[str, Any
 def model_fields(engine, config: EngineConfig) -> dict[str, Any]:
     """Model, dtype and quantization as the engine actually loaded them, and every engine flag."""
     info = engine.runtime_info
-    loaded = engine.runner.loaded
+    runner = getattr(engine.executor, "runner", None)
+    path = runner.loaded.path if runner is not None else config.model.model
     return {
         "model": config.model.model or "default (SmolLM2-135M-Instruct GGUF)",
-        "model_name": info.model_name, "model_file": Path(str(loaded.path)).name,
+        "model_name": info.model_name, "model_file": Path(str(path)).name if path else None,
         "dtype": info.dtype,
         "quantization": getattr(config.model, "quantization", None) or _weight_format(engine),
         "num_kv_blocks": info.num_kv_blocks,
@@ -163,7 +164,10 @@ def model_fields(engine, config: EngineConfig) -> dict[str, Any]:
 def _weight_format(engine) -> str:
     from tinyvllm.bench.engine_runs import is_packed
 
-    name = Path(str(engine.runner.loaded.path)).name
+    runner = getattr(engine.executor, "runner", None)
+    if runner is None:
+        return "unknown (worker processes)"
+    name = Path(str(runner.loaded.path)).name
     if name.endswith(".gguf") and is_packed(engine):
         return f"GGUF {name.rsplit('.', 2)[-2]} blocks kept packed (CPU kernels)"
     if name.endswith(".gguf"):

@@ -73,8 +73,16 @@ class BatchRun:
 
 
 def build_engine(config: EngineConfig, runner=None) -> EngineCore:
-    """An engine (loading the model unless `runner`, an already loaded ModelRunner, is given)."""
+    """An engine (loading the model unless `runner`, an already loaded ModelRunner, is given),
+    over the executor the config names (`--distributed-executor-backend`)."""
+    if runner is None and config.parallel.executor_backend != "uni":
+        return EngineCore(config)
     return EngineCore(config, UniProcExecutor(config, runner))
+
+
+def local_runner(engine: EngineCore):
+    """The engine's model runner when it runs in this process, else None (worker processes)."""
+    return getattr(engine.executor, "runner", None)
 
 
 def greedy(output_len: int) -> SamplingParams:
@@ -144,4 +152,5 @@ def is_packed(engine: EngineCore) -> bool:
     """Whether the engine's model serves packed GGUF weights (the CPU kernels)."""
     from tinyvllm.model.packed import PackedLinear
 
-    return any(isinstance(m, PackedLinear) for m in engine.runner.model.modules())
+    runner = local_runner(engine)
+    return runner is not None and any(isinstance(m, PackedLinear) for m in runner.model.modules())

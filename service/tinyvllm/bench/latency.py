@@ -25,7 +25,7 @@ from tinyvllm.bench.common import (copy_bandwidth_gbps, default_for,
                                    engine_config, environment, model_fields, prepare,
                                    print_table, random_prompts, ratio, summary_ms, write_record)
 from tinyvllm.bench.engine_runs import (build_engine, free_memory, is_packed, kv_bytes_per_token,
-                                        run_batch, weight_bytes)
+                                        local_runner, run_batch, weight_bytes)
 
 NAME = "latency"
 CPU_WARMUP_TOKENS = 16  # CPU has nothing to compile or capture; a short request warms caches
@@ -44,8 +44,9 @@ def numbers(token_times: Sequence[Sequence[float]]) -> dict[str, Any]:
 def roofline(engine, input_len: int, output_len: int, tpot_ms: float,
              copy_gbps: Optional[float]) -> Optional[dict[str, Any]]:
     """Fraction of the bandwidth floor achieved by the median decode step (on the CPU against
-    the streaming-read bandwidth measured in this run)."""
-    if copy_gbps is None:
+    the streaming-read bandwidth measured in this run); None when the model runs in worker
+    processes."""
+    if copy_gbps is None or local_runner(engine) is None:
         return None
     weights = weight_bytes(engine)
     kv = kv_bytes_per_token(engine) * (input_len + output_len // 2)  # context of the median step
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     num_iters = args.num_iters or default_for(device, 10, 3)
     prompts = random_prompts([args.input_len] * (num_iters + 1), engine.runtime_info.vocab_size,
                              config.model.seed)
-    spec = hf.ModelSpec.of(engine)
+    spec = hf.ModelSpec.of(engine) if args.baseline else None
     # On CPU both models fit: alternate their requests so that drift in a shared machine's load
     # hits both alike. On GPU one engine claims most of the memory, so the baseline runs after.
     interleave = args.baseline and device.type == "cpu"
@@ -114,8 +115,9 @@ def cpu_contenders(args, config, engine, device) -> dict[str, tuple[dict, Callab
         out["tinyvllm --dequantize"] = (
             {"name": "tinyvllm", "dequantize": True},
             lambda p, n: run_batch(other, [p], [n], lambda: None).requests[0].token_times_s)
-    llama = cpu.LlamaCpp.load(Path(str(engine.runner.loaded.path)), torch.get_num_threads(),
-                              args.input_len + args.output_len + 16)
+    runner = local_runner(engine)
+    llama = runner and cpu.LlamaCpp.load(Path(str(runner.loaded.path)), torch.get_num_threads(),
+                                         args.input_len + args.output_len + 16)
     if llama is not None:
         out["llama.cpp"] = (llama.describe(), llama.time_single)
     return out

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     ours = ours_numbers(run_batch(engine, prompts, out_lens, sync))
     record = {**environment(args, device), **model_fields(engine, config), "workload": described,
               "results": {"tinyvllm": ours}}
-    spec = hf.ModelSpec.of(engine)
+    spec = hf.ModelSpec.of(engine) if args.baseline else None
     engine.shutdown()
     engine = None
     free_memory()
