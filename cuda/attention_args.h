@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "kv_cache.cuh"  // kFloat8E4M3 (includes common.cuh)
+#include "kv_cache.cuh"
 
 namespace tinyvllm {
 

@@ -10,25 +10,16 @@
 #include <string>
 #include <utility>
 
+#include "dtype.h"
+
 namespace tinyvllm {
 
-// The element-type codes Python passes (ops/kv_cache.py `_dtype_code`).
-enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
-
-inline const char* dtype_name(int code) {
-  switch (code) {
-    case 0: return "float32";
-    case 1: return "float16";
-    case 2: return "bfloat16";
-    default: return "unknown";
-  }
-}
-
-// Bytes per element of a dtype code; throws on an unknown code.
+// Bytes per element of a 16/32-bit dtype code (dtype.h); throws on any other code.
 inline int dtype_size(int code) {
-  if (code == 0) return 4;
-  if (code == 1 || code == 2) return 2;
-  throw std::invalid_argument("unknown dtype code " + std::to_string(code));
+  if (code == kFloat32) return 4;
+  if (code == kFloat16 || code == kBFloat16) return 2;
+  throw std::invalid_argument(std::string("unsupported dtype ") + dtype_name(code) + " (code " +
+                              std::to_string(code) + ")");
 }
 
 inline cudaStream_t as_stream(std::uintptr_t handle) {
@@ -175,27 +166,27 @@ void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
 }  // namespace tinyvllm
 
 // Calls F<T>(...) with T the element type of a dtype code (16-bit types only).
-#define TINYVLLM_DISPATCH_HALF(code, name, ...)                                           \
-  do {                                                                                    \
-    if ((code) == 1) {                                                                    \
-      using scalar_t = __half;                                                            \
-      __VA_ARGS__;                                                                        \
-    } else if ((code) == 2) {                                                             \
-      using scalar_t = __nv_bfloat16;                                                     \
-      __VA_ARGS__;                                                                        \
-    } else {                                                                              \
-      throw std::invalid_argument(std::string(name) + ": unsupported dtype " +            \
-                                  ::tinyvllm::dtype_name(code) + " (float16, bfloat16)"); \
-    }                                                                                     \
+#define TINYVLLM_DISPATCH_HALF(code, name, ...)                                            \
+  do {                                                                                     \
+    if ((code) == ::tinyvllm::kFloat16) {                                                  \
+      using scalar_t = __half;                                                             \
+      __VA_ARGS__;                                                                         \
+    } else if ((code) == ::tinyvllm::kBFloat16) {                                          \
+      using scalar_t = __nv_bfloat16;                                                      \
+      __VA_ARGS__;                                                                         \
+    } else {                                                                               \
+      throw std::invalid_argument(std::string(name) + ": unsupported dtype " +             \
+                                  ::tinyvllm::dtype_name(code) + " (float16, bfloat16)");  \
+    }                                                                                      \
   } while (0)
 
 // As above, float32 included.
-#define TINYVLLM_DISPATCH_FLOAT(code, name, ...)                                         \
-  do {                                                                                   \
-    if ((code) == 0) {                                                                   \
-      using scalar_t = float;                                                            \
-      __VA_ARGS__;                                                                       \
-    } else {                                                                             \
-      TINYVLLM_DISPATCH_HALF(code, name, __VA_ARGS__);                                   \
-    }                                                                                    \
+#define TINYVLLM_DISPATCH_FLOAT(code, name, ...)                                           \
+  do {                                                                                     \
+    if ((code) == ::tinyvllm::kFloat32) {                                                  \
+      using scalar_t = float;                                                              \
+      __VA_ARGS__;                                                                         \
+    } else {                                                                               \
+      TINYVLLM_DISPATCH_HALF(code, name, __VA_ARGS__);                                     \
+    }                                                                                      \
   } while (0)

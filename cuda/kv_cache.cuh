@@ -18,9 +18,6 @@
 
 namespace tinyvllm {
 
-// Cache dtype code of float8_e4m3fn (ops/kv_cache.py `_dtype_code`; 0-2 are common.cuh's).
-constexpr int kFloat8E4M3 = 3;
-
 // Element type of an FP8 cache in templates (a distinct type, so Cache == T means "not FP8").
 using fp8_e4m3 = __nv_fp8_e4m3;
 

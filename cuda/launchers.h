@@ -5,13 +5,20 @@
 
 #include <cstdint>
 
+#include "dtype.h"  // the codes of every `dtype` / `cache_dtype` argument
+
 namespace tinyvllm {
+
+// The interface version of these launchers. bindings.cpp exports it as `abi_version` and
+// ops/_dispatch.py refuses a module whose version is not its CUDA_ABI_VERSION: bump both when a
+// launcher's arguments change or a function is added, removed or renamed.
+constexpr int kAbiVersion = 1;
 
 using ptr_t = std::uintptr_t;  // a device pointer, as torch's data_ptr() gives it
 using stream_t = std::uintptr_t;  // a cudaStream_t, as torch's cuda_stream gives it
 
 // kv_cache.cu: write new K/V rows into the paged cache (KV_CACHE_LAYOUT in ops/kv_cache.py).
-// cache_dtype: dtype (a copy) or 3 = float8_e4m3fn (quantised with the float32 scales k_scale /
+// cache_dtype: dtype (a copy) or kFloat8E4M3 (quantised with the float32 scales k_scale /
 // v_scale, device pointers; ignored otherwise). The attention launchers take the same trio.
 void reshape_and_cache(ptr_t key, ptr_t value, ptr_t key_cache, ptr_t value_cache,
                        ptr_t slot_mapping, int64_t num_tokens, int num_kv_heads, int head_dim,

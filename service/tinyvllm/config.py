@@ -154,6 +154,43 @@ class ParallelConfig:
         return "uni" if self.tensor_parallel_size == 1 else "mp"
 
 
+GEMV_KERNEL_MAX_ROWS = 2
+"""Most rows (tokens) one launch of the fused GEMV kernel serves (cuda/gemv.cu kGemvMaxM)."""
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which kernels and fusions run (`ops.configure`); the model describes only the math.
+
+    Each switch turns one fusion off, for A/B timing and for isolating a kernel; every choice
+    computes the same values up to rounding. The GEMV switches act only where the CUDA kernels
+    run.
+    """
+
+    fused_gemv: bool = _f(
+        True, "Decode-sized CUDA batches (at most gemv_max_rows tokens, float16 / bfloat16) run "
+        "each projection as one GEMV launch with the RMSNorm before it, SwiGLU after gate_up "
+        "and the residual add after o_proj / down_proj folded in, and the lm_head too. Off: "
+        "cuBLAS plus the separate ops.")
+    gemv_max_rows: int = _f(
+        GEMV_KERNEL_MAX_ROWS, "Largest batch (tokens) that runs the fused GEMV decoder layer; "
+        f"larger ones use cuBLAS. 1 or {GEMV_KERNEL_MAX_ROWS} (the kernel's limit).",
+        choices=tuple(range(1, GEMV_KERNEL_MAX_ROWS + 1)))
+    fused_rotary_cache: bool = _f(
+        True, "Rotary, the K/V cache write and attention as one op on views into the qkv "
+        "projection (on CUDA decode one launch). Off: rotary, the cache write and attention as "
+        "separate ops on contiguous copies.")
+    merge_in_o_proj: bool = _f(
+        True, "In fused-GEMV decode, o_proj merges a split decode attention's partitions as its "
+        "prologue (no merge launch) where they are small enough. Off: attention merges them in "
+        "a launch of its own.")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.gemv_max_rows <= GEMV_KERNEL_MAX_ROWS:
+            raise ValueError(f"gemv_max_rows must be in [1, {GEMV_KERNEL_MAX_ROWS}] (the GEMV "
+                             f"kernel's limit), got {self.gemv_max_rows}")
+
+
 SPEC_METHODS = ("ngram",)  # a draft-model proposer is planned
 
 
@@ -305,6 +342,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kernel: KernelConfig = field(default_factory=KernelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -327,7 +365,7 @@ class EngineConfig:
 
 
 _FLAT_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                  "parallel": ParallelConfig}
+                  "parallel": ParallelConfig, "kernel": KernelConfig}
 """EngineConfig's sections whose fields are flat options (`--flag`, `LLM(flag=...)`)."""
 
 

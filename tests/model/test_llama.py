@@ -71,3 +71,23 @@ def test_llama3_8b_shape_has_8b_parameters():
     total = a.num_layers * per_layer + 2 * a.vocab_size * a.hidden_size + a.hidden_size
     assert total == 8_030_261_248
     assert dataclasses.replace(a, num_layers=1).rope_scaling["factor"] == 8.0
+
+
+def test_unfused_rotary_and_cache_write_give_the_same_logits(model, paged_run):
+    """KernelConfig(fused_rotary_cache=False): rotary, cache write and attention as separate ops
+    compute what the fused op does (prefill, then decode)."""
+    from tinyvllm import ops
+    from tinyvllm.config import KernelConfig
+
+    def run() -> torch.Tensor:
+        ids, seq = PROMPTS[1], paged_run(model, len(PROMPTS[1]))
+        return torch.cat([seq.step([(ids[:-2], 0)]), seq.step([([ids[-2]], len(ids) - 2)]),
+                          seq.step([([ids[-1]], len(ids) - 1)])])
+
+    fused = run()
+    try:
+        ops.configure(KernelConfig(fused_rotary_cache=False))
+        unfused = run()
+    finally:
+        ops.configure(KernelConfig())
+    assert torch.equal(unfused, fused)

@@ -1,4 +1,5 @@
-"""`ops.fused_linear` on the CPU: the reference the GEMV kernel is checked against."""
+"""`ops.fused_linear` on the CPU: the reference the GEMV kernel is checked against, and the
+choice of the fused decode path (`ops.use_fused_decode`)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tinyvllm import ops
+from tinyvllm.config import KernelConfig
+from tinyvllm.ops import linear
 from tinyvllm.ops.layers import rms_norm_ref, silu_and_mul_ref
-from tinyvllm.ops.linear import fused_linear, fused_linear_supported
+from tinyvllm.ops.linear import fused_linear, fused_linear_supported, use_fused_decode
 
 
 def test_cpu_runs_the_reference_with_the_unfused_roundings():
@@ -44,3 +48,58 @@ def test_silu_mul_out_is_the_swiglu_of_the_projection():
         fused_linear(x, weight[:5], silu_mul_out=True)
     with pytest.raises(ValueError, match="neither silu_mul nor a residual"):
         fused_linear(x, weight, silu_mul_out=True, residual=torch.zeros(2, 3).bfloat16())
+
+
+# ---- which decode path runs: the engine's KernelConfig and what the kernel serves ---------------
+
+class CudaActivations:
+    """Stands in for a CUDA [num_tokens, hidden] bfloat16 tensor (this machine has no GPU)."""
+
+    is_cuda = True
+    dtype = torch.bfloat16
+
+    def __init__(self, num_tokens: int, hidden: int) -> None:
+        self.shape = (num_tokens, hidden)
+
+    def element_size(self) -> int:
+        return 2
+
+
+@pytest.fixture
+def gpu_runs_the_gemv(monkeypatch):
+    """A GPU whose fused_linear kernel runs; the kernel choices restored afterwards."""
+    monkeypatch.setattr(linear, "kernel_enabled", lambda op: op == "fused_linear")
+    yield
+    ops.configure(KernelConfig())
+
+
+def projections(hidden: int = 64) -> list[torch.nn.Module]:
+    return [torch.nn.Linear(hidden, 3 * hidden, device="meta"),
+            torch.nn.Linear(hidden, hidden, device="meta")]
+
+
+def test_fused_decode_follows_the_kernel_config(gpu_runs_the_gemv):
+    decode, pair, prefill = CudaActivations(1, 64), CudaActivations(2, 64), CudaActivations(3, 64)
+    assert use_fused_decode(decode, *projections()) and use_fused_decode(pair, *projections())
+    assert not use_fused_decode(prefill, *projections())  # past the kernel's rows: cuBLAS
+
+    ops.configure(KernelConfig(gemv_max_rows=1))
+    assert use_fused_decode(decode, *projections())
+    assert not use_fused_decode(pair, *projections())
+    assert not fused_linear_supported(pair, projections()[0].weight)
+
+    ops.configure(KernelConfig(fused_gemv=False))
+    assert not use_fused_decode(decode, *projections())
+
+
+def test_fused_decode_needs_plain_weights_the_kernel_takes(gpu_runs_the_gemv):
+    x = CudaActivations(1, 64)
+    packed = torch.nn.Module()  # e.g. GGUF rows (model/packed.py): no dense weight
+    assert not use_fused_decode(x, projections()[0], packed)
+    assert not use_fused_decode(CudaActivations(1, 60), *projections(60))  # k % 8 != 0
+
+
+def test_cpu_batches_never_take_the_fused_decode():
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    assert ops.kernel_config().fused_gemv
+    assert not use_fused_decode(x, *projections())

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from tinyvllm import ops
+from tinyvllm.config import KernelConfig
+from tinyvllm.ops._dispatch import dtype_code
 from tinyvllm.ops.attention import DecodePartitions
 from tinyvllm.ops.linear import fused_linear, fused_linear_ref, fused_linear_supported
 
@@ -97,6 +99,16 @@ def test_fused_linear_silu_mul_out_equals_the_two_step_path():
         assert (got != want).float().mean() < 1e-3  # expf vs torch's exp: rare last-bit flips
 
 
+def gemv_args(x: torch.Tensor, weight: torch.Tensor, **changes) -> dict:
+    """Keyword arguments of `_cuda.gemv` for x @ weight.T into a null output, with changes."""
+    m, (n, k) = x.shape[0], weight.shape
+    args = dict(out=0, x=x.data_ptr(), weight=weight.data_ptr(), bias=0, residual=0,
+                norm_weight=0, m=m, n=n, k=k, x_stride=k, out_stride=n, residual_stride=n,
+                eps=1e-5, prologue=0, silu_mul_out=0, prefetch_weight=0,
+                dtype=dtype_code(x.dtype), stream=0)
+    return {**args, **changes}
+
+
 def test_fused_linear_rejects_what_it_cannot_serve():
     from tinyvllm.ops._dispatch import cuda_ops
     x = rand(2, 12, dtype=torch.bfloat16, seed=7)
@@ -105,11 +117,9 @@ def test_fused_linear_rejects_what_it_cannot_serve():
     assert not fused_linear_supported(rand(3, 16, dtype=torch.bfloat16, seed=9),
                                       rand(5, 16, dtype=torch.bfloat16, seed=10))
     with pytest.raises(ValueError, match="k=12"):
-        cuda_ops().gemv(0, x.data_ptr(), weight.data_ptr(), 0, 0, 0, 2, 5, 12, 12, 5, 5, 1e-5, 0,
-                        0, 0, 2, 0)
+        cuda_ops().gemv(**gemv_args(x, weight))
     with pytest.raises(ValueError, match="m=3"):
-        cuda_ops().gemv(0, x.data_ptr(), weight.data_ptr(), 0, 0, 0, 3, 5, 16, 16, 5, 5, 1e-5, 0,
-                        0, 0, 2, 0)
+        cuda_ops().gemv(**gemv_args(x, weight, m=3, k=16, x_stride=16))
     x16, w16 = rand(2, 16, dtype=torch.bfloat16, seed=11), rand(5, 16, dtype=torch.bfloat16, seed=12)
     with pytest.raises(ValueError, match="norm_weight"):
         fused_linear(x16, w16, norm_weight=rand(8, dtype=torch.bfloat16, seed=13))
@@ -119,17 +129,15 @@ def test_fused_linear_rejects_what_it_cannot_serve():
         fused_linear(x16, rand(6, 16, dtype=torch.bfloat16, seed=14), silu_mul_out=True,
                      residual=rand(2, 3, dtype=torch.bfloat16, seed=15))
     with pytest.raises(ValueError, match="silu_mul_out"):
-        cuda_ops().gemv(0, x16.data_ptr(), w16.data_ptr(), 0, 0, 0, 2, 5, 16, 16, 5, 5, 1e-5, 0,
-                        1, 0, 2, 0)
+        cuda_ops().gemv(**gemv_args(x16, w16, silu_mul_out=1))
     with pytest.raises(ValueError, match="x: expected"):
         fused_linear(x16, w16, silu_mul=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_decoder_fused_path_matches_unfused(monkeypatch, dtype, batch):
+def test_decoder_fused_path_matches_unfused(dtype, batch):
     """A decode step through the fused projections gives the logits of the cuBLAS + ops path."""
-    import tinyvllm.model.llama as llama
     from tinyvllm.model.synthetic import make_random_model, tiny_arch
 
     arch = tiny_arch(hidden_size=256, intermediate_size=640, num_heads=4, num_kv_heads=2,
@@ -150,7 +158,7 @@ def test_decoder_fused_path_matches_unfused(monkeypatch, dtype, batch):
         query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[context + 1] * batch)
 
     def step(fused: bool) -> torch.Tensor:
-        monkeypatch.setattr(llama, "_FUSED_GEMV", fused)
+        ops.configure(KernelConfig(fused_gemv=fused))
         caches = ops.allocate_kv_caches(arch.num_layers, num_blocks, block_size,
                                         arch.num_kv_heads, arch.head_dim, dtype, "cuda")
         for c in caches:  # the same random context for both runs
@@ -158,7 +166,10 @@ def test_decoder_fused_path_matches_unfused(monkeypatch, dtype, batch):
         assert model._use_fused_decode(model.model.embed_tokens(ids)) == fused
         return model.compute_logits(model(ids, positions, caches, meta))
 
-    fused, unfused = step(True), step(False)
+    try:
+        fused, unfused = step(True), step(False)
+    finally:
+        ops.configure(KernelConfig())
     assert rel_err(fused, unfused) <= REL_TOL[dtype]
     assert torch.equal(fused.argmax(-1), unfused.argmax(-1))
 

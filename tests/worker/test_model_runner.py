@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyvllm.config import EngineConfig
+from tinyvllm import ops
+from tinyvllm.config import EngineConfig, KernelConfig
 from tinyvllm.engine.engine_core import EngineCore
 from tinyvllm.engine.executor import UniProcExecutor
 from tinyvllm.scheduling.output import NewRequest, ScheduledRequest, SchedulerOutput
@@ -182,6 +183,17 @@ def test_batching_and_chunking_do_not_change_tokens(loaded, kwargs):
     assert generate(engine, PROMPTS) == alone
     stats = engine.get_stats()
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_runner_installs_the_engine_kernel_choices(loaded):
+    try:
+        unfused = make_engine(loaded, fused_rotary_cache=False)
+        assert not ops.kernel_config().fused_rotary_cache
+        tokens = generate(unfused, PROMPTS)
+        assert generate(make_engine(loaded), PROMPTS) == tokens
+        assert ops.kernel_config() == KernelConfig()
+    finally:
+        ops.configure(KernelConfig())
 
 
 def test_records_dropped_when_requests_finish(loaded):

@@ -8,7 +8,6 @@ kernels plug in without touching this file. Projections are merged (`qkv_proj`, 
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterable, Iterator, Optional
 
 import torch
@@ -17,18 +16,6 @@ from torch import nn
 
 from tinyvllm import ops
 from tinyvllm.model.arch import LlamaArch
-
-_FUSED_ROTARY_CACHE = os.environ.get("TINYVLLM_FUSED_ROTARY_CACHE", "1") != "0"
-"""One op for rotary + KV-cache write + attention on the qkv views (no copies; on CUDA decode a
-single launch); 0 restores the separate ops with contiguous copies (for A/B timing)."""
-
-_FUSED_GEMV = os.environ.get("TINYVLLM_FUSED_GEMV", "1") != "0"
-"""Decode-sized CUDA batches (<= ops.GEMV_MAX_ROWS tokens) run each projection with its norm /
-SwiGLU / residual add as one GEMV launch; 0 restores cuBLAS plus separate ops (for A/B timing)."""
-
-_MERGE_IN_O_PROJ = os.environ.get("TINYVLLM_MERGE_IN_O_PROJ", "1") != "0"
-"""In those batches the o_proj GEMV merges a split decode's partitions as its prologue (no merge
-launch); 0 keeps the attention's own merge launch (for A/B timing)."""
 
 _KV_SCALE_BUFFERS = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale")
 """Our names of the FP8 KV-cache scales (`kv_scale`: one scale for both, older checkpoints)."""
@@ -80,7 +67,7 @@ class LlamaAttention(nn.Module):
         a = self.arch
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         num_tokens = qkv.shape[0]
-        if _FUSED_ROTARY_CACHE:
+        if ops.kernel_config().fused_rotary_cache:
             # Strided views into qkv; on CUDA decode one launch rotates, caches and attends.
             out = ops.rotary_paged_attention(positions, q, k, v, cos_sin_cache, kv_cache, meta,
                                              self.scale, self.k_scale, self.v_scale, merge=merge)
@@ -142,7 +129,7 @@ class LlamaDecoderLayer(nn.Module):
         qkv = ops.fused_linear(residual, attn.qkv_proj.weight, attn.qkv_proj.bias,
                                norm_weight=self.input_layernorm, eps=self.eps)
         out = attn.attend(positions, qkv, kv_cache, meta, cos_sin_cache,
-                          merge=not _MERGE_IN_O_PROJ)
+                          merge=not ops.kernel_config().merge_in_o_proj)
         # The attention leaves the memory bus idle: o_proj's weight heads for L2 meanwhile.
         ops.fused_linear(out, attn.o_proj.weight, residual=residual, prefetch_weight=True)
         # gate_up_proj writes the SwiGLU product itself: down_proj stages half the values.
@@ -215,13 +202,10 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def _use_fused_decode(self, hidden: torch.Tensor) -> bool:
-        """Decode-sized CUDA batches run each projection as one fused GEMV launch."""
-        if not _FUSED_GEMV or not hidden.is_cuda:
-            return False
+        """Whether the layers run `forward_fused` (ops decides: decode-sized CUDA batches)."""
         layer = self.model.layers[0]
-        return ops.fused_linear_supported(
-            hidden, layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
-            layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
+        return ops.use_fused_decode(hidden, layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -233,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
         when given: a static buffer of a CUDA graph)."""
         if self.lm_head is not None and not isinstance(self.lm_head, nn.Linear):
             logits = self.lm_head(hidden)  # packed GGUF rows (model/packed.py), tied or not
-        elif _FUSED_GEMV:  # the GEMV kernel where it serves the batch, else F.linear
+        elif ops.kernel_config().fused_gemv:  # the GEMV kernel where it serves, else F.linear
             logits = ops.fused_linear(hidden, self.lm_head_weight)
         else:
             logits = F.linear(hidden, self.lm_head_weight)

@@ -1,15 +1,23 @@
-"""Finding the CUDA module, and which of its kernels the GPU can run.
+"""Finding the CUDA module, which of its kernels the GPU can run, and which the engine chose.
 
-`cuda_ops()` is None when the module was not built, no GPU exists, or the GPU runs none of the
-kernels. Otherwise each op asks `use_kernel(op, ...)`: the check against the device's compute
-capability runs once, at the first call (the model runner makes it at start), and every op the
-GPU cannot run is named in one warning and falls back to its torch reference.
+`cuda_ops()` is None when no GPU exists (or TINYVLLM_DISABLE_CUDA_KERNELS=1), or the GPU runs none
+of the kernels. With a GPU, the module is checked once, at the first call (the model runner makes
+it at start): a module that is missing, or was built from other sources than this Python package
+(its `abi_version` or functions differ), raises `CudaModuleError` instead of silently running the
+torch references. Then each op asks `use_kernel(op, ...)`: the device's compute capability is
+checked once, and every op the GPU cannot run is named in one warning and falls back to its torch
+reference.
+
+`configure(KernelConfig)` installs the engine's choice of fusions (`kernel_config()`); the ops
+and the model's decode path read it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import keyword
 import logging
 import os
 import re
@@ -17,6 +25,8 @@ from types import ModuleType
 from typing import Optional, Sequence
 
 import torch
+
+from tinyvllm.config import KernelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +48,31 @@ KERNEL_MIN_CAPABILITY: dict[str, Capability] = {
     "sample": (8, 0),
     "rejection_sample": (8, 0),
 }
+
+KERNEL_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "paged_attention": ("paged_attention", "paged_attention_decode", "paged_decode_merge"),
+    "reshape_and_cache": ("reshape_and_cache",),
+    "rms_norm": ("rms_norm",),
+    "silu_and_mul": ("silu_and_mul",),
+    "rotary_embedding": ("rotary_embedding",),
+    "rotary_embedding_and_cache": ("rotary_embedding_and_cache",),
+    "fused_linear": ("gemv", "gemv_merge"),
+    "sample": ("sample",),
+    "rejection_sample": ("rejection_sample",),
+}
+"""Op -> the module's functions its CUDA path calls (same keys as KERNEL_MIN_CAPABILITY)."""
+
+CUDA_ABI_VERSION = 1
+"""The launcher interface this package calls; a module must report it as its `abi_version`
+(cuda/launchers.h kAbiVersion: the two are bumped together)."""
+
+REBUILD_HINT = ("rebuild it: `TINYVLLM_CUDA=ON pip install -e .` in a checkout (`pip install .` "
+                "otherwise), or set TINYVLLM_DISABLE_CUDA_KERNELS=1 to run the torch references "
+                "on the GPU")
+
+
+class CudaModuleError(RuntimeError):
+    """A CUDA device is present but tinyvllm._cuda is missing or does not match this package."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,15 +148,67 @@ def warn_fallbacks(support: KernelSupport, device_name: str) -> None:
         ", ".join(sorted(support.disabled)), "; ".join(reasons))
 
 
+def module_problem(module: ModuleType) -> Optional[str]:
+    """Why `module` cannot serve this package's ops (None when it can): another ABI version than
+    CUDA_ABI_VERSION (a stale or newer build), or a launcher or the DType codes missing."""
+    version = getattr(module, "abi_version", None)
+    if version != CUDA_ABI_VERSION:
+        return (f"it reports ABI version {version}, this package calls version "
+                f"{CUDA_ABI_VERSION}")
+    arg_names = getattr(module, "arg_names", {})
+    wanted = sorted({f for functions in KERNEL_FUNCTIONS.values() for f in functions})
+    missing = [f for f in wanted if f not in arg_names or not hasattr(module, f)]
+    missing += [] if hasattr(module, "DType") else ["DType"]
+    return f"it lacks {', '.join(missing)}" if missing else None
+
+
+def keyword_module(module: ModuleType) -> ModuleType:
+    """The CUDA module as the ops call it: its attributes, with each launcher named in
+    `module.arg_names` (name -> argument names) replaced by a keyword-only function that calls
+    it positionally. Python checks the names (a wrong or missing one raises TypeError), and the
+    call costs about what a positional one does, where pybind11's own keyword matching would add
+    microseconds to every launch."""
+    facade = ModuleType(module.__name__, module.__doc__)
+    facade.__dict__.update((k, v) for k, v in vars(module).items() if not k.startswith("__"))
+    facade.__file__ = getattr(module, "__file__", None)
+    for name, params in module.arg_names.items():
+        setattr(facade, name, _keyword_only(name, getattr(module, name), tuple(params)))
+    return facade
+
+
+def _keyword_only(name: str, launcher, params: tuple[str, ...]):
+    """`launcher(p0, p1, ...)` as `name(*, p0, p1, ...)`, compiled once (as namedtuple builds
+    its classes) so that the call adds no Python-level argument handling of its own."""
+    if not all(p.isidentifier() and not keyword.iskeyword(p) for p in (name, *params)):
+        raise ValueError(f"{name}: argument names {params} are not all Python identifiers")
+    names = ", ".join(params)
+    namespace = {"_launcher": launcher}
+    exec(f"def {name}(*, {names}):\n    return _launcher({names})\n", namespace)
+    function = namespace[name]
+    function.__doc__ = launcher.__doc__
+    return function
+
+
 @functools.cache
 def _cuda_module() -> Optional[ModuleType]:
+    """The checked CUDA module (as `keyword_module` wraps it); None where the torch references
+    run by design (no CUDA device, or TINYVLLM_DISABLE_CUDA_KERNELS=1).
+
+    Raises:
+        CudaModuleError: a CUDA device, but a module that does not import or does not match.
+    """
     if os.environ.get("TINYVLLM_DISABLE_CUDA_KERNELS") == "1" or not torch.cuda.is_available():
         return None
     try:
-        from tinyvllm import _cuda
-    except ImportError:
-        return None
-    return _cuda
+        module = importlib.import_module("tinyvllm._cuda")
+    except ImportError as e:
+        raise CudaModuleError(f"tinyvllm._cuda could not be imported ({e}) although a CUDA "
+                              f"device is present; {REBUILD_HINT}") from e
+    problem = module_problem(module)
+    if problem is not None:
+        raise CudaModuleError(f"tinyvllm._cuda ({getattr(module, '__file__', '?')}) was built "
+                              f"from other sources than this package: {problem}; {REBUILD_HINT}")
+    return keyword_module(module)
 
 
 @functools.cache
@@ -163,6 +250,40 @@ def clear_cache() -> None:
     """Forget the module and the device check (after TINYVLLM_DISABLE_CUDA_KERNELS changes)."""
     _cuda_module.cache_clear()
     device_support.cache_clear()
+    _dtype_codes.cache_clear()
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The code of `dtype` in the launchers' `dtype` / `cache_dtype` arguments, as the module
+    defines it (`_cuda.DType`, named as torch's dtypes: cuda/dtype.h is the one table).
+
+    Raises:
+        ValueError: a dtype the module has no code for.
+    """
+    codes = _dtype_codes(_cuda_module())
+    if dtype not in codes:
+        raise ValueError(f"dtype: the CUDA kernels take {', '.join(map(str, codes))}, got {dtype}")
+    return codes[dtype]
+
+
+@functools.cache
+def _dtype_codes(module: ModuleType) -> dict[torch.dtype, int]:
+    return {getattr(torch, name): int(code) for name, code in module.DType.__members__.items()}
+
+
+_kernel_config = KernelConfig()
+
+
+def configure(config: KernelConfig) -> None:
+    """Install the engine's kernel choices for this process (once, where the model runner
+    starts; later calls replace them). Until then the defaults (`KernelConfig()`) hold."""
+    global _kernel_config
+    _kernel_config = config
+
+
+def kernel_config() -> KernelConfig:
+    """The kernel choices in force (see `configure`)."""
+    return _kernel_config
 
 
 def stream_handle(device: torch.device) -> int:

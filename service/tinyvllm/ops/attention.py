@@ -87,7 +87,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         returns: [num_tokens, num_heads, head_dim]
     """
     kernel = use_kernel("paged_attention", query, kv_cache)
-    if kernel is not None and hasattr(kernel, "paged_attention"):
+    if kernel is not None:
         from tinyvllm.ops.attention_cuda import paged_attention_cuda
         return paged_attention_cuda(kernel, query, kv_cache, meta, scale, k_scale=k_scale,
                                     v_scale=v_scale)
@@ -166,7 +166,7 @@ def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: to
         returns: [num_tokens, num_heads, head_dim]
     """
     kernel = use_kernel("paged_attention", query, kv_cache)
-    if kernel is not None and meta.is_pure_decode and hasattr(kernel, "paged_attention_decode"):
+    if kernel is not None and meta.is_pure_decode:
         from tinyvllm.ops.attention_cuda import rotary_paged_attention_cuda
         return rotary_paged_attention_cuda(kernel, positions, query, key, value, cos_sin_cache,
                                            kv_cache, meta, scale, k_scale, v_scale, merge=merge)

@@ -15,9 +15,9 @@ from typing import Optional
 
 import torch
 
-from tinyvllm.ops._dispatch import cuda_ops, stream_handle
+from tinyvllm.ops._dispatch import cuda_ops, dtype_code, stream_handle
 from tinyvllm.ops.attention import AttentionMetadata, DecodePartitions
-from tinyvllm.ops.kv_cache import FP8_DTYPE, _dtype_code, kv_scale_ptrs
+from tinyvllm.ops.kv_cache import FP8_DTYPE, kv_scale_ptrs
 
 MAX_PARTITION = 512
 """Most tokens per decode partition (the kernel keeps a partition's scores in shared memory)."""
@@ -77,12 +77,16 @@ def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
                              f"{query.device}, got {t.dtype} on {t.device}")
 
 
+_NO_NEW_TOKEN = {"new_key": 0, "new_value": 0, "new_kv_stride": 0, "positions": 0,
+                 "slot_mapping": 0, "cos_sin_cache": 0}
+
+
 def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
-            scales: tuple[int, int], new_token: tuple[int, ...] = (0, 0, 0, 0, 0, 0),
+            scales: tuple[int, int], new_token: Optional[dict[str, int]] = None,
             merge: bool = True) -> Optional[DecodePartitions]:
-    """new_token: (key, value, kv_stride, positions, slot_mapping, cos_sin_cache) pointers and
-    stride of a fused new token (rotary_paged_attention_cuda), zeros for none. merge=False: a
-    split launch leaves its partitions unmerged and returns them (out is not written)."""
+    """new_token: the launcher's arguments of a fused new token (rotary_paged_attention_cuda;
+    the keys of _NO_NEW_TOKEN), None for none. merge=False: a split launch leaves its partitions
+    unmerged and returns them (out is not written)."""
     num_seqs = meta.num_seqs
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
@@ -96,12 +100,17 @@ def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
                             device=query.device)
         split_max, split_sum = stats[0], stats[1]
     kernel.paged_attention_decode(
-        out.data_ptr(), query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-        meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), _ptr(split_out), _ptr(split_max),
-        _ptr(split_sum), num_seqs, num_heads, num_kv_heads, head_dim, kv_cache.shape[2],
-        query.stride(0), query.stride(1), meta.block_tables.shape[1], num_splits, partition,
-        scale, *scales, *new_token, int(merge), _dtype_code(query.dtype),
-        _dtype_code(kv_cache.dtype), stream_handle(query.device))
+        out=out.data_ptr(), query=query.data_ptr(), key_cache=kv_cache[0].data_ptr(),
+        value_cache=kv_cache[1].data_ptr(), block_tables=meta.block_tables.data_ptr(),
+        seq_lens=meta.seq_lens.data_ptr(), split_out=_ptr(split_out),
+        split_max=_ptr(split_max), split_sum=_ptr(split_sum), num_seqs=num_seqs,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=kv_cache.shape[2], q_stride_token=query.stride(0),
+        q_stride_head=query.stride(1), max_num_blocks_per_seq=meta.block_tables.shape[1],
+        num_splits=num_splits, partition_size=partition, scale=scale, k_scale=scales[0],
+        v_scale=scales[1], **(new_token or _NO_NEW_TOKEN), merge_splits=int(merge),
+        dtype=dtype_code(query.dtype), cache_dtype=dtype_code(kv_cache.dtype),
+        stream=stream_handle(query.device))
     if merge or num_splits == 1:
         return None
     return DecodePartitions(split_out, split_max, split_sum, meta.seq_lens[:num_seqs], partition,
@@ -113,9 +122,11 @@ def merge_decode_partitions(parts: DecodePartitions) -> torch.Tensor:
     num_seqs, num_heads, num_splits, head_dim = parts.out.shape
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=parts.dtype, device=parts.out.device)
     cuda_ops().paged_decode_merge(
-        out.data_ptr(), parts.out.data_ptr(), parts.max.data_ptr(), parts.sum.data_ptr(),
-        parts.seq_lens.data_ptr(), num_seqs, num_heads, head_dim, num_splits,
-        parts.partition_size, _dtype_code(parts.dtype), stream_handle(out.device))
+        out=out.data_ptr(), split_out=parts.out.data_ptr(), split_max=parts.max.data_ptr(),
+        split_sum=parts.sum.data_ptr(), seq_lens=parts.seq_lens.data_ptr(), num_seqs=num_seqs,
+        num_heads=num_heads, head_dim=head_dim, num_splits=num_splits,
+        partition_size=parts.partition_size, dtype=dtype_code(parts.dtype),
+        stream=stream_handle(out.device))
     return out
 
 
@@ -163,8 +174,9 @@ def rotary_paged_attention_cuda(kernel, positions: torch.Tensor, query: torch.Te
         raise ValueError("rotary_paged_attention_cuda: decode only (one new token per sequence)")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    new_token = (key.data_ptr(), value.data_ptr(), key.stride(0), positions.data_ptr(),
-                 slots.data_ptr(), cos_sin_cache.data_ptr())
+    new_token = {"new_key": key.data_ptr(), "new_value": value.data_ptr(),
+                 "new_kv_stride": key.stride(0), "positions": positions.data_ptr(),
+                 "slot_mapping": slots.data_ptr(), "cos_sin_cache": cos_sin_cache.data_ptr()}
     parts = _decode(kernel, out, q, kv_cache, meta, scale,
                     kv_scale_ptrs(kv_cache, k_scale, v_scale), new_token, merge)
     return out if parts is None else parts
@@ -174,12 +186,15 @@ def _prefill(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float
              scales: tuple[int, int]) -> None:
     num_heads, head_dim = query.shape[1], query.shape[2]
     kernel.paged_attention(
-        out.data_ptr(), query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-        meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(),
-        meta.num_seqs, num_heads, kv_cache.shape[3], head_dim, kv_cache.shape[2],
-        query.stride(0), query.stride(1), meta.block_tables.shape[1], meta.max_query_len, scale,
-        *scales, _dtype_code(query.dtype), _dtype_code(kv_cache.dtype),
-        stream_handle(query.device))
+        out=out.data_ptr(), query=query.data_ptr(), key_cache=kv_cache[0].data_ptr(),
+        value_cache=kv_cache[1].data_ptr(), block_tables=meta.block_tables.data_ptr(),
+        seq_lens=meta.seq_lens.data_ptr(), query_start_loc=meta.query_start_loc.data_ptr(),
+        num_seqs=meta.num_seqs, num_heads=num_heads, num_kv_heads=kv_cache.shape[3],
+        head_dim=head_dim, block_size=kv_cache.shape[2], q_stride_token=query.stride(0),
+        q_stride_head=query.stride(1), max_num_blocks_per_seq=meta.block_tables.shape[1],
+        max_query_len=meta.max_query_len, scale=scale, k_scale=scales[0], v_scale=scales[1],
+        dtype=dtype_code(query.dtype), cache_dtype=dtype_code(kv_cache.dtype),
+        stream=stream_handle(query.device))
 
 
 def decode_partition(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int,

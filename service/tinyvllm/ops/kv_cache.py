@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from tinyvllm.ops._dispatch import stream_handle, use_kernel
+from tinyvllm.ops._dispatch import dtype_code, stream_handle, use_kernel
 
 KV_CACHE_LAYOUT = "[2, num_blocks, block_size, num_kv_heads, head_dim]"
 """Per layer: index 0 holds keys, 1 values. A token's slot is block_id * block_size + offset."""
@@ -82,7 +82,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         k_scale, v_scale: one-element float32 tensors on kv_cache's device (None: 1.0); FP8 only.
     """
     kernel = use_kernel("reshape_and_cache", key, value, kv_cache, slot_mapping)
-    if kernel is not None and hasattr(kernel, "reshape_and_cache"):
+    if kernel is not None:
         _reshape_and_cache_cuda(kernel, key, value, kv_cache, slot_mapping, k_scale, v_scale)
         return
     reshape_and_cache_ref(key, value, kv_cache, slot_mapping, k_scale, v_scale)
@@ -119,10 +119,12 @@ def _reshape_and_cache_cuda(kernel, key, value, kv_cache, slot_mapping, k_scale,
         raise ValueError(f"slot_mapping: expected contiguous int64, got {slot_mapping.dtype}")
     k_ptr, v_ptr = kv_scale_ptrs(kv_cache, k_scale, v_scale)
     kernel.reshape_and_cache(
-        key.data_ptr(), value.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-        slot_mapping.data_ptr(), num_tokens, num_kv_heads, head_dim, kv_cache.shape[2],
-        key.stride(0), value.stride(0), _dtype_code(key.dtype), _dtype_code(kv_cache.dtype),
-        k_ptr, v_ptr, stream_handle(key.device))
+        key=key.data_ptr(), value=value.data_ptr(), key_cache=kv_cache[0].data_ptr(),
+        value_cache=kv_cache[1].data_ptr(), slot_mapping=slot_mapping.data_ptr(),
+        num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=kv_cache.shape[2], key_stride=key.stride(0), value_stride=value.stride(0),
+        dtype=dtype_code(key.dtype), cache_dtype=dtype_code(kv_cache.dtype), k_scale=k_ptr,
+        v_scale=v_ptr, stream=stream_handle(key.device))
 
 
 # ---- helpers shared by the CUDA wrappers -------------------------------------------------------
@@ -152,8 +154,3 @@ def kv_scale_ptrs(kv_cache: torch.Tensor, k_scale: Optional[torch.Tensor],
 def _unit_scale(device: torch.device) -> torch.Tensor:
     """A persistent 1.0 for calls that pass no scale (created once per device, outside graphs)."""
     return torch.ones((), dtype=torch.float32, device=device)
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    """The element-type code the CUDA launchers take (0 fp32, 1 fp16, 2 bf16, 3 fp8 e4m3)."""
-    return {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, FP8_DTYPE: 3}[dtype]

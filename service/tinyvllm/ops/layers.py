@@ -19,7 +19,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     Returns: normed x, or (normed(x + residual), x + residual) when residual is given.
     """
     kernel = use_kernel("rms_norm", x, weight)
-    if kernel is not None and hasattr(kernel, "rms_norm"):
+    if kernel is not None:
         from tinyvllm.ops.layers_cuda import rms_norm_cuda
         return rms_norm_cuda(kernel, x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)
@@ -38,7 +38,7 @@ def rms_norm_ref(x, weight, eps, residual=None):
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation. Shape: x [num_tokens, 2 * d] (gate | up) -> [num_tokens, d]."""
     kernel = use_kernel("silu_and_mul", x)
-    if kernel is not None and hasattr(kernel, "silu_and_mul"):
+    if kernel is not None:
         from tinyvllm.ops.layers_cuda import silu_and_mul_cuda
         return silu_and_mul_cuda(kernel, x)
     return silu_and_mul_ref(x)
@@ -95,7 +95,7 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     Returns: (query, key) rotated, same shapes (in place on CUDA).
     """
     kernel = use_kernel("rotary_embedding", positions, query, key)
-    if kernel is not None and hasattr(kernel, "rotary_embedding"):
+    if kernel is not None:
         from tinyvllm.ops.layers_cuda import rotary_embedding_cuda
         return rotary_embedding_cuda(kernel, positions, query, key, cos_sin_cache, head_dim)
     return rotary_embedding_ref(positions, query, key, cos_sin_cache, head_dim)
@@ -133,7 +133,7 @@ def rotary_embedding_and_cache(positions: torch.Tensor, query: torch.Tensor, key
     """
     kernel = use_kernel("rotary_embedding_and_cache", positions, query, key, value,
                         kv_cache, slot_mapping)
-    if kernel is not None and hasattr(kernel, "rotary_embedding_and_cache"):
+    if kernel is not None:
         from tinyvllm.ops.layers_cuda import rotary_embedding_and_cache_cuda
         return rotary_embedding_and_cache_cuda(kernel, positions, query, key, value,
                                                cos_sin_cache, head_dim, kv_cache, slot_mapping,

@@ -7,8 +7,8 @@ from typing import Optional
 
 import torch
 
-from tinyvllm.ops._dispatch import stream_handle
-from tinyvllm.ops.kv_cache import FP8_DTYPE, _dtype_code, kv_scale_ptrs
+from tinyvllm.ops._dispatch import dtype_code, stream_handle
+from tinyvllm.ops.kv_cache import FP8_DTYPE, kv_scale_ptrs
 
 
 def rms_norm_cuda(kernel, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -32,10 +32,12 @@ def rms_norm_cuda(kernel, x: torch.Tensor, weight: torch.Tensor, eps: float,
                              f"{residual.dtype} {tuple(residual.shape)}")
     out = _output(out, x.shape, x)
     kernel.rms_norm(
-        out.data_ptr(), x.data_ptr(), 0 if residual is None else residual.data_ptr(),
-        weight.data_ptr(), x.shape[0], hidden, x.stride(0),
-        0 if residual is None else residual.stride(0), out.stride(0), eps,
-        _dtype_code(x.dtype), stream_handle(x.device))
+        out=out.data_ptr(), x=x.data_ptr(),
+        residual=0 if residual is None else residual.data_ptr(), weight=weight.data_ptr(),
+        num_tokens=x.shape[0], hidden=hidden, x_stride=x.stride(0),
+        residual_stride=0 if residual is None else residual.stride(0),
+        out_stride=out.stride(0), eps=eps, dtype=dtype_code(x.dtype),
+        stream=stream_handle(x.device))
     return out if residual is None else (out, residual)
 
 
@@ -49,8 +51,9 @@ def silu_and_mul_cuda(kernel, x: torch.Tensor, out: Optional[torch.Tensor] = Non
         raise ValueError(f"x: last dim must be even (gate | up), got {x.shape[-1]}")
     d = x.shape[-1] // 2
     out = _output(out, (x.shape[0], d), x)
-    kernel.silu_and_mul(out.data_ptr(), x.data_ptr(), x.shape[0], d, x.stride(0), out.stride(0),
-                        _dtype_code(x.dtype), stream_handle(x.device))
+    kernel.silu_and_mul(out=out.data_ptr(), x=x.data_ptr(), num_tokens=x.shape[0], d=d,
+                        x_stride=x.stride(0), out_stride=out.stride(0),
+                        dtype=dtype_code(x.dtype), stream=stream_handle(x.device))
     return out
 
 
@@ -72,9 +75,11 @@ def rotary_embedding_cuda(kernel, positions: torch.Tensor, query: torch.Tensor,
         raise ValueError(f"key: dtype {key.dtype} differs from query's {query.dtype}")
     num_tokens = query.shape[0]
     kernel.rotary_embedding(
-        positions.data_ptr(), query.data_ptr(), key.data_ptr(), cos_sin_cache.data_ptr(),
-        num_tokens, _row_numel(query) // head_dim, _row_numel(key) // head_dim, head_dim,
-        query.stride(0), key.stride(0), _dtype_code(query.dtype), stream_handle(query.device))
+        positions=positions.data_ptr(), query=query.data_ptr(), key=key.data_ptr(),
+        cos_sin_cache=cos_sin_cache.data_ptr(), num_tokens=num_tokens,
+        num_heads=_row_numel(query) // head_dim, num_kv_heads=_row_numel(key) // head_dim,
+        head_dim=head_dim, query_stride=query.stride(0), key_stride=key.stride(0),
+        dtype=dtype_code(query.dtype), stream=stream_handle(query.device))
     return query, key
 
 
@@ -109,13 +114,16 @@ def rotary_embedding_and_cache_cuda(kernel, positions: torch.Tensor, query: torc
             or slot_mapping.shape[0] != query.shape[0]):
         raise ValueError(f"slot_mapping: expected contiguous int64 [{query.shape[0]}], got "
                          f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    k_scale_ptr, v_scale_ptr = kv_scale_ptrs(kv_cache, k_scale, v_scale)
     kernel.rotary_embedding_and_cache(
-        positions.data_ptr(), query.data_ptr(), key.data_ptr(), value.data_ptr(),
-        kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), slot_mapping.data_ptr(),
-        cos_sin_cache.data_ptr(), query.shape[0], _row_numel(query) // head_dim, num_kv_heads,
-        head_dim, query.stride(0), key.stride(0), value.stride(0), _dtype_code(query.dtype),
-        _dtype_code(kv_cache.dtype), *kv_scale_ptrs(kv_cache, k_scale, v_scale),
-        stream_handle(query.device))
+        positions=positions.data_ptr(), query=query.data_ptr(), key=key.data_ptr(),
+        value=value.data_ptr(), key_cache=kv_cache[0].data_ptr(),
+        value_cache=kv_cache[1].data_ptr(), slot_mapping=slot_mapping.data_ptr(),
+        cos_sin_cache=cos_sin_cache.data_ptr(), num_tokens=query.shape[0],
+        num_heads=_row_numel(query) // head_dim, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        query_stride=query.stride(0), key_stride=key.stride(0), value_stride=value.stride(0),
+        dtype=dtype_code(query.dtype), cache_dtype=dtype_code(kv_cache.dtype),
+        k_scale=k_scale_ptr, v_scale=v_scale_ptr, stream=stream_handle(query.device))
     return query, key
 
 

@@ -12,8 +12,10 @@ residual add that consumes it:
                                          product, so that down_proj needs no silu_mul prologue),
     else y
 
-On CUDA with at most `GEMV_MAX_ROWS` rows of float16 / bfloat16 it is one launch of the GEMV kernel
-(cuda/gemv.cuh), which streams the weight once; `fused_linear_supported` says when that applies.
+On CUDA with at most `KernelConfig.gemv_max_rows` rows of float16 / bfloat16 it is one launch of
+the GEMV kernel (cuda/gemv.cuh), which streams the weight once; `fused_linear_supported` says when
+that applies, and `use_fused_decode` whether a decoder layer runs as such projections
+(`KernelConfig.fused_gemv`).
 Elsewhere the torch reference runs: the unfused ops in the same order and with the same roundings.
 
 x may also be a split decode's unmerged `DecodePartitions` (o_proj after
@@ -33,22 +35,32 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tinyvllm.ops._dispatch import cuda_ops, kernel_enabled, stream_handle
+from tinyvllm.ops._dispatch import (cuda_ops, dtype_code, kernel_config, kernel_enabled,
+                                    stream_handle)
 from tinyvllm.ops.attention import DecodePartitions
-from tinyvllm.ops.kv_cache import _dtype_code
 from tinyvllm.ops.layers import rms_norm_ref, silu_and_mul_ref
 
-GEMV_MAX_ROWS = 2
 _GEMV_STAGING_BYTES = 64 * 1024  # cuda/gemv.cu: the m x k activations staged per CTA
 _PROLOGUE = {None: 0, "rms_norm": 1, "silu_mul": 2}
+
+
+def use_fused_decode(x: torch.Tensor, *projections: torch.nn.Module) -> bool:
+    """Whether a decoder layer over activations like x [num_tokens, hidden] runs these
+    projections as `fused_linear` GEMV launches with the norms, SwiGLU and residual adds folded
+    in: the engine's choice (`KernelConfig.fused_gemv`) where the kernel serves the batch and
+    every projection is a plain weight (not, say, packed GGUF rows)."""
+    if not kernel_config().fused_gemv or not x.is_cuda:
+        return False
+    weights = [getattr(p, "weight", None) for p in projections]
+    return (all(isinstance(w, torch.Tensor) for w in weights)
+            and fused_linear_supported(x, *weights))
 
 
 def fused_linear_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `fused_linear` runs as the GEMV kernel for activations like x and these weights."""
     if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if (x.shape[0] > GEMV_MAX_ROWS or not kernel_enabled("fused_linear")
-            or not hasattr(cuda_ops(), "gemv")):
+    if x.shape[0] > kernel_config().gemv_max_rows or not kernel_enabled("fused_linear"):
         return False
     return all(w.shape[-1] % 8 == 0 and w.is_contiguous()
                and x.shape[0] * w.shape[-1] * x.element_size() <= _GEMV_STAGING_BYTES
@@ -116,14 +128,16 @@ def _fused_linear_cuda(x, weight, bias, norm_weight, eps, silu_mul, residual, ou
     _check_params(x.dtype, x.device, n, k, weight=weight, bias=bias, norm_weight=norm_weight)
     n_out = n // 2 if silu_mul_out else n
     out = _output(m, n_out, x.dtype, x.device, residual, out)
+    out_stride = out.stride(0) if m > 1 else n_out
     cuda_ops().gemv(
-        out.data_ptr(), x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-        0 if residual is None else residual.data_ptr(),
-        0 if norm_weight is None else norm_weight.data_ptr(), m, n, k,
-        x.stride(0) if m > 1 else want_cols, out.stride(0) if m > 1 else n_out,
-        out.stride(0) if m > 1 else n_out, eps,
-        _PROLOGUE["rms_norm" if norm_weight is not None else "silu_mul" if silu_mul else None],
-        int(silu_mul_out), int(prefetch_weight), _dtype_code(x.dtype), stream_handle(x.device))
+        out=out.data_ptr(), x=x.data_ptr(), weight=weight.data_ptr(), bias=_ptr(bias),
+        residual=_ptr(residual), norm_weight=_ptr(norm_weight), m=m, n=n, k=k,
+        x_stride=x.stride(0) if m > 1 else want_cols, out_stride=out_stride,
+        residual_stride=out_stride, eps=eps,
+        prologue=_PROLOGUE["rms_norm" if norm_weight is not None
+                           else "silu_mul" if silu_mul else None],
+        silu_mul_out=int(silu_mul_out), prefetch_weight=int(prefetch_weight),
+        dtype=dtype_code(x.dtype), stream=stream_handle(x.device))
     return out
 
 
@@ -135,9 +149,8 @@ ones (many heads and splits: 8B-sized models) cost more than the merge launch th
 def _merge_supported(parts: DecodePartitions, weight: torch.Tensor) -> bool:
     m, heads, splits, head_dim = parts.out.shape
     k = heads * head_dim
-    return (m <= GEMV_MAX_ROWS and parts.dtype in (torch.float16, torch.bfloat16)
-            and m * k * splits * 4 <= _MERGE_BYTES_PER_CTA
-            and kernel_enabled("fused_linear") and hasattr(cuda_ops(), "gemv_merge")
+    return (m <= kernel_config().gemv_max_rows and parts.dtype in (torch.float16, torch.bfloat16)
+            and m * k * splits * 4 <= _MERGE_BYTES_PER_CTA and kernel_enabled("fused_linear")
             and weight.dim() == 2 and weight.shape[1] == k and weight.is_contiguous()
             and m * k * weight.element_size() <= _GEMV_STAGING_BYTES)
 
@@ -148,13 +161,20 @@ def _merged_linear_cuda(parts: DecodePartitions, weight, bias, residual, out) ->
     device = parts.out.device
     _check_params(parts.dtype, device, n, k, weight=weight, bias=bias)
     out = _output(m, n, parts.dtype, device, residual, out)
+    out_stride = out.stride(0) if m > 1 else n
     cuda_ops().gemv_merge(
-        out.data_ptr(), parts.out.data_ptr(), parts.max.data_ptr(), parts.sum.data_ptr(),
-        parts.seq_lens.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-        0 if residual is None else residual.data_ptr(), m, n, heads, head_dim, splits,
-        parts.partition_size, out.stride(0) if m > 1 else n,
-        out.stride(0) if m > 1 else n, _dtype_code(parts.dtype), stream_handle(device))
+        out=out.data_ptr(), split_out=parts.out.data_ptr(), split_max=parts.max.data_ptr(),
+        split_sum=parts.sum.data_ptr(), seq_lens=parts.seq_lens.data_ptr(),
+        weight=weight.data_ptr(), bias=_ptr(bias), residual=_ptr(residual), m=m, n=n,
+        num_heads=heads, head_dim=head_dim, num_splits=splits,
+        partition_size=parts.partition_size, out_stride=out_stride,
+        residual_stride=out_stride, dtype=dtype_code(parts.dtype),
+        stream=stream_handle(device))
     return out
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 def _check_params(dtype: torch.dtype, device: torch.device, n: int, k: int,

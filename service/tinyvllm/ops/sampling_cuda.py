@@ -49,10 +49,13 @@ def sample_cuda(kernel, logits: torch.Tensor, temperature: torch.Tensor,
                          f"{tuple(out.shape)}")
     workspace = torch.empty(num_rows * MAX_SPLITS * PARTIAL_BYTES, dtype=torch.uint8,
                             device=logits.device)
-    kernel.sample(out.data_ptr(), workspace.data_ptr(), workspace.numel(), logits.data_ptr(),
-                  logits.stride(0), num_rows, vocab_size, temperature.data_ptr(), _ptr(top_k),
-                  _ptr(top_p), _ptr(min_p), _ptr(seed), _ptr(offset), _ptr(noise),
-                  0 if noise is None else noise.stride(0), stream_handle(logits.device))
+    kernel.sample(out=out.data_ptr(), workspace=workspace.data_ptr(),
+                  workspace_bytes=workspace.numel(), logits=logits.data_ptr(),
+                  logits_stride=logits.stride(0), num_rows=num_rows, vocab_size=vocab_size,
+                  temperature=temperature.data_ptr(), top_k=_ptr(top_k), top_p=_ptr(top_p),
+                  min_p=_ptr(min_p), seed=_ptr(seed), offset=_ptr(offset), noise=_ptr(noise),
+                  noise_stride=0 if noise is None else noise.stride(0),
+                  stream=stream_handle(logits.device))
     return out
 
 

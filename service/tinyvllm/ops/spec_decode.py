@@ -64,7 +64,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
         [B, max_k + 1] int64, PLACEHOLDER_TOKEN_ID past each request's emitted tokens.
     """
     kernel = use_kernel("rejection_sample", target_probs)
-    if kernel is not None and hasattr(kernel, "rejection_sample"):
+    if kernel is not None:
         from tinyvllm.ops.spec_decode_cuda import rejection_sample_cuda
         return rejection_sample_cuda(kernel, target_probs, draft_token_ids, cu_num_draft,
                                      draft_probs, noise, uniform, seed, offset)

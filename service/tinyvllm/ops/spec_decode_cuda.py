@@ -41,10 +41,13 @@ def rejection_sample_cuda(kernel, target_probs: torch.Tensor, draft_token_ids: t
     max_k = int((cu_num_draft[1:] - cu_num_draft[:-1]).max()) if num_reqs else 0
     out = torch.full((num_reqs, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
                      device=device)
-    kernel.rejection_sample(out.data_ptr(), max_k + 1, target_probs.data_ptr(),
-                            _ptr(draft_probs), draft_token_ids.data_ptr(),
-                            cu_num_draft.data_ptr(), num_reqs, vocab_size, _ptr(noise),
-                            _ptr(uniform), _ptr(seed), _ptr(offset), stream_handle(device))
+    kernel.rejection_sample(out=out.data_ptr(), out_stride=max_k + 1,
+                            target_probs=target_probs.data_ptr(),
+                            draft_probs=_ptr(draft_probs),
+                            draft_token_ids=draft_token_ids.data_ptr(),
+                            cu_num_draft=cu_num_draft.data_ptr(), num_reqs=num_reqs,
+                            vocab_size=vocab_size, noise=_ptr(noise), uniform=_ptr(uniform),
+                            seed=_ptr(seed), offset=_ptr(offset), stream=stream_handle(device))
     return out
 
 

@@ -20,7 +20,7 @@ from tinyvllm.config import CacheConfig, EngineConfig
 from tinyvllm.scheduling.output import ScheduledRequest, SchedulerOutput
 from tinyvllm.model.loader import LoadedModel, load_model
 from tinyvllm.ops import AttentionMetadata, allocate_kv_caches
-from tinyvllm.ops._dispatch import cuda_ops, device_support
+from tinyvllm.ops._dispatch import configure, cuda_ops, device_support
 from tinyvllm.ops.quantized import configure_cpu_threads
 from tinyvllm.ops.kv_cache import FP8_DTYPE, PADDING_SLOT, resolve_kv_cache_dtype
 from tinyvllm.sampling_params import SamplingParams
@@ -99,6 +99,7 @@ class ModelRunner:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
+        configure(config.kernel)  # the kernel choices, for this process's ops
         if self.device.type == "cuda":
             device_support()  # checks the GPU once; warns about kernels that cannot run on it
         if (self.kv_cache_dtype == FP8_DTYPE and self.dtype == torch.float32

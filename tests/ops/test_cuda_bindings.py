@@ -1,0 +1,230 @@
+"""The contract between the CUDA wrappers (ops/*_cuda.py) and the bindings (cuda/bindings.cpp).
+
+Every wrapper names each argument it passes; here each one runs on CPU tensors against a stand-in
+module with the argument names of cuda/bindings.cpp, whose launchers record what they receive, so
+a wrong, missing or extra name fails without a GPU. A built module, where one imports, must carry
+the same names and the version this package expects.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import re
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from tinyvllm.ops import (_dispatch, attention_cuda, kv_cache, layers_cuda, linear, sampling_cuda,
+                          spec_decode_cuda)
+from tinyvllm.ops._dispatch import (CUDA_ABI_VERSION, KERNEL_FUNCTIONS, KERNEL_MIN_CAPABILITY,
+                                    KernelSupport, module_problem)
+from tinyvllm.ops.attention import AttentionMetadata, DecodePartitions
+
+CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
+STREAM = 7  # the stream handle every launch must carry
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "float8_e4m3fn": 3}  # the stand-in's
+
+
+def source_arg_names() -> dict[str, tuple[str, ...]]:
+    """Launcher name -> argument names, as cuda/bindings.cpp declares them (def_launcher)."""
+    source = (CUDA_DIR / "bindings.cpp").read_text()
+    calls = re.findall(r'def_launcher\(m, "(\w+)", &tinyvllm::\w+,(.*?)\);', source, re.S)
+    return {name: tuple(re.findall(r'"(\w+)"', names)) for name, names in calls}
+
+
+class Launches(list):
+    """(launcher name, {argument name: value}) of every launch, in order."""
+
+    def only(self, name: str) -> dict:
+        (args,) = [a for n, a in self if n == name]
+        return args
+
+
+@pytest.fixture
+def launches(monkeypatch) -> Launches:
+    """The wrappers' launches into a module with the source's names (a GPU that runs all)."""
+    record = Launches()
+    module = types.ModuleType("tinyvllm._cuda")
+    module.abi_version = CUDA_ABI_VERSION
+    module.DType = enum.IntEnum("DType", DTYPE_CODES)
+    module.arg_names = source_arg_names()
+    for name, params in module.arg_names.items():
+        def launcher(*args, name=name, params=params):
+            assert len(args) == len(params)
+            record.append((name, dict(zip(params, args))))
+        setattr(module, name, launcher)
+    assert module_problem(module) is None  # the source defines every launcher an op calls
+    kernels = _dispatch.keyword_module(module)
+    support = KernelSupport((9, 0), frozenset(KERNEL_MIN_CAPABILITY), {})
+    monkeypatch.setattr(_dispatch, "_cuda_module", lambda: kernels)
+    monkeypatch.setattr(_dispatch, "device_support", lambda: support)
+    for wrapper in (kv_cache, attention_cuda, layers_cuda, linear, sampling_cuda,
+                    spec_decode_cuda):
+        monkeypatch.setattr(wrapper, "stream_handle", lambda device: STREAM)
+    monkeypatch.setattr(attention_cuda, "_sm_count", lambda device: 132)
+    record.kernels = kernels
+    return record
+
+
+def ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def metadata(q_lens: list[int], seq_lens: list[int], block_size: int = 16) -> AttentionMetadata:
+    """Sequences with consecutive blocks from 1 (block 0 is the null block)."""
+    blocks = max(-(-s // block_size) for s in seq_lens)
+    tables = 1 + torch.arange(len(seq_lens) * blocks, dtype=torch.int32).view(len(seq_lens), -1)
+    cu = [0]
+    for q in q_lens:
+        cu.append(cu[-1] + q)
+    slots = [int(tables[i, (s - q + j) // block_size]) * block_size + (s - q + j) % block_size
+             for i, (q, s) in enumerate(zip(q_lens, seq_lens)) for j in range(q)]
+    return AttentionMetadata(
+        num_tokens=cu[-1], slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(cu, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_start_loc_cpu=cu,
+        seq_lens_cpu=seq_lens)
+
+
+def test_source_version_is_the_one_python_expects():
+    source = (CUDA_DIR / "launchers.h").read_text()
+    (version,) = re.findall(r"constexpr int kAbiVersion = (\d+);", source)
+    assert int(version) == CUDA_ABI_VERSION
+
+
+def test_kv_cache_write(launches):
+    key, value = torch.randn(3, 2, 16).bfloat16(), torch.randn(3, 2, 16).bfloat16()
+    cache = torch.zeros(2, 4, 16, 2, 16, dtype=torch.float8_e4m3fn)
+    k_scale, v_scale = torch.tensor(0.5), torch.tensor(2.0)
+    kv_cache._reshape_and_cache_cuda(launches.kernels, key, value, cache, torch.tensor([3, 9, 40]),
+                                     k_scale, v_scale)
+    args = launches.only("reshape_and_cache")
+    assert (args["key"], args["value_cache"], args["k_scale"]) == (
+        ptr(key), ptr(cache[1]), ptr(k_scale))
+    assert (args["num_tokens"], args["num_kv_heads"], args["head_dim"], args["block_size"]) == (
+        3, 2, 16, 16)
+    assert (args["dtype"], args["cache_dtype"], args["stream"]) == (2, 3, STREAM)
+
+
+def test_prefill_attention(launches):
+    meta = metadata([3, 2], [3, 20])
+    query = torch.randn(5, 4, 16, dtype=torch.float16)
+    cache = torch.zeros(2, 5, 16, 2, 16, dtype=torch.float16)
+    out = attention_cuda.paged_attention_cuda(launches.kernels, query, cache, meta, 0.25)
+    args = launches.only("paged_attention")
+    assert (args["out"], args["query_start_loc"], args["scale"]) == (
+        ptr(out), ptr(meta.query_start_loc), 0.25)
+    assert (args["num_seqs"], args["num_heads"], args["num_kv_heads"], args["max_query_len"],
+            args["q_stride_token"], args["max_num_blocks_per_seq"]) == (2, 4, 2, 3, 64, 2)
+    assert (args["k_scale"], args["dtype"], args["cache_dtype"]) == (0, 1, 1)
+
+
+def test_fused_decode_attention_with_partitions_merged_by_o_proj(launches):
+    meta = metadata([1], [300])  # one sequence, 2 KV heads: split into 5 partitions of 64
+    qkv = torch.randn(1, (4 + 2 * 2) * 16).bfloat16()
+    q, k, v = qkv.split([64, 32, 32], dim=-1)
+    cache = torch.zeros(2, 20, 16, 2, 16, dtype=torch.bfloat16)
+    cos_sin = torch.zeros(512, 16)
+    parts = attention_cuda.rotary_paged_attention_cuda(
+        launches.kernels, torch.tensor([299]), q, k, v, cos_sin, cache, meta, 0.25, merge=False)
+    assert isinstance(parts, DecodePartitions) and parts.partition_size == 64
+    args = launches.only("paged_attention_decode")
+    assert (args["new_key"], args["new_value"], args["new_kv_stride"], args["cos_sin_cache"],
+            args["slot_mapping"]) == (ptr(k), ptr(v), 128, ptr(cos_sin), ptr(meta.slot_mapping))
+    assert (args["split_out"], args["num_splits"], args["partition_size"],
+            args["merge_splits"]) == (ptr(parts.out), 5, 64, 0)
+
+    merged = parts.merge()
+    args = launches.only("paged_decode_merge")
+    assert (args["out"], args["split_sum"], args["num_splits"], args["dtype"]) == (
+        ptr(merged), ptr(parts.sum), 5, 2)
+
+    weight, residual = torch.randn(24, 64).bfloat16(), torch.randn(1, 24).bfloat16()
+    assert linear.fused_linear(parts, weight, residual=residual) is residual
+    args = launches.only("gemv_merge")
+    assert (args["weight"], args["residual"], args["bias"], args["split_max"]) == (
+        ptr(weight), ptr(residual), 0, ptr(parts.max))
+    assert (args["m"], args["n"], args["num_heads"], args["head_dim"], args["out_stride"]) == (
+        1, 24, 4, 16, 24)
+
+
+def test_layers(launches):
+    x, weight = torch.randn(3, 32).half(), torch.randn(32).half()
+    residual = torch.randn(3, 32).half()
+    layers_cuda.rms_norm_cuda(launches.kernels, x, weight, 1e-5, residual)
+    args = launches.only("rms_norm")
+    assert (args["residual"], args["hidden"], args["eps"], args["dtype"]) == (
+        ptr(residual), 32, 1e-5, 1)
+    out = layers_cuda.silu_and_mul_cuda(launches.kernels, x)
+    assert launches.only("silu_and_mul")["out"] == ptr(out)
+    assert launches.only("silu_and_mul")["d"] == 16
+
+    qkv = torch.randn(3, 4 * 16 + 2 * 2 * 16).half()
+    q, k, v = qkv.split([64, 32, 32], dim=-1)
+    positions, cos_sin = torch.tensor([0, 1, 2]), torch.zeros(8, 16)
+    layers_cuda.rotary_embedding_cuda(launches.kernels, positions, q, k, cos_sin, 16)
+    args = launches.only("rotary_embedding")
+    assert (args["num_heads"], args["num_kv_heads"], args["query_stride"]) == (4, 2, 128)
+    cache = torch.zeros(2, 2, 16, 2, 16, dtype=torch.half)
+    layers_cuda.rotary_embedding_and_cache_cuda(launches.kernels, positions, q, k, v, cos_sin, 16,
+                                                cache, torch.tensor([0, 1, 2]))
+    args = launches.only("rotary_embedding_and_cache")
+    assert (args["value"], args["key_cache"], args["value_stride"], args["cache_dtype"]) == (
+        ptr(v), ptr(cache[0]), 128, 1)
+
+
+def test_fused_linear(launches):
+    x, weight = torch.randn(2, 64).bfloat16(), torch.randn(48, 32).bfloat16()
+    norm_weight = torch.randn(32).bfloat16()
+    out = linear._fused_linear_cuda(x, weight, None, None, 1e-6, True, None, None, True, False)
+    args = launches.only("gemv")
+    assert (args["out"], args["x"], args["norm_weight"]) == (ptr(out), ptr(x), 0)
+    assert (args["m"], args["n"], args["k"], args["x_stride"], args["out_stride"]) == (
+        2, 48, 32, 64, 24)
+    assert (args["prologue"], args["silu_mul_out"], args["prefetch_weight"]) == (2, 1, 0)
+    launches.clear()
+    linear._fused_linear_cuda(x[:1, :32], weight, None, norm_weight, 1e-6, False, None, None,
+                              False, True)
+    args = launches.only("gemv")
+    assert (args["norm_weight"], args["prologue"], args["prefetch_weight"]) == (
+        ptr(norm_weight), 1, 1)
+
+
+def test_sampling(launches):
+    logits, temperature = torch.randn(2, 100), torch.tensor([0.0, 0.7])
+    seed = torch.tensor([1, 2])
+    tokens = sampling_cuda.sample_cuda(launches.kernels, logits, temperature, None,
+                                       torch.tensor([0.9, 1.0]), None, seed, seed, None)
+    args = launches.only("sample")
+    assert (args["out"], args["logits"], args["temperature"], args["top_k"]) == (
+        ptr(tokens), ptr(logits), ptr(temperature), 0)
+    assert (args["num_rows"], args["vocab_size"], args["noise"], args["noise_stride"]) == (
+        2, 100, 0, 0)
+
+    probs = torch.rand(5, 100)
+    drafts, cu = torch.tensor([4, 5, 6]), torch.tensor([0, 3])
+    spec_decode_cuda.rejection_sample_cuda(launches.kernels, probs[:4], drafts, cu, None, None,
+                                           None, seed[:1], seed[:1])
+    args = launches.only("rejection_sample")
+    assert (args["out_stride"], args["draft_token_ids"], args["draft_probs"], args["num_reqs"],
+            args["vocab_size"]) == (4, ptr(drafts), 0, 1, 100)
+
+
+def test_every_launcher_is_exercised_above():
+    tested = set(re.findall(r'launches\.only\("(\w+)"\)', Path(__file__).read_text()))
+    assert tested == {f for functions in KERNEL_FUNCTIONS.values() for f in functions}
+
+
+def test_the_built_module_matches_its_sources():
+    try:
+        module = importlib.import_module("tinyvllm._cuda")
+    except ImportError:
+        pytest.skip("tinyvllm._cuda is not built")
+    assert module_problem(module) is None
+    assert {name: tuple(names) for name, names in module.arg_names.items()} == source_arg_names()
+    assert {name: int(code) for name, code in module.DType.__members__.items()} == DTYPE_CODES
+    assert all(isinstance(getattr(torch, name), torch.dtype) for name in DTYPE_CODES)
