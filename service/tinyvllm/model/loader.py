@@ -199,8 +199,8 @@ def check_gguf_architecture(meta: dict, path: Path) -> None:
 
 def _iter_gguf(tensors: list, arch: LlamaArch, permuted: bool):
     # Whole tensors, dequantized, even for a tensor-parallel rank that keeps a slice
-    # (`load_weights` narrows): simple, and GGUF models are small. Cutting the rank's rows out of
-    # the quantized blocks first would read less.
+    # (`load_weights` narrows it): every rank dequantizes the whole file, once, at load. Cutting
+    # the rank's rows out of the quantized blocks first would read less.
     for t in tensors:
         name = _gguf_to_hf_name(t.name)
         weight = torch.from_numpy(dequantize_gguf_tensor(t))
