@@ -14,7 +14,7 @@ class PagedRun:
     """Sequences with fixed block tables (block 0 is the null block) over fresh KV caches."""
 
     def __init__(self, model, max_seq_len: int, num_seqs: int = 1) -> None:
-        arch, weight = model.arch, next(model.parameters())
+        arch, weight = model.rank_arch, next(model.parameters())  # this rank's KV heads
         blocks_per_seq = -(-max_seq_len // BLOCK_SIZE)
         self.model = model
         self.kv_caches = ops.allocate_kv_caches(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -50,6 +51,33 @@ class LlamaArch:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def per_rank(self, tensor_parallel_size: int) -> "LlamaArch":
+        """One rank's shape under tensor parallelism: num_heads / size query heads,
+        num_kv_heads / size KV heads (one, replicated, where there are fewer KV heads than ranks)
+        and intermediate_size / size MLP columns. hidden_size, head_dim and vocab_size stay whole
+        (the vocabulary is split by the embedding and the head themselves).
+
+        Raises:
+            ValueError: a count the size does not split, naming the numbers.
+        """
+        size = tensor_parallel_size
+        if size == 1:
+            return self
+        errors = []
+        if self.num_heads % size:
+            errors.append(f"num_attention_heads {self.num_heads} is not divisible by it")
+        if self.num_kv_heads % size and size % self.num_kv_heads:
+            errors.append(f"num_key_value_heads {self.num_kv_heads} neither is divisible by it "
+                          "nor divides it")
+        if self.intermediate_size % size:
+            errors.append(f"intermediate_size {self.intermediate_size} is not divisible by it")
+        if errors:
+            raise ValueError(f"{self.name}: tensor_parallel_size {size} does not split the "
+                             f"model: {'; '.join(errors)}")
+        return dataclasses.replace(self, num_heads=self.num_heads // size,
+                                   num_kv_heads=max(1, self.num_kv_heads // size),
+                                   intermediate_size=self.intermediate_size // size)
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], name: Optional[str] = None) -> "LlamaArch":

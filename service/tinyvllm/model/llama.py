@@ -3,19 +3,29 @@
 Every norm, rotary, KV write, attention and activation goes through `tinyvllm.ops`, so that the CUDA
 kernels plug in without touching this file. Projections are merged (`qkv_proj`, `gate_up_proj`);
 `load_weights` takes Hugging Face tensor names and fills the merged weights.
+
+Tensor parallelism (`tinyvllm.distributed`, one process per rank): each rank holds its query
+heads, its KV heads (replicated where there are fewer KV heads than ranks) and its MLP columns
+(column-parallel qkv_proj and gate_up_proj), the matching input columns of o_proj and down_proj
+(row-parallel, each followed by one all-reduce), and a contiguous slice of the padded vocabulary
+(embedding: masked lookup then all-reduce; head: local logits gathered to the full vocabulary).
+`load_weights` reads only the rank's slice of each checkpoint tensor. At size 1 nothing of this
+adds an op.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tinyvllm import ops
+from tinyvllm.distributed import TensorParallel, get_tp
 from tinyvllm.model.arch import LlamaArch
+from tinyvllm.model.parallel import VocabParallelEmbedding, read_part, vocab_rows
 
 _KV_SCALE_BUFFERS = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale")
 """Our names of the FP8 KV-cache scales (`kv_scale`: one scale for both, older checkpoints)."""
@@ -35,11 +45,16 @@ _STACKED = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
 
+_VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
+"""Parameters that hold a rank's slice of the (padded) vocabulary as rows."""
+
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: LlamaArch) -> None:
+    """Attention over this rank's heads (`arch` is the rank's, `LlamaArch.per_rank`)."""
+
+    def __init__(self, arch: LlamaArch, tp: TensorParallel) -> None:
         super().__init__()
-        self.arch = arch
+        self.arch, self.tp = arch, tp
         self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size,
                                   bias=arch.attention_bias)
         self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
@@ -56,7 +71,8 @@ class LlamaAttention(nn.Module):
                 meta: ops.AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
         """hidden: [num_tokens, hidden] -> [num_tokens, hidden]; writes this step's K/V first."""
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
-        return self.o_proj(self.attend(positions, qkv, kv_cache, meta, cos_sin_cache))
+        out = self.o_proj(self.attend(positions, qkv, kv_cache, meta, cos_sin_cache))
+        return self.tp.all_reduce(out)  # each rank's heads' share of o_proj
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor,
                meta: ops.AttentionMetadata, cos_sin_cache: torch.Tensor, *,
@@ -85,9 +101,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: LlamaArch) -> None:
+    """SwiGLU over this rank's intermediate_size columns (`arch` is the rank's)."""
+
+    def __init__(self, arch: LlamaArch, tp: TensorParallel) -> None:
         super().__init__()
-        self.arch = arch
+        self.arch, self.tp = arch, tp
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
@@ -95,15 +113,15 @@ class LlamaMLP(nn.Module):
         return [self.arch.intermediate_size, self.arch.intermediate_size]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden)))
+        return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden))))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArch) -> None:
+    def __init__(self, arch: LlamaArch, tp: TensorParallel) -> None:
         super().__init__()
-        self.eps = arch.rms_norm_eps
-        self.self_attn = LlamaAttention(arch)
-        self.mlp = LlamaMLP(arch)
+        self.eps, self.tp = arch.rms_norm_eps, tp
+        self.self_attn = LlamaAttention(arch, tp)
+        self.mlp = LlamaMLP(arch, tp)
         self.input_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
 
@@ -131,32 +149,53 @@ class LlamaDecoderLayer(nn.Module):
         out = attn.attend(positions, qkv, kv_cache, meta, cos_sin_cache,
                           merge=not ops.kernel_config().merge_in_o_proj)
         # The attention leaves the memory bus idle: o_proj's weight heads for L2 meanwhile.
-        ops.fused_linear(out, attn.o_proj.weight, residual=residual, prefetch_weight=True)
+        self._add_row_parallel(out, attn.o_proj.weight, residual, prefetch_weight=True)
         # gate_up_proj writes the SwiGLU product itself: down_proj stages half the values.
         hidden = ops.fused_linear(residual, mlp.gate_up_proj.weight,
                                   norm_weight=self.post_attention_layernorm, eps=self.eps,
                                   silu_mul_out=True)
-        ops.fused_linear(hidden, mlp.down_proj.weight, residual=residual)
+        self._add_row_parallel(hidden, mlp.down_proj.weight, residual)
+
+    def _add_row_parallel(self, x, weight: torch.Tensor, residual: torch.Tensor,
+                          **kwargs: Any) -> None:
+        """residual += x @ weight.T summed over the ranks: the GEMV's epilogue at size 1; else
+        after the all-reduce, which must see the ranks' partial products alone."""
+        if self.tp.size == 1:
+            ops.fused_linear(x, weight, residual=residual, **kwargs)
+        else:
+            residual += self.tp.all_reduce(ops.fused_linear(x, weight, **kwargs))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: LlamaArch) -> None:
+    def __init__(self, arch: LlamaArch, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, tp) for _ in range(arch.num_layers))
         self.norm = nn.Parameter(torch.ones(arch.hidden_size))
 
 
 class LlamaForCausalLM(nn.Module):
     """Parameter names follow HF (`model.layers.0.self_attn.qkv_proj.weight`, ...), with norms as
-    bare parameters (`model.layers.0.input_layernorm`) and merged projections."""
+    bare parameters (`model.layers.0.input_layernorm`) and merged projections.
 
-    def __init__(self, arch: LlamaArch) -> None:
+    `arch` is the whole model's shape; `rank_arch` this rank's part (`LlamaArch.per_rank`: its
+    num_heads, num_kv_heads and intermediate_size), which sizes its KV cache. `tp` defaults to
+    this process's `get_tp()`.
+
+    Raises:
+        ValueError: a tensor-parallel size that does not split the model (`LlamaArch.per_rank`).
+    """
+
+    def __init__(self, arch: LlamaArch, tp: Optional[TensorParallel] = None) -> None:
         super().__init__()
-        self.arch = arch
-        self.model = LlamaModel(arch)
+        self.arch, self.tp = arch, tp or get_tp()
+        self.rank_arch = arch.per_rank(self.tp.size)
+        # The first KV head of this rank; ranks share one where there are fewer heads than ranks.
+        self.kv_head_start = self.tp.rank * arch.num_kv_heads // self.tp.size
+        self.model = LlamaModel(self.rank_arch, self.tp)
         self.lm_head = (None if arch.tie_word_embeddings
-                        else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
+                        else nn.Linear(arch.hidden_size, vocab_rows(arch.vocab_size, self.tp.size),
+                                       bias=False))
         # float32 on purpose: rotary angles lose too much in bf16 (see _apply).
         self.register_buffer("cos_sin_cache", self._build_cos_sin_cache(None), persistent=False)
 
@@ -221,14 +260,20 @@ class LlamaForCausalLM(nn.Module):
             logits = ops.fused_linear(hidden, self.lm_head_weight)
         else:
             logits = F.linear(hidden, self.lm_head_weight)
+        if self.tp.size > 1:  # each rank's vocabulary slice, in rank order; padding cut off
+            logits = self.tp.all_gather(logits)[:, :self.arch.vocab_size]
         return logits.float() if out is None else out.copy_(logits)
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Copy HF-named tensors into the (merged) parameters; returns the names it filled.
+
+        Each tensor is the checkpoint's whole tensor, as a torch tensor or a safetensors lazy
+        slice (`safe_open(...).get_slice`); only this rank's part of it is read (`_rank_part`).
 
         Raises:
             KeyError: a tensor name this model has no parameter for.
+            ValueError: a tensor of the wrong shape.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -237,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints still ship a copy of the embedding
             if name.endswith(_KV_SCALE_BUFFERS):
-                loaded |= self._load_kv_scale(hf_name, name, tensor)
+                loaded |= self._load_kv_scale(hf_name, name, tensor[...])
                 continue
             if name not in params:
                 raise KeyError(f"unexpected weight {hf_name!r}")
@@ -248,12 +293,39 @@ class LlamaForCausalLM(nn.Module):
                 start = sum(sizes[:shard])
                 target = target.narrow(0, start, sizes[shard])
                 loaded.add(f"{name}#{shard}")
+            tensor = read_part(hf_name, tensor, self._rank_part(name, shard))
+            if name in _VOCAB_PARAMS and self.tp.size > 1:  # rows past the vocabulary: zeros
+                target[tensor.shape[0]:].zero_()
+                target = target[:tensor.shape[0]]
             if target.shape != tensor.shape:
                 raise ValueError(f"weight {hf_name!r}: shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(target.shape)}")
             target.copy_(tensor)
             loaded.add(name)
         return loaded
+
+    def _rank_part(self, name: str, shard: Optional[int]) -> Optional[tuple[int, int, int, int]]:
+        """(dim, start, length, whole length) of this rank's part of the checkpoint tensor that
+        fills `name` (shard `shard` of a merged projection); None: every rank reads all of it
+        (norms, and everything at size 1)."""
+        if self.tp.size == 1:
+            return None
+        a, whole, rank = self.rank_arch, self.arch, self.tp.rank
+        if "qkv_proj" in name:
+            if shard == 0:
+                return 0, rank * a.q_size, a.q_size, whole.q_size
+            return 0, self.kv_head_start * a.head_dim, a.kv_size, whole.kv_size
+        if "gate_up_proj" in name:
+            return 0, rank * a.intermediate_size, a.intermediate_size, whole.intermediate_size
+        if "o_proj" in name:
+            return 1, rank * a.q_size, a.q_size, whole.q_size
+        if "down_proj" in name:
+            return 1, rank * a.intermediate_size, a.intermediate_size, whole.intermediate_size
+        if name in _VOCAB_PARAMS:
+            rows = vocab_rows(whole.vocab_size, self.tp.size)
+            start = min(rank * rows, whole.vocab_size)
+            return 0, start, min(rows, whole.vocab_size - start), whole.vocab_size
+        return None
 
     def _load_kv_scale(self, hf_name: str, name: str, tensor: torch.Tensor) -> set[str]:
         """A checkpoint's FP8 KV-cache scale (`kv_scale` sets both K and V of its layer)."""
@@ -310,11 +382,12 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_empty_model(arch: LlamaArch, dtype: torch.dtype,
-                      device: torch.device) -> LlamaForCausalLM:
-    """An uninitialised model allocated directly in `dtype` on `device` (no CPU float32 copy)."""
+def build_empty_model(arch: LlamaArch, dtype: torch.dtype, device: torch.device,
+                      tp: Optional[TensorParallel] = None) -> LlamaForCausalLM:
+    """An uninitialised model (this rank's part of it; `tp` defaults to `get_tp()`) allocated
+    directly in `dtype` on `device` (no CPU float32 copy)."""
     with _default_dtype(dtype), torch.device("meta"):
-        model = LlamaForCausalLM(arch)
+        model = LlamaForCausalLM(arch, tp)
     model.to_empty(device=device)
     model.init_buffers()
     return model.eval().requires_grad_(False)

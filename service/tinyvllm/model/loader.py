@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from tinyvllm.distributed import get_tp
 from tinyvllm.model.arch import SUPPORTED_GGUF_ARCHITECTURES, LlamaArch
 from tinyvllm.model.llama import LlamaForCausalLM, build_empty_model
 from tinyvllm.model.synthetic import SYNTHETIC_MODELS, make_random_model
@@ -57,8 +58,12 @@ def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device,
     weights made on `device` from `seed`, and a byte-level stand-in tokenizer; no file is read.
 
     packed=True keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 projections as the file's blocks for the
-    CPU kernels (`model/packed.py`); where that cannot serve (not CPU float32, no kernels) the
-    weights are dequantized as usual, with a log line saying why.
+    CPU kernels (`model/packed.py`); where that cannot serve (not CPU float32, no kernels, more
+    than one tensor-parallel rank) the weights are dequantized as usual, with a log line saying
+    why.
+
+    Under tensor parallelism (`tinyvllm.distributed.init_tensor_parallel` first) the model is
+    this rank's part, and each rank reads only its slices of a safetensors checkpoint.
 
     Raises:
         FileNotFoundError: missing path or default package (see resolve_model_path).
@@ -71,7 +76,7 @@ def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device,
     if is_gguf(path) and packed:
         from tinyvllm.model.packed import load_gguf_packed, packed_unsupported
 
-        reason = packed_unsupported(dtype, device)
+        reason = packed_unsupported(dtype, device, get_tp().size)
         if reason is None:
             return load_gguf_packed(path, device)
         logger.info("%s: dequantizing the weights: %s", path.name, reason)
@@ -152,7 +157,8 @@ def _safetensors_keys(file: Path) -> list[str]:
         return list(f.keys())
 
 
-def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice): `load_weights` reads the part of each tensor that its rank holds."""
     from safetensors import safe_open
 
     for file in files:
@@ -160,7 +166,7 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq"):
                     continue  # old checkpoints saved the rope buffer; we compute it
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 # --- GGUF ----------------------------------------------------------------------------------------
@@ -192,6 +198,9 @@ def check_gguf_architecture(meta: dict, path: Path) -> None:
 
 
 def _iter_gguf(tensors: list, arch: LlamaArch, permuted: bool):
+    # Whole tensors, dequantized, even for a tensor-parallel rank that keeps a slice
+    # (`load_weights` narrows it): every rank dequantizes the whole file, once, at load. Cutting
+    # the rank's rows out of the quantized blocks first would read less.
     for t in tensors:
         name = _gguf_to_hf_name(t.name)
         weight = torch.from_numpy(dequantize_gguf_tensor(t))

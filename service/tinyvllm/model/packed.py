@@ -190,8 +190,12 @@ def load_gguf_packed(path: Path, device: torch.device):
                               path=path, max_model_len=arch.max_position_embeddings)
 
 
-def packed_unsupported(dtype: torch.dtype, device: torch.device) -> Optional[str]:
+def packed_unsupported(dtype: torch.dtype, device: torch.device,
+                       tensor_parallel_size: int = 1) -> Optional[str]:
     """Why the packed CPU path cannot serve this load (None: it can)."""
+    if tensor_parallel_size > 1:  # the packed modules hold whole projections
+        return (f"the packed GGUF kernels serve one rank, not tensor_parallel_size "
+                f"{tensor_parallel_size}")
     if device.type != "cpu":
         return f"the packed GGUF kernels run on the CPU, not {device}"
     if dtype != torch.float32:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Iterator, Optional
 
 import torch
 
+from tinyvllm.distributed import TensorParallel
 from tinyvllm.model.arch import LlamaArch
 from tinyvllm.model.llama import LlamaForCausalLM, build_empty_model
 from tinyvllm.model_files import SYNTHETIC_MODEL_VOCAB_SIZES
@@ -39,18 +40,53 @@ def tiny_arch(**overrides: Any) -> LlamaArch:
 
 
 @torch.no_grad()
-def make_random_model(arch: LlamaArch, seed: int, dtype: torch.dtype,
-                      device: torch.device) -> LlamaForCausalLM:
-    """Random weights generated on `device` from `seed` (same seed, same device -> same weights)."""
+def make_random_model(arch: LlamaArch, seed: int, dtype: torch.dtype, device: torch.device,
+                      tp: Optional[TensorParallel] = None) -> LlamaForCausalLM:
+    """Random weights generated on `device` from `seed` (same seed, same device -> same weights).
+
+    A tensor-parallel rank (`tp`, default `get_tp()`) gets its slices of the same weights: every
+    tensor is generated whole and `load_weights` narrows it.
+    """
     device = torch.device(device)
-    model = build_empty_model(arch, dtype, device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        if param.dim() == 1 and "bias" not in name:  # RMSNorm weights
-            param.uniform_(1 - NORM_JITTER, 1 + NORM_JITTER, generator=generator)
-        else:
-            param.normal_(0.0, WEIGHT_STD, generator=generator)
+    model = build_empty_model(arch, dtype, device, tp)
+    model.load_weights(random_weights(arch, seed, dtype, device))
     return model
+
+
+def random_weights(arch: LlamaArch, seed: int, dtype: torch.dtype,
+                   device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """The whole model's random tensors, drawn in parameter order, under checkpoint names."""
+    with torch.device("meta"):
+        whole = LlamaForCausalLM(arch, TensorParallel())
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in whole.named_parameters():
+        tensor = torch.empty(param.shape, dtype=dtype, device=device)
+        if param.dim() == 1 and "bias" not in name:  # RMSNorm weights
+            tensor.uniform_(1 - NORM_JITTER, 1 + NORM_JITTER, generator=generator)
+        else:
+            tensor.normal_(0.0, WEIGHT_STD, generator=generator)
+        yield from checkpoint_tensors(name, tensor, arch)
+
+
+_UNMERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def checkpoint_tensors(name: str, tensor: torch.Tensor,
+                       arch: LlamaArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """A parameter of a one-rank model of `arch` as the HF-named tensors `load_weights` reads:
+    merged projections split into their parts, norms as `<norm>.weight`."""
+    module, leaf = name.rsplit(".", 1)
+    if leaf.endswith("norm"):  # input_layernorm, post_attention_layernorm, model.norm
+        yield f"{name}.weight", tensor
+        return
+    parent, _, proj = module.rpartition(".")
+    if proj not in _UNMERGED:
+        yield name, tensor
+        return
+    sizes = ([arch.q_size, arch.kv_size, arch.kv_size] if proj == "qkv_proj"
+             else [arch.intermediate_size] * 2)
+    for part_name, part in zip(_UNMERGED[proj], tensor.split(sizes), strict=True):
+        yield f"{parent}.{part_name}.{leaf}", part
 
 
 # --- named synthetic models (`--model llama3-8b-shape`) ------------------------------------------
