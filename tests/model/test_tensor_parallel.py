@@ -22,8 +22,8 @@ from tinyvllm.distributed import (TensorParallel, destroy_tensor_parallel, init_
                                   tp_broadcast)
 from tinyvllm.model.arch import LlamaArch
 from tinyvllm.model.llama import LlamaForCausalLM
-from tinyvllm.model.synthetic import (checkpoint_tensors, make_random_model, random_weights,
-                                      synthetic_tokenizer, tiny_arch)
+from tinyvllm.model.synthetic import checkpoint_tensors, make_random_model, random_weights, tiny_arch
+from tinyvllm.tokenization.synthetic import synthetic_tokenizer
 
 SEED = 7
 PROMPT_LENS = (5, 11, 17)  # ragged; 17 crosses a 16-token block
