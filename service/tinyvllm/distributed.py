@@ -56,6 +56,18 @@ class TensorParallel:
             dist.broadcast(x, src=dist.get_global_rank(self.group, src), group=self.group)
         return x
 
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's `value` (one int; `value` itself at size 1)."""
+        if self.size == 1:
+            return value
+        import torch
+        import torch.distributed as dist
+
+        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
 
 _SINGLE = TensorParallel()
 _state = _SINGLE

@@ -66,3 +66,70 @@ def test_in_process_is_the_default_for_one_rank(tiny_model):
     from tinyvllm.worker.model_runner import ModelRunner
     engine = EngineCore(config, UniProcExecutor(config, ModelRunner(config, loaded=tiny_model)))
     assert engine.runtime_info.vocab_size == 512
+
+
+# --- tensor parallelism: worker processes on gloo ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2_dir(smollm2_model, tmp_path_factory) -> str:
+    """SmolLM2-135M's weights as a safetensors checkpoint (9 query heads, 3 KV heads, tied):
+    each rank reads only its slices (every rank parsing the GGUF would cost far more)."""
+    from tinyvllm.model.synthetic import checkpoint_tensors
+    from tests.model.test_tensor_parallel import _write_hf_dir
+
+    model = smollm2_model.model
+    tensors = {n: t for name, param in model.named_parameters()
+               for n, t in checkpoint_tensors(name, param, model.arch)}
+    return _write_hf_dir(tmp_path_factory.mktemp("smollm2-hf"), model.arch, tensors)
+
+
+def _tp_config(path: str, size: int, **kwargs) -> EngineConfig:
+    return EngineConfig.from_kwargs(model=path, device="cpu", dtype="float32", max_model_len=128,
+                                    num_kv_blocks=40, block_size=16, max_num_batched_tokens=24,
+                                    tensor_parallel_size=size, **kwargs)
+
+
+def test_three_ranks_give_the_one_rank_tokens_on_smollm2(smollm2_dir):
+    """Chunked prefill and a mixed greedy / seeded batch through three worker processes; the
+    seeded row shows that every rank keeps rank 0's samples."""
+    params = [GREEDY, SEEDED, GREEDY]
+    one = EngineCore(_tp_config(smollm2_dir, 1))
+    expected = run_to_completion(one, PROMPTS, params)
+    one.shutdown()
+    engine = EngineCore(_tp_config(smollm2_dir, 3))
+    try:
+        assert run_to_completion(engine, PROMPTS, params) == expected
+        assert_all_blocks_free(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_two_ranks_give_the_one_rank_tokens_on_a_synthetic_model(tmp_path):
+    import torch
+
+    from tinyvllm.model.synthetic import random_weights, tiny_arch
+    from tests.model.test_tensor_parallel import _write_hf_dir
+
+    arch = tiny_arch(vocab_size=509, num_heads=4, num_kv_heads=2, attention_bias=True)
+    path = _write_hf_dir(tmp_path, arch, dict(random_weights(arch, 5, torch.float32,
+                                                             torch.device("cpu"))))
+    prompts = [[5, 17, 99, 3, 250, 8], [9, 8, 7, 6, 5, 4, 3, 2, 1, 400, 401, 402]]
+    one = EngineCore(_tp_config(path, 1))
+    expected = run_to_completion(one, prompts, GREEDY)
+    one.shutdown()
+    engine = EngineCore(_tp_config(path, 2, async_scheduling=True))
+    try:
+        assert run_to_completion(engine, prompts, GREEDY) == expected
+    finally:
+        engine.shutdown()
+
+
+def test_a_size_that_does_not_split_the_heads_is_refused_at_start(smollm2_dir):
+    with pytest.raises(RuntimeError, match="num_attention_heads 9 is not divisible"):
+        EngineCore(_tp_config(smollm2_dir, 2))
+
+
+def test_speculation_with_several_ranks_is_refused():
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported"):
+        EngineCore(EngineConfig.from_kwargs(tensor_parallel_size=2,
+                                            speculative_config={"method": "ngram"}))

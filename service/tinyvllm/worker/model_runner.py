@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from tinyvllm.config import CacheConfig, EngineConfig
+from tinyvllm.distributed import get_tp
 from tinyvllm.scheduling.output import ScheduledRequest, SchedulerOutput
 from tinyvllm.model.loader import LoadedModel, load_model
 from tinyvllm.ops import AttentionMetadata, allocate_kv_caches
@@ -40,10 +41,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(name: str) -> torch.device:
+    """"auto": CUDA when torch sees a device, else the CPU. A bare "cuda" is the current device
+    (a tensor-parallel worker has set its own) with its index."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device: cuda was asked for but torch sees no CUDA device")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device: cuda was asked for but torch sees no CUDA device")
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(name)
 
 
@@ -114,6 +119,9 @@ class ModelRunner:
                                            and not config.model.dequantize)
         self.model = self.loaded.model
         self.arch = self.loaded.arch
+        # This rank's shape: its KV heads are the ones its cache holds (tensor parallelism).
+        self.rank_arch = getattr(self.model, "rank_arch", self.arch)
+        self.tp = get_tp()
         self.max_model_len = min(config.model.max_model_len or self.loaded.max_model_len,
                                  self.loaded.max_model_len)
         self.block_size = config.cache.block_size
@@ -130,7 +138,7 @@ class ModelRunner:
         self._ids_ring: list[torch.Tensor] = []
         self.num_blocks = self._determine_num_blocks(config.cache)
         self.kv_caches = allocate_kv_caches(
-            self.arch.num_layers, self.num_blocks, self.block_size, self.arch.num_kv_heads,
+            self.arch.num_layers, self.num_blocks, self.block_size, self.rank_arch.num_kv_heads,
             self.arch.head_dim, self.kv_cache_dtype, self.device)
         self.graphs = self._capture_graphs() if self.use_cuda_graphs else None
         logger.info("KV cache: %d blocks of %d tokens on %s (%s, %d bytes per block)",
@@ -148,17 +156,22 @@ class ModelRunner:
     # --- sizing ---------------------------------------------------------------------------------
 
     def kv_bytes_per_block(self) -> int:
-        """K and V of every layer for one block; an FP8 cache has 1-byte elements (half of bf16)."""
-        a = self.arch
+        """K and V of every layer for one block on this rank; an FP8 cache has 1-byte elements
+        (half of bf16)."""
+        a = self.rank_arch
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * elem
 
     def _determine_num_blocks(self, cache: CacheConfig) -> int:
+        """Blocks of the KV cache; with tensor parallelism the smallest any rank can hold (one
+        block id names the same slot on every rank)."""
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         if self.device.type != "cuda":
-            return max(2, int(cache.kv_cache_memory_gb * _GIB) // self.kv_bytes_per_block())
-        return self._profile_num_blocks(cache)
+            num_blocks = max(2, int(cache.kv_cache_memory_gb * _GIB) // self.kv_bytes_per_block())
+        else:
+            num_blocks = self._profile_num_blocks(cache)
+        return self.tp.min_int(num_blocks) if self.tp.size > 1 else num_blocks
 
     def _profile_num_blocks(self, cache: CacheConfig) -> int:
         """Run the largest step once, then give the KV cache what the budget leaves.
@@ -200,7 +213,7 @@ class ModelRunner:
         bs = self.block_size
         num_blocks = -(-num_tokens // bs)
         caches = allocate_kv_caches(self.arch.num_layers, num_blocks + 1, bs,
-                                    self.arch.num_kv_heads, self.arch.head_dim,
+                                    self.rank_arch.num_kv_heads, self.arch.head_dim,
                                     self.kv_cache_dtype, self.device)
         b = self.buffers
         b.wait_until_writable()
@@ -243,6 +256,8 @@ class ModelRunner:
             return StepHandle.finished(self._verify(logits, inputs))
         states = [r.sampling for r in requests]
         sampled = self.sampler.sample(logits, states)
+        if self.tp.size > 1:  # every rank keeps rank 0's tokens (random rows may differ)
+            self.tp.broadcast(sampled.token_ids, src=0)
         self._prev_sampled = _PrevSampled(sampled.token_ids,
                                           {r.request_id: i for i, r in enumerate(requests)})
         return StepHandle.launch(requests, states, sampled, self._next_ids_buffer())
