@@ -188,3 +188,56 @@ def test_duplicate_request_id_is_rejected():
     s.add_request(make_request("a", 4))
     with pytest.raises(ValueError, match="request_id"):
         s.add_request(make_request("a", 4))
+
+
+def test_the_step_message_carries_what_changed_only():
+    """What a worker learns from the messages alone: a request whole once, then its new blocks
+    at their offset; preempted ids lose their table and resume with a whole new one; finished
+    ids go once; the message survives msgpack."""
+    import msgspec
+
+    from tinyvllm.scheduling.output import SchedulerOutput
+
+    s = make_scheduler(num_blocks=6, caching=False)  # 5 usable blocks of 4 tokens
+    finished = []
+
+    def run_step(s):
+        out, outputs = globals()["run_step"](s)
+        finished.extend(out.finished_request_ids)
+        return out, outputs
+
+    s.add_request(make_request("a", 6, max_tokens=8))
+    out, _ = run_step(s)
+    assert [n.request_id for n in out.new_requests] == ["a"]
+    assert out.new_requests[0].prompt_token_ids == list(range(100, 106))
+    assert [(x.block_offset, x.new_block_ids, x.completes_sequence) for x in out.scheduled] == [
+        (0, [1, 2], True)]
+    out, _ = run_step(s)  # position 6: fits in block 2
+    assert out.new_requests == [] and (out.scheduled[0].block_offset,
+                                       out.scheduled[0].new_block_ids) == (2, [])
+    out, _ = run_step(s)  # position 7
+    out, _ = run_step(s)  # position 8 opens block 3
+    assert (out.scheduled[0].block_offset, out.scheduled[0].new_block_ids) == (2, [3])
+    s.add_request(make_request("b", 8, max_tokens=8, start=300))
+    out, _ = run_step(s)  # b takes blocks 4, 5
+    assert [n.request_id for n in out.new_requests] == ["b"]
+    preempted = None
+    for _ in range(8):  # the pool runs dry: b, the latest, is preempted
+        out, _ = run_step(s)
+        if out.preempted_request_ids:
+            preempted = out
+            break
+    assert preempted is not None and preempted.preempted_request_ids == ["b"]
+    assert "b" not in [x.request_id for x in preempted.scheduled]
+    while s.has_unfinished_requests():
+        out, _ = run_step(s)
+        resumed = [x for x in out.scheduled if x.request_id == "b"]
+        if resumed:  # back with a whole table, not as a new request
+            assert out.new_requests == [] and resumed[0].block_offset == 0
+            assert len(resumed[0].new_block_ids) >= 2
+            break
+    while s.has_unfinished_requests():
+        out, _ = run_step(s)
+    finished += s.schedule().finished_request_ids
+    assert sorted(finished) == ["a", "b"]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=SchedulerOutput) == out
