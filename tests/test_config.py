@@ -43,3 +43,29 @@ def test_kernel_options_as_llm_kwargs():
     assert config.cache.block_size == 32
     with pytest.raises(TypeError, match="unknown engine option 'fused_rotary'"):
         EngineConfig.from_kwargs(fused_rotary=False)
+
+
+def test_step_sizes_chosen_for_the_device_unless_given():
+    from tinyvllm.config import SchedulerConfig
+
+    unset = SchedulerConfig()
+    assert (unset.max_num_seqs, unset.max_num_batched_tokens) == (None, None)
+    sizes = {(d, m): unset.for_device(d, m) for d, m in
+             [("cpu", 0), ("cuda", 80), ("cuda", 24)]}
+    assert [(c.max_num_seqs, c.max_num_batched_tokens) for c in sizes.values()] == [
+        (256, 2048), (256, 8192), (256, 4096)]
+    given = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512)
+    assert given.for_device("cuda", 80) == given
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be positive"):
+        SchedulerConfig(max_num_batched_tokens=0)
+
+
+def test_engine_schedules_with_the_runners_sizes(tiny_model):
+    from tinyvllm.engine.engine_core import EngineCore
+    from tinyvllm.engine.executor import UniProcExecutor
+    from tinyvllm.worker.model_runner import ModelRunner
+
+    config = EngineConfig.from_kwargs(device="cpu", dtype="float32")
+    engine = EngineCore(config, UniProcExecutor(config, ModelRunner(config, loaded=tiny_model)))
+    assert engine.scheduler.config.max_num_batched_tokens == 2048 == engine.runner.max_num_tokens
+    assert engine.config.scheduler.max_num_seqs == 256

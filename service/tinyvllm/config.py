@@ -98,11 +98,18 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
 
 
+DEFAULT_MAX_NUM_SEQS = 256
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = _f(256, "Most requests in one engine step.")
-    max_num_batched_tokens: int = _f(
-        2048, "Token budget of one engine step (prefill chunks + decodes + speculative tokens)."
+    max_num_seqs: Optional[int] = _f(
+        None, "Most requests in one engine step. Default: 256 (see max_num_batched_tokens).")
+    max_num_batched_tokens: Optional[int] = _f(
+        None, "Token budget of one engine step (prefill chunks + decodes + speculative tokens). "
+        "Default, from the device: 8192 on a GPU with at least 40 GiB (prefill-heavy work "
+        "fills it: 1000 x 1024/128 at llama3-8b shape on an H100 ran 1.27x faster than at 2048), "
+        "4096 on a smaller GPU, 2048 on the CPU."
     )
     enable_chunked_prefill: bool = _f(
         True, "Split long prompts across steps to fit the token budget."
@@ -123,8 +130,18 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+
+    def for_device(self, device_type: str, memory_gib: float = 0.0) -> "SchedulerConfig":
+        """This config with the unset sizes chosen for the device (`--help` states the rule):
+        what the model runner sizes its buffers by and the scheduler budgets with."""
+        tokens = self.max_num_batched_tokens
+        if tokens is None:
+            tokens = (2048 if device_type != "cuda" else 8192 if memory_gib >= 40 else 4096)
+        seqs = self.max_num_seqs if self.max_num_seqs is not None else DEFAULT_MAX_NUM_SEQS
+        return dataclasses.replace(self, max_num_seqs=seqs, max_num_batched_tokens=tokens)
 
 
 EXECUTOR_BACKENDS = ("uni", "mp")

@@ -18,6 +18,7 @@ otherwise `step()` runs the model step synchronously, as it does with async sche
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -71,7 +72,11 @@ class EngineCore:
         seed = config.cache.prefix_cache_seed
         kv = KVCacheManager(info.num_blocks, info.block_size, config.cache.enable_prefix_caching,
                             seed if seed is not None else secrets.randbits(63))
-        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, config.speculative)
+        # The step sizes the runner was built for: the config's, or chosen for its device.
+        sched = dataclasses.replace(config.scheduler, max_num_seqs=info.max_num_seqs,
+                                    max_num_batched_tokens=info.max_num_batched_tokens)
+        self.config = dataclasses.replace(config, scheduler=sched)
+        self.scheduler = Scheduler(sched, kv, self.max_model_len, config.speculative)
         self._eos = frozenset(info.eos_token_ids)
         self._num_generation_tokens = 0
         self._num_scheduled_tokens = 0

@@ -63,6 +63,8 @@ class WorkerInfo(msgspec.Struct, array_like=True):
     model_name: str
     device: str
     dtype: str
+    max_num_seqs: int  # the step sizes the runner was built for (unset ones chosen by device)
+    max_num_batched_tokens: int
 
 
 class _Ready(msgspec.Struct, array_like=True):
@@ -86,7 +88,8 @@ def _runner_info(runner: Any) -> WorkerInfo:
         num_blocks=runner.num_blocks, block_size=runner.block_size,
         max_model_len=runner.max_model_len, vocab_size=loaded.arch.vocab_size,
         eos_token_ids=list(loaded.tokenizer.eos_token_ids), model_name=loaded.name,
-        device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."))
+        device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
+        max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=runner.max_num_tokens)
 
 
 class UniProcExecutor:

@@ -83,6 +83,8 @@ class WaitingQueue:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  speculative: SpeculativeConfig = SpeculativeConfig()):
+        if config.max_num_seqs is None or config.max_num_batched_tokens is None:
+            config = config.for_device("cpu")  # the engine passes the runner's sizes
         self.config = config
         self.spec = SpecDecodePolicy(speculative)
         self.kv = kv

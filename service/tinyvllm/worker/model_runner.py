@@ -125,7 +125,10 @@ class ModelRunner:
         self.max_model_len = min(config.model.max_model_len or self.loaded.max_model_len,
                                  self.loaded.max_model_len)
         self.block_size = config.cache.block_size
-        sched = config.scheduler
+        memory_gib = (torch.cuda.get_device_properties(self.device).total_memory / _GIB
+                      if self.device.type == "cuda" else 0.0)
+        # The step sizes, unset ones chosen for this device; the engine's scheduler takes these.
+        self.scheduler_config = sched = config.scheduler.for_device(self.device.type, memory_gib)
         self.max_num_tokens = sched.max_num_batched_tokens
         self.max_num_seqs = sched.max_num_seqs
         self.use_cuda_graphs = self.device.type == "cuda" and not config.model.enforce_eager
