@@ -9,7 +9,7 @@ of `--baseline-batch-size`, left-padded.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Optional
 
 from tinyvllm.bench import baseline as hf
 from tinyvllm.bench.common import (default_for, engine_config, environment, lognormal_lengths,
@@ -22,18 +22,27 @@ WARMUP_PROMPTS = 4
 WARMUP_TOKENS = 8
 
 
-def workload(args: argparse.Namespace, device, vocab_size: int, seed: int
+def workload(args: argparse.Namespace, device, vocab_size: int, seed: int,
+             max_model_len: Optional[int] = None
              ) -> tuple[list[list[int]], list[int], dict[str, Any]]:
-    """(prompts, output lengths, description) for --workload, with device-dependent defaults."""
+    """(prompts, output lengths, description) for --workload, with device-dependent defaults.
+    Mixed lengths are cut so that prompt + output fit `max_model_len` (the cut ones counted)."""
     n = args.num_prompts or default_for(device, 1000, 64)
     input_len = args.input_len or default_for(device, 1024, 128)
     output_len = args.output_len or 128
+    num_cut = 0
     if args.workload == "mixed":
         in_lens = lognormal_lengths(n, input_len, seed)
         out_lens = lognormal_lengths(n, output_len, seed + 1)
+        if max_model_len is not None:
+            out_lens = [min(o, max_model_len // 2) for o in out_lens]
+            fitted = [max(1, min(i, max_model_len - o)) for i, o in zip(in_lens, out_lens)]
+            num_cut = sum(f != i for f, i in zip(fitted, in_lens))
+            in_lens = fitted
     else:
         in_lens, out_lens = [input_len] * n, [output_len] * n
     described = {"name": args.workload, "num_prompts": n, "input_len": input_len,
+                 "num_cut_to_max_model_len": num_cut,
                  "output_len": output_len, "total_prompt_tokens": sum(in_lens),
                  "total_output_tokens": sum(out_lens), "sampling": "greedy, ignore_eos",
                  "seed": seed}
@@ -56,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config(args)
     engine = build_engine(config)
     vocab, seed = engine.runtime_info.vocab_size, config.model.seed
-    prompts, out_lens, described = workload(args, device, vocab, seed)
+    prompts, out_lens, described = workload(args, device, vocab, seed,
+                                            engine.runtime_info.max_model_len)
     warm_up(engine, vocab, seed, sync)
     ours = ours_numbers(run_batch(engine, prompts, out_lens, sync))
     record = {**environment(args, device), **model_fields(engine, config), "workload": described,
