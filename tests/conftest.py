@@ -48,3 +48,21 @@ def tiny_model():
     model = make_random_model(arch, seed=3, dtype=torch.float32, device=torch.device("cpu"))
     return LoadedModel(model=model, arch=arch, tokenizer=synthetic_tokenizer(512, "tiny"),
                        name="tiny", path=None, max_model_len=arch.max_position_embeddings)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path: Path):
+    """transformers' model of the same SmolLM2 GGUF (dequantized to float32, CPU, eval mode);
+    skipped without transformers."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_prompt_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids) - 1]: the logprob of each token after the first under `model` (a
+    transformers causal LM) given the tokens before it."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([token_ids])).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(1, torch.tensor(token_ids[1:]).unsqueeze(1)).squeeze(1)

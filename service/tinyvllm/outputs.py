@@ -22,7 +22,7 @@ class Logprob:
 
 
 PositionLogprobs = dict[int, Logprob]
-"""Token id -> Logprob at one generated position: the sampled token first, then the top-n."""
+"""Token id -> Logprob at one position: the sampled (or prompt) token first, then the top-n."""
 
 
 @dataclass
@@ -75,6 +75,9 @@ class RequestOutput:
     """One request's state after an engine step.
 
     Attributes:
+        prompt_logprobs: per prompt token, its logprob and the top-n (vLLM's shape: None for
+            the first token, which nothing precedes); None unless prompt_logprobs asked. Complete
+            from the first output on (the prompt is scored before the first token is sampled).
         error: the engine's message when finish_reason is ERROR (for the INTERNAL status).
     """
 
@@ -85,4 +88,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
     error: Optional[str] = None

@@ -47,6 +47,10 @@ class SamplingParams:
         stop_token_ids: token ids that end the output (included in token_ids, not in text).
         ignore_eos: keep generating after EOS.
         logprobs: number of top logprobs to return per generated token (None: none).
+        prompt_logprobs: number of top logprobs to return per prompt token (None: none); each
+            prompt token after the first also gets its own logprob and rank under the model given
+            the tokens before it (the first gets None). Such a prompt is computed whole, never
+            served from the prefix cache.
         skip_special_tokens: leave special tokens out of the text.
         include_stop_str_in_output: keep a matched stop string in the text.
     """
@@ -66,6 +70,7 @@ class SamplingParams:
     stop_token_ids: Optional[Sequence[int]] = None
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -111,6 +116,9 @@ class SamplingParams:
             bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "every stop string must be a non-empty string")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -210,3 +210,19 @@ def test_metrics_and_cached_tokens(tok):
     assert metrics.num_generation_tokens == 3 and last.num_cached_tokens == 2
     assert last.prompt == "Say something" and last.prompt_token_ids == encode(tok, "Say something")
     assert math.isfinite(metrics.finished_time)
+
+
+def test_prompt_logprobs_of_prefill_chunks_arrive_with_the_first_token(tok):
+    prompt = encode(tok, "Say something")
+    processor = new_processor(tok, prompt_logprobs=1)
+    chunk = [None, Logprobs(prompt[1], -3.0, 4, [7], [-0.25])]
+    assert step(processor, "r1", [], new_prompt_logprobs=chunk) == []  # no token: no output
+    rest = [Logprobs(t, -1.0, 1, [t], [-1.0]) for t in prompt[2:]]
+    (out,) = step(processor, "r1", [8], new_prompt_logprobs=rest)
+    text = {t: tok.decode([t], skip_special_tokens=False) for t in (*prompt, 7)}
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    assert out.prompt_logprobs[1] == {prompt[1]: Logprob(-3.0, 4, text[prompt[1]]),
+                                      7: Logprob(-0.25, 1, text[7])}
+    assert out.outputs[0].token_ids == [8] and out.metrics.num_generation_tokens == 1
+    (last,) = step(processor, "r1", [9], finish_reason=FinishReason.LENGTH)
+    assert last.prompt_logprobs == out.prompt_logprobs

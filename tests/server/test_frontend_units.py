@@ -18,7 +18,7 @@ from tinyvllm.frontend.collector import RequestOutputCollector
 from tinyvllm.frontend.engine_client import AsyncEngineClient
 from tinyvllm.frontend.errors import (EngineDeadError, EngineUnavailableError, QueueFullError)
 from tinyvllm.frontend.request_pool import RequestPool
-from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tinyvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.scheduling.request import EngineCoreOutput, FinishReason
 from tinyvllm.server import convert
@@ -83,6 +83,22 @@ def test_stream_options_defaults():
     assert convert.stream_spec_from_proto(pb.GenerateRequest()) == convert.StreamSpec()
     req = pb.GenerateRequest(stream=pb.StreamOptions(text=False, token_ids=True))
     assert convert.stream_spec_from_proto(req) == convert.StreamSpec(text=False, token_ids=True)
+
+
+def test_prompt_logprobs_asked_in_stream_options_come_on_the_first_response():
+    req = pb.GenerateRequest(stream=pb.StreamOptions(prompt_logprobs=1))
+    stream = convert.stream_spec_from_proto(req)
+    assert convert.sampling_params_from_proto(req.sampling, stream).prompt_logprobs == 1
+    out = RequestOutput(
+        request_id="r", prompt=None, prompt_token_ids=[4, 5], finished=False, num_cached_tokens=0,
+        outputs=[CompletionOutput(index=0, delta_text="", delta_token_ids=[7])],
+        metrics=RequestMetrics(arrival_time=0.0),
+        prompt_logprobs=[None, {5: Logprob(-2.5, 3, "five"), 9: Logprob(-0.5, 1, "nine")}])
+    first = convert.response_from_output(out, stream, first=True)  # no text yet: still sent
+    (lp,) = first.prompt_logprobs
+    assert (lp.token_id, lp.logprob, lp.rank, lp.token) == (5, -2.5, 3, "five")
+    assert [(t.token_id, t.logprob) for t in lp.top_logprobs] == [(9, -0.5)]
+    assert convert.response_from_output(out, stream) is None
 
 
 @pytest.mark.parametrize("exc,code", [

@@ -41,7 +41,7 @@ import msgspec
 import zmq
 
 from tinyvllm.config import EngineConfig
-from tinyvllm.scheduling.output import SampledTokens, SchedulerOutput
+from tinyvllm.scheduling.output import PromptLogprobs, SampledTokens, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +72,10 @@ class _Ready(msgspec.Struct, array_like=True):
     info: WorkerInfo
 
 
-class _Output(msgspec.Struct, array_like=True):
+class _Output(msgspec.Struct, array_like=True, omit_defaults=True):
     step_id: int
     sampled: SampledTokens
+    prompt_logprobs: PromptLogprobs = {}
 
 
 class _Error(msgspec.Struct, array_like=True):
@@ -113,18 +114,21 @@ class UniProcExecutor:
 
 
 class _RemoteStep:
-    """A step published to the workers; `result()` waits for rank 0's answer."""
+    """A step published to the workers; `result()` waits for rank 0's answer (and sets
+    `prompt_logprobs`)."""
 
-    __slots__ = ("_executor", "_step_id", "_result")
+    __slots__ = ("_executor", "_step_id", "_result", "prompt_logprobs")
 
     def __init__(self, executor: "MultiprocExecutor", step_id: Optional[int]):
         self._executor = executor
         self._step_id = step_id
         self._result: Optional[SampledTokens] = None if step_id is not None else {}
+        self.prompt_logprobs: PromptLogprobs = {}
 
     def result(self) -> SampledTokens:
         if self._result is None:
-            self._result = self._executor._wait_output(self._step_id)
+            output = self._executor._wait_output(self._step_id)
+            self._result, self.prompt_logprobs = output.sampled, output.prompt_logprobs
         return self._result
 
 
@@ -217,14 +221,14 @@ class MultiprocExecutor:
         self._steps.send_multipart([_STEP, self._encoder.encode(out)], copy=False)
         return _RemoteStep(self, None if out.is_empty else out.step_id)
 
-    def _wait_output(self, step_id: int) -> SampledTokens:
+    def _wait_output(self, step_id: int) -> _Output:
         while True:
             msg = self._recv(_POLL_MS)
             if msg is None or msg[0] != _OUTPUT:
                 continue  # a late sync answer
             output = self._output_decoder.decode(msg[1])
             if output.step_id == step_id:
-                return output.sampled
+                return output
             if output.step_id > step_id:
                 raise RuntimeError(f"worker answered step {output.step_id} before step {step_id}")
 
@@ -359,7 +363,8 @@ class _WorkerLoop:
                 step_id, handle = item
                 sampled = handle.result()
                 if self.rank == 0:
-                    self.send(_OUTPUT, self.encoder.encode(_Output(step_id, sampled)))
+                    self.send(_OUTPUT, self.encoder.encode(
+                        _Output(step_id, sampled, handle.prompt_logprobs)))
         except BaseException as e:  # noqa: BLE001 - the main thread may be blocked in recv
             detail = "".join(traceback.format_exception(e))
             print(f"tinyvllm worker rank {self.rank} failed:\n{detail}", file=sys.stderr,

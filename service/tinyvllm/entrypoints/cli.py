@@ -1,4 +1,4 @@
-"""`tinyvllm` command line: generate, serve, client, bench.
+"""`tinyvllm` command line: generate, serve, client, bench, eval.
 
 Each subcommand lives in its own module exposing `register(subparsers)`, which adds its parser and
 sets `func` to the function that runs it.
@@ -11,12 +11,13 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
-SUBCOMMANDS = ("generate", "serve", "client", "bench")
+SUBCOMMANDS = ("generate", "serve", "client", "bench", "eval")
 _MODULES = {
     "generate": "tinyvllm.entrypoints.generate",
     "serve": "tinyvllm.entrypoints.serve",
     "client": "tinyvllm.entrypoints.client_cli",
     "bench": "tinyvllm.bench.cli",
+    "eval": "tinyvllm.entrypoints.eval_cli",
 }
 
 

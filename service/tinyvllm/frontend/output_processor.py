@@ -51,6 +51,7 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
     logprobs: Optional[list[PositionLogprobs]] = None
+    prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
     cumulative_logprob: Optional[float] = None
     num_cached_tokens: int = 0
 
@@ -82,6 +83,7 @@ class OutputProcessor:
             detokenizer=IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids),
             metrics=RequestMetrics(arrival_time=arrival_time),
             logprobs=[] if wants_logprobs else None,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
             cumulative_logprob=0.0 if wants_logprobs else None)
 
     def abort_request(self, request_id: str) -> None:
@@ -96,6 +98,12 @@ class OutputProcessor:
             state = self._requests.get(output.request_id)
             if state is None:
                 continue
+            if output.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
+                state.prompt_logprobs.extend(
+                    None if lp is None else self._position_logprobs(lp)
+                    for lp in output.new_prompt_logprobs)
+                if not output.new_token_ids and output.finish_reason is None:
+                    continue  # a prefill chunk's prompt logprobs: nothing to report yet
             request_output, stopped_by_string = self._process_one(state, output, now)
             result.request_outputs.append(request_output)
             if request_output.finished:
@@ -132,7 +140,8 @@ class OutputProcessor:
         request_output = RequestOutput(
             request_id=state.request_id, prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids, outputs=[completion], finished=finished,
-            num_cached_tokens=state.num_cached_tokens, metrics=state.metrics, error=output.error)
+            num_cached_tokens=state.num_cached_tokens, metrics=state.metrics,
+            prompt_logprobs=state.prompt_logprobs, error=output.error)
         return request_output, stop_string is not None
 
     def _append_logprobs(self, state: _RequestState, new_logprobs: Optional[list[Logprobs]],

@@ -72,3 +72,10 @@ SampledTokens = dict[str, tuple[Union[int, list[int]], Optional[Logprobs]]]
 """What a step returns to the scheduler (rank 0's): request id -> (sampled token id, its logprobs
 when asked), for the requests whose sequence the step completed; for a request that speculated,
 (the tokens it keeps: accepted drafts, then the target's own; None)."""
+
+
+PromptLogprobs = dict[str, list[Optional[Logprobs]]]
+"""Prompt logprobs a step computed (rank 0's): request id -> the logprobs of the prompt tokens
+whose preceding position the step computed, in prompt order, None first for the first prompt
+token; only requests with `SamplingParams.prompt_logprobs`, each prompt token reported once (a
+recomputation after preemption reports nothing again)."""

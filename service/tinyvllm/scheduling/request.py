@@ -41,7 +41,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class Logprobs(msgspec.Struct, array_like=True):
-    """Logprobs of one sampled token: its own and the top-n alternatives."""
+    """Logprobs of one sampled (or prompt) token: its own and the top-n alternatives."""
 
     token_id: int
     logprob: float
@@ -56,6 +56,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
     new_logprobs: Optional[list[Logprobs]] = None
+    # Prompt logprobs computed this step, in prompt order (None for the first prompt token). A
+    # prefill chunk that samples nothing still reports them, with no new_token_ids.
+    new_prompt_logprobs: Optional[list[Optional[Logprobs]]] = None
     finish_reason: Optional[FinishReason] = None  # set once finished
     stop_reason: Optional[int] = None  # the stop token id that ended it, if any
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -142,8 +145,11 @@ class Request:
     def can_speculate(self) -> bool:
         """Its sampling allows verifying several positions in one step: nothing reads the output
         ids on the host (penalties and min_tokens would differ per draft position) and no
-        logprobs are asked (they are computed for one sampled row per step)."""
-        return not self.sampling_reads_output_tokens and self.sampling_params.logprobs is None
+        logprobs are asked (they are computed for one sampled row per step, and prompt logprobs
+        for prompt rows only)."""
+        p = self.sampling_params
+        return (not self.sampling_reads_output_tokens and p.logprobs is None
+                and p.prompt_logprobs is None)
 
     @property
     def max_tokens(self) -> int:

@@ -28,8 +28,8 @@ from typing import Iterable, Optional
 from tinyvllm.config import SchedulerConfig, SpeculativeConfig
 from tinyvllm.errors import InvalidRequestError
 from tinyvllm.scheduling.kv_cache_manager import KVCacheManager
-from tinyvllm.scheduling.output import (NewRequest, SampledTokens, ScheduledRequest,
-                                        SchedulerOutput)
+from tinyvllm.scheduling.output import (NewRequest, PromptLogprobs, SampledTokens,
+                                        ScheduledRequest, SchedulerOutput)
 from tinyvllm.scheduling.request import EngineCoreOutput, FinishReason, Request, RequestStatus
 from tinyvllm.scheduling.spec_decode import SpecDecodePolicy
 
@@ -222,7 +222,9 @@ class Scheduler:
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: resumes once `update` has it
             hits, num_cached = ([], 0)
-            if request.num_computed_tokens == 0:
+            # vLLM's rule: a prompt whose logprobs are asked is computed whole, never cached.
+            wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
+            if request.num_computed_tokens == 0 and not wants_prompt_logprobs:
                 hits, num_cached = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -284,14 +286,18 @@ class Scheduler:
 
     # --- after the model ran --------------------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, sampled: SampledTokens) -> list[EngineCoreOutput]:
+    def update(self, out: SchedulerOutput, sampled: SampledTokens,
+               prompt_logprobs: Optional[PromptLogprobs] = None) -> list[EngineCoreOutput]:
         """Take in a step's sampled tokens and collect what the frontend must hear.
 
         `sampled` maps request ids whose sequence was completed this step to the sampled token
-        (and its logprobs when asked). The step may have been scheduled before the previous one
-        was processed: a request that has finished since gets nothing, and one preempted since
-        still gets its token (its KV was computed; it is recomputed with the rest).
+        (and its logprobs when asked); `prompt_logprobs` the requests whose prompt logprobs the
+        step computed to them: a prefill chunk that samples nothing reports those in an output
+        without tokens. The step may have been scheduled before the previous one was processed:
+        a request that has finished since gets nothing, and one preempted since still gets its
+        token (its KV was computed; it is recomputed with the rest).
         """
+        prompt_logprobs = prompt_logprobs or {}
         outputs = []
         step = self._steps.pop(out.step_id)
         for request, s in zip(step.requests, out.scheduled):
@@ -308,8 +314,14 @@ class Scheduler:
                 # this step or queued in the one in flight: any step that reads a published block
                 # is launched later, so its kernels run after those writes.
                 self.kv.cache_computed_blocks(request)
-            if not s.completes_sequence:
-                continue  # a prefill chunk that has not reached the end of the sequence yet
+            new_prompt_logprobs = prompt_logprobs.get(request.request_id)
+            if not s.completes_sequence:  # a prefill chunk short of the end of the sequence
+                if new_prompt_logprobs is not None:
+                    outputs.append(EngineCoreOutput(
+                        request_id=request.request_id, new_token_ids=[],
+                        new_prompt_logprobs=new_prompt_logprobs,
+                        num_cached_tokens=request.num_cached_tokens))
+                continue
             token_id, logprobs = sampled[request.request_id]
             request.output_token_ids.append(token_id)
             reason = self._check_stop(request, token_id)
@@ -319,7 +331,7 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 request_id=request.request_id, new_token_ids=[token_id],
                 new_logprobs=[logprobs] if logprobs is not None else None,
-                finish_reason=reason,
+                new_prompt_logprobs=new_prompt_logprobs, finish_reason=reason,
                 stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens))
         return outputs
 

@@ -23,6 +23,7 @@ class StreamSpec:
     text: bool = True
     token_ids: bool = False
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
 
 
 @dataclass
@@ -68,7 +69,7 @@ def sampling_params_from_proto(msg: pb.SamplingParameters, stream: StreamSpec) -
     return SamplingParams(
         stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         include_stop_str_in_output=msg.include_stop_str_in_output, logprobs=stream.logprobs,
-        **kwargs)
+        prompt_logprobs=stream.prompt_logprobs, **kwargs)
 
 
 def stream_spec_from_proto(req: pb.GenerateRequest) -> StreamSpec:
@@ -76,7 +77,9 @@ def stream_spec_from_proto(req: pb.GenerateRequest) -> StreamSpec:
         return StreamSpec()
     s = req.stream
     return StreamSpec(text=s.text if s.HasField("text") else True, token_ids=s.token_ids,
-                      logprobs=s.logprobs if s.HasField("logprobs") else None)
+                      logprobs=s.logprobs if s.HasField("logprobs") else None,
+                      prompt_logprobs=(s.prompt_logprobs if s.HasField("prompt_logprobs")
+                                       else None))
 
 
 def chat_messages_from_proto(chat: pb.ChatPrompt) -> list[dict[str, str]]:
@@ -123,10 +126,15 @@ def domain_request_from_proto(req: pb.GenerateRequest) -> DomainRequest:
 
 # --- responses ----------------------------------------------------------------------------------
 
-def response_from_output(out: Any, stream: StreamSpec) -> Optional[pb.GenerateResponse]:
-    """The response for one (possibly merged) RequestOutput; None when it has nothing to say."""
+def response_from_output(out: Any, stream: StreamSpec, first: bool = False
+                         ) -> Optional[pb.GenerateResponse]:
+    """The response for one (possibly merged) RequestOutput; None when it has nothing to say.
+    The first response of a stream carries the prompt logprobs when asked."""
     c = out.outputs[0]
     resp = pb.GenerateResponse(request_id=out.request_id)
+    if first and stream.prompt_logprobs is not None and out.prompt_logprobs:
+        resp.prompt_logprobs.extend(_logprobs_to_proto(
+            out.prompt_token_ids[1:], out.prompt_logprobs[1:], stream.prompt_logprobs))
     if stream.text:
         resp.text = c.delta_text
     if stream.token_ids:
@@ -136,7 +144,7 @@ def response_from_output(out: Any, stream: StreamSpec) -> Optional[pb.GenerateRe
                                                 stream.logprobs))
     if out.finished:
         _fill_final(resp, out)
-    elif not (resp.text or resp.token_ids or resp.logprobs):
+    elif not (resp.text or resp.token_ids or resp.logprobs or resp.prompt_logprobs):
         return None
     return resp
 

@@ -77,9 +77,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             # aclosing: a cancelled stream aborts its engine request now, not at garbage
             # collection.
             async with contextlib.aclosing(outputs):
+                first = True
                 async for out in outputs:
-                    response = convert.response_from_output(out, req.stream)
+                    response = convert.response_from_output(out, req.stream, first)
                     if response is not None:
+                        first = False
                         yield response
 
     async def Tokenize(self, request: pb.TokenizeRequest,

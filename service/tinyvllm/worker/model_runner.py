@@ -28,6 +28,8 @@ from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_sizes,
                                         decode_seq_len_tiers)
 from tinyvllm.worker.input_buffers import InputBuffers
+from tinyvllm.worker.prompt_logprobs import (PromptLogprobsJob, StepPromptLogprobs,
+                                             compute_prompt_logprobs, plan_job)
 from tinyvllm.worker.requests import CachedRequest, apply_scheduler_output
 from tinyvllm.worker.sampler import Sampler, SamplingState
 from tinyvllm.worker.spec_decode import verify
@@ -70,6 +72,8 @@ class ModelInputs:
     # Per sampled request, its draft tokens (speculative decoding; empty for the others). A
     # request with k drafts has k + 1 logits rows: its last token's and each draft's position.
     draft_token_ids: list[list[int]]
+    # Requests with prompt logprobs and their prompt rows in this step (usually none).
+    prompt_jobs: list[PromptLogprobsJob]
 
     @property
     def has_drafts(self) -> bool:
@@ -250,20 +254,25 @@ class ModelRunner:
         if rows is None:
             return StepHandle.done()
         inputs = self._prepare_inputs(out, rows)
-        logits = self._forward(inputs)
+        logits, token_rows = self._forward(inputs)
+        prompt = self._prompt_logprobs(inputs, token_rows) if inputs.prompt_jobs else None
         requests = inputs.sampled_requests
         self._prev_sampled = None
+        on_cuda = self.device.type == "cuda"
         if not requests:
-            return StepHandle.done()
+            if prompt is None:
+                return StepHandle.done()
+            return StepHandle.launch([], [], None, prompt=prompt, on_cuda=on_cuda)
         if inputs.has_drafts:
-            return StepHandle.finished(self._verify(logits, inputs))
+            return StepHandle.finished(self._verify(logits, inputs), prompt)
         states = [r.sampling for r in requests]
         sampled = self.sampler.sample(logits, states)
         if self.tp.size > 1:  # every rank keeps rank 0's tokens (random rows may differ)
             self.tp.broadcast(sampled.token_ids, src=0)
         self._prev_sampled = _PrevSampled(sampled.token_ids,
                                           {r.request_id: i for i, r in enumerate(requests)})
-        return StepHandle.launch(requests, states, sampled, self._next_ids_buffer())
+        return StepHandle.launch(requests, states, sampled, self._next_ids_buffer(), prompt,
+                                 on_cuda)
 
     def _verify(self, logits: torch.Tensor, inputs: ModelInputs) -> SampledTokens:
         """A step with speculative requests, waited for here: the scheduler needs the accepted
@@ -306,19 +315,35 @@ class ModelRunner:
         self._ids_ring.append(self._ids_ring.pop(0))
         return self._ids_ring[-1]
 
-    def _forward(self, inputs: ModelInputs) -> Optional[torch.Tensor]:
-        """Logits [num_sampled, vocab_size] float32 of the step's sampled rows (None: none)."""
+    def _forward(self, inputs: ModelInputs) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """Logits [num_sampled, vocab_size] float32 of the step's sampled rows (None: none), and
+        every token's row for prompt logprobs: the hidden states [num_tokens, hidden_size] of an
+        eager step, the logits [num_rows, vocab_size] of a graph replay."""
         num_sampled = len(inputs.sampled_requests)
         if inputs.graph is not None:
             logits = self.graphs.replay(inputs.graph)  # every row's, padding included
             # Decode row i samples at logits row i: when every row samples, a slice will do.
             if num_sampled == inputs.num_tokens:
-                return logits[:num_sampled]
-            return logits[inputs.logits_indices] if num_sampled else None
+                return logits[:num_sampled], logits
+            return (logits[inputs.logits_indices] if num_sampled else None), logits
         b = self.buffers
         hidden = self.model(b.input_ids_device(inputs.num_tokens),
                             b.positions_device(inputs.num_tokens), self.kv_caches, inputs.meta)
-        return self.model.compute_logits(hidden[inputs.logits_indices]) if num_sampled else None
+        if not num_sampled:
+            return None, hidden
+        return self.model.compute_logits(hidden[inputs.logits_indices]), hidden
+
+    def _prompt_logprobs(self, inputs: ModelInputs, token_rows: torch.Tensor
+                         ) -> StepPromptLogprobs:
+        """Score the step's prompt rows (`_forward`'s second result), a piece at a time."""
+        if inputs.graph is not None:
+            def row_logits(first: int, end: int) -> torch.Tensor:
+                return token_rows[first:end]
+        else:
+            def row_logits(first: int, end: int) -> torch.Tensor:
+                return self.model.compute_logits(token_rows[first:end])
+        return compute_prompt_logprobs(inputs.prompt_jobs, row_logits, self.arch.vocab_size,
+                                       self.device)
 
     def _prepare_inputs(self, out: SchedulerOutput, rows: list[CachedRequest]) -> ModelInputs:
         scheduled = out.scheduled
@@ -338,8 +363,8 @@ class ModelRunner:
         b = self.buffers
         b.wait_until_writable()
         b.begin(max(num_tokens, num_rows), num_rows, width)
-        sampled, num_prev, num_logit_rows = self._fill_host(scheduled, rows,
-                                                            b.block_table_rows(num_rows, width))
+        sampled, num_prev, num_logit_rows, prompt_jobs = self._fill_host(
+            scheduled, rows, b.block_table_rows(num_rows, width))
         if num_rows > num_seqs:
             self._fill_padding(num_seqs, num_rows)
         b.upload()
@@ -353,20 +378,24 @@ class ModelRunner:
                            logits_indices=b.logits_indices_device(num_logit_rows),
                            sampled_requests=sampled,
                            draft_token_ids=[s.draft_token_ids for s in scheduled
-                                            if s.completes_sequence])
+                                            if s.completes_sequence],
+                           prompt_jobs=prompt_jobs)
 
     def _fill_host(self, scheduled: list[ScheduledRequest], records: list[CachedRequest],
-                   tables: np.ndarray) -> tuple[list[CachedRequest], int, int]:
+                   tables: np.ndarray
+                   ) -> tuple[list[CachedRequest], int, int, list[PromptLogprobsJob]]:
         """Write token ids, positions, slots, offsets, lengths and block tables of the batch into
         the host buffers. Returns the requests whose last position is sampled, in row order, how
-        many input ids are left to fill from the previous step's samples (prev_token_*), and
-        the number of logits rows (a speculative request has one per position)."""
+        many input ids are left to fill from the previous step's samples (prev_token_*), the
+        number of logits rows (a speculative request has one per position), and the prompt rows
+        to score for prompt logprobs."""
         bs = self.block_size
         b = self.buffers
         ids, positions, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
         qsl, seq_lens, logits_idx = b.query_start_loc.np, b.seq_lens.np, b.logits_indices.np
         qsl[0] = offset = num_prev = num_logit_rows = 0
         sampled: list[CachedRequest] = []
+        prompt_jobs: list[PromptLogprobsJob] = []
         for i, (s, r) in enumerate(zip(scheduled, records)):
             n, start = s.num_new_tokens, s.num_computed_tokens
             table = r.block_table
@@ -390,6 +419,10 @@ class ModelRunner:
                     ids[offset:offset + n] = r.token_slice(start, start + n)
                 positions[offset:offset + n] = pos
                 slots[offset:offset + n] = table[pos // bs].astype(np.int64) * bs + pos % bs
+            if r.prompt_logprobs_pos < r.prompt_logprobs_end:
+                job = plan_job(r, start, n, offset)
+                if job is not None:
+                    prompt_jobs.append(job)
             offset += n
             qsl[i + 1] = offset
             seq_lens[i] = start + n
@@ -401,7 +434,7 @@ class ModelRunner:
                 sampled.append(r)
                 # The (first) token sampled here sits at position start + n - num_rows + 1.
                 r.sampling.output_index = start + n - num_rows + 1 - r.num_prompt_tokens
-        return sampled, num_prev, num_logit_rows
+        return sampled, num_prev, num_logit_rows, prompt_jobs
 
     def _prev_row(self, request: CachedRequest, position: int) -> int:
         """The row of `request` in the previous step's samples, which must hold its token at

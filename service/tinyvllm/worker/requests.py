@@ -24,7 +24,7 @@ class CachedRequest:
     sampling state (a seeded generator lives as long as the request, across preemption)."""
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling",
-                 "_table", "num_blocks")
+                 "_table", "num_blocks", "prompt_logprobs_pos", "prompt_logprobs_end")
 
     def __init__(self, new: NewRequest, device: torch.device):
         self.request_id = new.request_id
@@ -35,6 +35,12 @@ class CachedRequest:
                                              frozenset(new.eos_token_ids), device)
         self._table = np.zeros(_MIN_TABLE, dtype=np.int32)
         self.num_blocks = 0
+        # Prompt logprobs (worker/prompt_logprobs.py): the next position whose logits score a
+        # prompt token (-1: the first token's None is still to report), up to the prompt's last
+        # position but one; both 0 when the request does not ask, so one compare skips it.
+        wants = new.sampling_params.prompt_logprobs is not None
+        self.prompt_logprobs_pos = -1 if wants else 0
+        self.prompt_logprobs_end = len(self.prompt_token_ids) - 1 if wants else 0
 
     @property
     def num_prompt_tokens(self) -> int:

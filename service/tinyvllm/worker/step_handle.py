@@ -12,22 +12,28 @@ from typing import Optional
 
 import torch
 
-from tinyvllm.scheduling.output import SampledTokens
+from tinyvllm.scheduling.output import PromptLogprobs, SampledTokens
+from tinyvllm.worker.prompt_logprobs import StepPromptLogprobs
 from tinyvllm.worker.requests import CachedRequest
 from tinyvllm.worker.sampler import SampledTensors, SamplingState
 
 
 class StepHandle:
     """A launched step. `result()` waits for its sampled ids (the step's one host sync) and
-    returns them; on the CPU, or when nothing was sampled, it is done from the start."""
+    returns them, and sets `prompt_logprobs` (those the step computed, by request id); on the CPU,
+    or when nothing was sampled or scored, it is done from the start."""
 
     def __init__(self, requests: list[CachedRequest], states: list[SamplingState],
-                 sampled: Optional[SampledTensors], ready: Optional[torch.cuda.Event]):
+                 sampled: Optional[SampledTensors], ready: Optional[torch.cuda.Event],
+                 prompt: Optional[StepPromptLogprobs] = None):
         self._requests = requests
         self._states = states
         self._sampled = sampled  # on pinned host memory once `ready` has completed
+        self._prompt = prompt  # likewise
         self._ready = ready
-        self._result: Optional[SampledTokens] = None if sampled is not None else {}
+        self._result: Optional[SampledTokens] = (
+            None if sampled is not None or prompt is not None else {})
+        self.prompt_logprobs: PromptLogprobs = {}
 
     @classmethod
     def done(cls) -> "StepHandle":
@@ -35,33 +41,43 @@ class StepHandle:
         return cls([], [], None, None)
 
     @classmethod
-    def finished(cls, result: SampledTokens) -> "StepHandle":
+    def finished(cls, result: SampledTokens,
+                 prompt: Optional[StepPromptLogprobs] = None) -> "StepHandle":
         """A step whose tokens are already on the host."""
         handle = cls([], [], None, None)
         handle._result = result
+        if prompt is not None:
+            handle.prompt_logprobs = prompt.to_lists()
         return handle
 
     @classmethod
     def launch(cls, requests: list[CachedRequest], states: list[SamplingState],
-               sampled: SampledTensors,
-               ids_buffer: Optional[torch.Tensor] = None) -> "StepHandle":
-        """Start the device-to-host copies of `sampled` (CUDA) and record when they are done.
-        ids_buffer: pinned host memory for the token ids (SampledTensors.to_pinned_host)."""
-        if sampled.token_ids.device.type != "cuda":
-            return cls(requests, states, sampled, None)
-        host = sampled.to_pinned_host(ids_buffer)
+               sampled: Optional[SampledTensors], ids_buffer: Optional[torch.Tensor] = None,
+               prompt: Optional[StepPromptLogprobs] = None,
+               on_cuda: bool = False) -> "StepHandle":
+        """Start the device-to-host copies of `sampled` and `prompt` (CUDA) and record when they
+        are done. ids_buffer: pinned host memory for the token ids
+        (SampledTensors.to_pinned_host)."""
+        if not on_cuda:
+            return cls(requests, states, sampled, None, prompt)
+        host = sampled.to_pinned_host(ids_buffer) if sampled is not None else None
+        prompt = prompt.to_pinned_host() if prompt is not None else None
         ready = torch.cuda.Event()
         ready.record()
-        return cls(requests, states, host, ready)
+        return cls(requests, states, host, ready, prompt)
 
     def result(self) -> SampledTokens:
         if self._result is None:
             if self._ready is not None:
                 self._ready.synchronize()
-            out = self._sampled.to_output(self._states)
-            self._result = {r.request_id: (tok, lp) for r, tok, lp in
-                            zip(self._requests, out.token_ids, out.logprobs)}
-            for r, tok in zip(self._requests, out.token_ids):
-                r.output_token_ids.append(tok)
-            self._sampled = None
+            self._result = {}
+            if self._sampled is not None:
+                out = self._sampled.to_output(self._states)
+                self._result = {r.request_id: (tok, lp) for r, tok, lp in
+                                zip(self._requests, out.token_ids, out.logprobs)}
+                for r, tok in zip(self._requests, out.token_ids):
+                    r.output_token_ids.append(tok)
+            if self._prompt is not None:
+                self.prompt_logprobs = self._prompt.to_lists()
+            self._sampled = self._prompt = None
         return self._result
