@@ -152,6 +152,11 @@ class MultiprocExecutor:
         self._output_decoder = msgspec.msgpack.Decoder(_Output)
         dist_init = f"tcp://127.0.0.1:{_free_port()}"
         mp = multiprocessing.get_context("spawn")
+        me = multiprocessing.current_process()
+        if me.daemon:
+            # The engine process is daemonic (it dies with the server); multiprocessing refuses
+            # children of a daemonic process. Its workers are daemonic themselves and die with it.
+            me.daemon = False
         self._procs = [mp.Process(target=run_worker, name=f"tinyvllm-worker-{rank}",
                                   args=(config, rank, self.world_size, steps_addr, results_addr,
                                         dist_init, os.getpid()), daemon=True)
