@@ -129,7 +129,28 @@ def test_a_size_that_does_not_split_the_heads_is_refused_at_start(smollm2_dir):
         EngineCore(_tp_config(smollm2_dir, 2))
 
 
-def test_speculation_with_several_ranks_is_refused():
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported"):
-        EngineCore(EngineConfig.from_kwargs(tensor_parallel_size=2,
-                                            speculative_config={"method": "ngram"}))
+def test_two_ranks_speculating_give_the_one_rank_tokens(tmp_path):
+    """n-gram drafts verified on two ranks (rank 0's accepted tokens broadcast), beside a plain
+    row, on repetitive prompts: the tokens of one rank without speculation."""
+    import torch
+
+    from tinyvllm.model.synthetic import random_weights, tiny_arch
+    from tests.model.test_tensor_parallel import _write_hf_dir
+
+    arch = tiny_arch(vocab_size=512, num_heads=4, num_kv_heads=2)
+    path = _write_hf_dir(tmp_path, arch, dict(random_weights(arch, 5, torch.float32,
+                                                             torch.device("cpu"))))
+    prompts = [[7, 8, 9, 10] * 6, [5, 17, 99, 3, 250, 8] * 3]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)]
+    one = EngineCore(_tp_config(path, 1))
+    expected = run_to_completion(one, prompts, params)
+    one.shutdown()
+    engine = EngineCore(_tp_config(path, 2, speculative_config={"method": "ngram"}))
+    try:
+        assert run_to_completion(engine, prompts, params) == expected
+        stats = engine.get_stats()
+        assert stats.spec_num_drafts > 0  # the first row speculated; the second (logprobs) not
+        assert_all_blocks_free(engine)
+    finally:
+        engine.shutdown()

@@ -58,9 +58,6 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, executor: Any = None):
         self.config = config
-        if config.speculative.enabled and config.parallel.tensor_parallel_size > 1:
-            raise ValueError("speculative_config: speculative decoding with "
-                             "tensor_parallel_size > 1 is not supported yet")
         self.executor = executor if executor is not None else make_executor(config)
         info = self.executor.info
         self.tokenizer = self.executor.tokenizer

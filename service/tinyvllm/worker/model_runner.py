@@ -289,19 +289,36 @@ class ModelRunner:
                 plain_rows.append(row)
             row += len(drafts) + 1
         result: SampledTokens = {}
+        plain_tokens, plain_logprobs = [], []
         if plain:
             states = [r.sampling for r in plain]
             rows = logits[torch.tensor(plain_rows, device=logits.device)]
             out = self.sampler.sample(rows, states).to_output(states)
-            result.update({r.request_id: (t, lp)
-                           for r, t, lp in zip(plain, out.token_ids, out.logprobs)})
+            plain_tokens, plain_logprobs = out.token_ids, out.logprobs
         states = [r.sampling for r, _ in spec]
         kept = verify(logits[torch.tensor(spec_rows, device=logits.device)], states,
                       [d for _, d in spec])
+        if self.tp.size > 1:  # every rank keeps rank 0's tokens (random rows may differ)
+            plain_tokens, kept = self._broadcast_tokens(plain_tokens, kept, logits.device)
+        result.update({r.request_id: (t, lp)
+                       for r, t, lp in zip(plain, plain_tokens, plain_logprobs)})
         result.update({r.request_id: (tokens, None) for (r, _), tokens in zip(spec, kept)})
         for r in inputs.sampled_requests:
             r.append_sampled(result[r.request_id][0])
         return result
+
+    def _broadcast_tokens(self, plain: list[int], kept: list[list[int]], device: torch.device
+                          ) -> tuple[list[int], list[list[int]]]:
+        """Rank 0's tokens of a verification step on every rank: one [rows, width] int64
+        broadcast, -1 past each row's end (plain rows first, one token each)."""
+        rows = [[t] for t in plain] + kept
+        width = max(len(r) for r in rows)
+        table = torch.full((len(rows), width), -1, dtype=torch.int64)
+        for i, r in enumerate(rows):
+            table[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
+        table = self.tp.broadcast(table.to(device), src=0).cpu()
+        rows = [[t for t in row if t >= 0] for row in table.tolist()]
+        return [r[0] for r in rows[:len(plain)]], rows[len(plain):]
 
     def _next_ids_buffer(self) -> Optional[torch.Tensor]:
         """Pinned host memory for a step's sampled ids, from a ring of _IDS_RING_SIZE: the engine
