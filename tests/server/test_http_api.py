@@ -172,6 +172,20 @@ async def test_logprobs_in_openai_shapes(client, model):
     assert all(e.logprob == pytest.approx(e.top_logprobs[0].logprob) for e in content)
 
 
+async def test_prompt_logprobs_as_vllm_returns_them(client, model):
+    c = client.completions.create(model=model, prompt=PROMPTS[1], temperature=0, max_tokens=2,
+                                  extra_body={"prompt_logprobs": 1})
+    entries = c.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == c.usage.prompt_tokens
+    for entry in entries[1:]:  # the prompt token (any rank) and the most likely one
+        assert 1 <= len(entry) <= 2 and all(v["logprob"] <= 0 for v in entry.values())
+        assert any(v["rank"] == 1 for v in entry.values())
+    chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+
+
 # --- errors ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,param", [

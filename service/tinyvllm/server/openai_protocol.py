@@ -62,6 +62,7 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: Optional[bool] = None
     priority: int = 0
     cache_salt: Optional[str] = None
+    prompt_logprobs: Optional[int] = None  # vLLM's: each prompt token's logprob and top-N
 
 
 class CompletionRequest(_SamplingRequest):
@@ -163,6 +164,8 @@ def _base_request(req: _SamplingRequest, max_tokens: Optional[int],
     msg.stream.token_ids = True
     if num_logprobs is not None:
         _assign(msg.stream, "logprobs", num_logprobs)
+    if req.prompt_logprobs is not None:
+        _assign(msg.stream, "prompt_logprobs", req.prompt_logprobs)
     return msg
 
 
@@ -236,7 +239,7 @@ class ResponseBuilder:
         if finish is not None:
             choice["stop_reason"] = _stop_reason(resp)
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._envelope(obj, [choice])
+        return self._with_prompt_logprobs(self._envelope(obj, [choice]), resp)
 
     def usage_chunk(self, usage: dict) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -254,7 +257,25 @@ class ResponseBuilder:
         else:
             choice["text"] = text
         choice["stop_reason"] = _stop_reason(last)
-        return {**self._envelope(self.object, [choice]), "usage": usage_json(last)}
+        body = {**self._envelope(self.object, [choice]), "usage": usage_json(last)}
+        return self._with_prompt_logprobs(body, responses[0])
+
+    def _with_prompt_logprobs(self, body: dict, resp: pb.GenerateResponse) -> dict:
+        """vLLM's `prompt_logprobs` (when the stream's first response carries them): None for
+        the first prompt token, then {token id: {logprob, rank, decoded_token}} for the token
+        and its alternatives; on the choice for completions, at the top for chat."""
+        if not resp.prompt_logprobs:
+            return body
+        entries: list[Optional[dict]] = [None]
+        for e in resp.prompt_logprobs:
+            entry = {str(t.token_id): {"logprob": t.logprob, "rank": rank,
+                                       "decoded_token": t.token}
+                     for rank, t in enumerate(e.top_logprobs, start=1)}
+            entry[str(e.token_id)] = {"logprob": e.logprob, "rank": e.rank,
+                                      "decoded_token": e.token}
+            entries.append(entry)
+        (body if self.chat else body["choices"][0])["prompt_logprobs"] = entries
+        return body
 
     def _logprobs(self, entries: list[pb.TokenLogprob]) -> Optional[dict]:
         if self.num_logprobs is None:
