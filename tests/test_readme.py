@@ -67,7 +67,12 @@ SMALL_FLAGS = {
                                     "repetitive", "--no-baseline"],
     ("tinyvllm", "bench", "serve"): ["--request-rate", "inf", "--num-prompts", "2",
                                      "--input-len", "8", "--output-len", "4"],
+    ("tinyvllm", "eval", "perplexity"): ["--window", "16", "--max-model-len", "128",
+                                         "--kv-cache-memory-gb", "0.1"],
 }
+
+EXAMPLE_FILES = {"text.txt": "The quick brown fox jumps over the lazy dog. " * 8}
+"""Input files the README's commands name, written into their working directory."""
 
 
 @dataclass
@@ -287,6 +292,9 @@ def test_example_runs(example: Example, server, ports, tmp_path):
         return
     if _starts_with(words, ("tinyvllm", "bench", "serve")):
         words += ["--target", server.target]  # the README's server, not one of its own
+    for name, text in EXAMPLE_FILES.items():
+        if name in words:
+            (tmp_path / name).write_text(text)
     if words[0] == "grpcurl" and shutil.which("grpcurl") is None:
         output = grpcurl_in_python(words[1:])
     else:
