@@ -35,6 +35,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "random_argmax.cuh"
 
 namespace tinyvllm {
 namespace sampling {
@@ -76,18 +77,6 @@ struct SharedStorage {
 __device__ __forceinline__ uint32_t order_key(float v) {
   const uint32_t u = __float_as_uint(v);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
-#pragma unroll
-  for (int r = 0; r < 10; ++r) {
-    const uint32_t lo0 = 0xD2511F53u * c.x, hi0 = __umulhi(0xD2511F53u, c.x);
-    const uint32_t lo1 = 0xCD9E8D57u * c.z, hi1 = __umulhi(0xCD9E8D57u, c.z);
-    c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
-    k.x += 0x9E3779B9u;
-    k.y += 0xBB67AE85u;
-  }
-  return c;
 }
 
 // log(E) of each token's Exp(1) draw, from the noise tensor or from Philox. A thread visiting the
@@ -183,25 +172,6 @@ __device__ __forceinline__ CandidateSource candidates(const SharedStorage& sm) {
 }
 
 // ---- block reductions -------------------------------------------------------------------------
-
-struct Best {
-  float score;
-  int index;
-};
-
-__device__ __forceinline__ bool beats(float score, int index, const Best& b) {
-  return score > b.score || (score == b.score && index < b.index);
-}
-
-__device__ __forceinline__ Best warp_best(Best b) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const float s = __shfl_xor_sync(0xffffffffu, b.score, off);
-    const int i = __shfl_xor_sync(0xffffffffu, b.index, off);
-    if (beats(s, i, b)) b = {s, i};
-  }
-  return b;
-}
 
 // The block's best (score, lowest index among equal scores), in every thread.
 __device__ Best block_best(Best b, SharedStorage& sm) {

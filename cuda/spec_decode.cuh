@@ -20,24 +20,14 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "random_argmax.cuh"
+
 namespace tinyvllm {
 namespace spec_decode {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int64_t kPlaceholder = -1;
-
-__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {  // as sampling.cuh's
-#pragma unroll
-  for (int r = 0; r < 10; ++r) {
-    const uint32_t lo0 = 0xD2511F53u * c.x, hi0 = __umulhi(0xD2511F53u, c.x);
-    const uint32_t lo1 = 0xCD9E8D57u * c.z, hi1 = __umulhi(0xCD9E8D57u, c.z);
-    c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
-    k.x += 0x9E3779B9u;
-    k.y += 0xBB67AE85u;
-  }
-  return c;
-}
 
 // (bits >> 9) * 2 + 1 over 2^24: exactly representable, never 0 or 1.
 __device__ __forceinline__ float unit_open(uint32_t bits) {
@@ -63,25 +53,6 @@ struct RowNoise {
     return unit_open(w.x);
   }
 };
-
-struct Best {
-  float score;
-  int index;
-};
-
-__device__ __forceinline__ bool beats(float s, int i, const Best& b) {
-  return s > b.score || (s == b.score && i < b.index);
-}
-
-__device__ __forceinline__ Best warp_best(Best b) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float s = __shfl_xor_sync(0xFFFFFFFFu, b.score, o);
-    const int i = __shfl_xor_sync(0xFFFFFFFFu, b.index, o);
-    if (beats(s, i, b)) b = {s, i};
-  }
-  return b;
-}
 
 // The CTA's argmax of w[v] / E[v] with w = p, or max(p - q, 0) when q is given. Every thread
 // gets the result.
