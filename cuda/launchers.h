@@ -12,7 +12,7 @@ namespace tinyvllm {
 // The interface version of these launchers. bindings.cpp exports it as `abi_version` and
 // ops/_dispatch.py refuses a module whose version is not its CUDA_ABI_VERSION: bump both when a
 // launcher's arguments change or a function is added, removed or renamed.
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 
 using ptr_t = std::uintptr_t;  // a device pointer, as torch's data_ptr() gives it
 using stream_t = std::uintptr_t;  // a cudaStream_t, as torch's cuda_stream gives it
@@ -88,6 +88,16 @@ void gemv_merge(ptr_t out, ptr_t split_out, ptr_t split_max, ptr_t split_sum, pt
                 ptr_t weight, ptr_t bias, ptr_t residual, int64_t m, int64_t n, int num_heads,
                 int head_dim, int num_splits, int partition_size, int64_t out_stride,
                 int64_t residual_stride, int dtype, stream_t stream);
+
+// quant_gemv.cu: weight-only quantized linear layers over the integer-group layout of
+// ops/quant_linear.py (qweight int32 [n, k / (32 / bits)], scales / zeros [n, k / group_size]).
+// quant_gemv: out[m, n] = x . w^T (+ bias) for m <= 8, the weight dequantized in registers.
+void quant_gemv(ptr_t out, ptr_t x, ptr_t qweight, ptr_t scales, ptr_t zeros, ptr_t bias,
+                int64_t m, int64_t n, int64_t k, int64_t x_stride, int64_t out_stride, int bits,
+                int group_size, int dtype, stream_t stream);
+// quant_dequantize: the weight as dtype [n, k] (for prefill-sized batches and a cuBLAS GEMM).
+void quant_dequantize(ptr_t out, ptr_t qweight, ptr_t scales, ptr_t zeros, int64_t n, int64_t k,
+                      int bits, int group_size, int dtype, stream_t stream);
 
 // sampling.cu: one token per row after penalties (greedy, temperature, top-k, top-p, min-p, the
 // exponential race with Philox or given noise), no sort, no host sync. 0 = absent for top_k,

@@ -270,6 +270,56 @@ def bench_gemv(model, name, m, n, k, prologue, epilogue, copy_gbps, gen) -> Row:
                              "cublas+ops": time_graph_us(unfused, calls=copies)})
 
 
+# ---- weight-only quantized linear ---------------------------------------------------------------
+
+QUANT_SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+                ("down", 4096, 14336)]
+"""Llama-3-8B projections (n, k) for the W4A16 rows."""
+
+
+def _int4pack_mm(q: torch.Tensor, group_size: int, gen) -> Optional[Callable]:
+    """torch._weight_int4pack_mm over the same 4-bit values, or None where this torch lacks it."""
+    n, k = q.shape
+    try:
+        packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8),
+                                                   8)
+        sz = torch.rand(k // group_size, n, 2, generator=gen, device="cuda").to(DTYPE)
+        x = torch.randn(1, k, generator=gen, device="cuda", dtype=DTYPE)
+        torch._weight_int4pack_mm(x, packed, group_size, sz)
+    except (RuntimeError, AttributeError, TypeError):
+        return None
+    return lambda x: torch._weight_int4pack_mm(x, packed, group_size, sz)
+
+
+def bench_quant_linear(m, name, n, k, bits, group_size, copy_gbps, gen) -> Row:
+    """ops.quant_linear (GEMV up to 8 rows, dequantize + cuBLAS above) against cuBLAS over the bf16
+    weight and torch's int4 GEMM, as CUDA-graph replays over weight copies L2 cannot hold."""
+    from tinyvllm.ops import quant_linear as ql
+    cuda_ops_or_exit()
+    q = torch.randint(0, 1 << bits, (n, k), generator=gen, device="cuda", dtype=torch.int32)
+    packed_bytes = n * k * bits // 8 + 2 * 2 * n * (k // group_size)
+    copies = max(1, -(-ROTATE_BYTES // packed_bytes))
+    qweights = [ql.pack(q, bits) for _ in range(copies)]
+    scales = (torch.rand(n, k // group_size, generator=gen, device="cuda") * 0.01).to(DTYPE)
+    zeros = torch.full_like(scales, float(1 << (bits - 1)))
+    bf16_copies = max(1, -(-ROTATE_BYTES // (n * k * 2)))
+    weights = [torch.randn(n, k, generator=gen, device="cuda", dtype=DTYPE) * k ** -0.5
+               for _ in range(bf16_copies)]
+    x = torch.randn(m, k, generator=gen, device="cuda", dtype=DTYPE)
+    out = torch.empty(m, n, device="cuda", dtype=DTYPE)
+    baselines = {"cublas_bf16": time_graph_us(
+        lambda i: torch.matmul(x, weights[i % bf16_copies].t(), out=out), calls=bf16_copies)}
+    if bits == 4:
+        int4 = _int4pack_mm(q, group_size, gen)
+        if int4 is not None:
+            baselines["torch_int4pack"] = time_graph_us(lambda i: int4(x), calls=1)
+    us = time_graph_us(lambda i: ql.quant_linear(x, qweights[i % copies], scales, zeros, bits,
+                                                 group_size), calls=copies)
+    gbps = packed_bytes / us / 1e3
+    return Row(f"w{bits}a16 g{group_size}", f"m{m} {name} {n}x{k}", us, gbps,
+               frac_copy_bw=gbps / copy_gbps, baselines_us=baselines)
+
+
 # ---- sampling ---------------------------------------------------------------------------------
 
 SAMPLE_VOCAB = 128256  # llama3
@@ -336,10 +386,12 @@ def git_rev() -> str:
         return "unknown"
 
 
-def run(quick: bool) -> tuple[float, list[Row]]:
+def run(quick: bool, only: Optional[str] = None) -> tuple[float, list[Row]]:
     kernels = cuda_ops_or_exit()
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_gbps = copy_bandwidth_gbps()
+    if only == "quant":
+        return copy_gbps, quant_rows(quick, copy_gbps, gen)
     rows = []
     for batch in ([1, 64] if quick else [1, 8, 32, 64, 128]):
         rows.append(bench_decode(kernels, batch, 4096, 32, 8, 128, copy_gbps, gen))
@@ -365,7 +417,16 @@ def run(quick: bool) -> tuple[float, list[Row]]:
     for mode in ("top_k50+top_p0.9", "greedy", "temperature"):
         for num_rows in ([1, 256] if quick else [1, 64, 256]):
             rows.append(bench_sample(kernels, num_rows, mode, copy_gbps, gen))
-    return copy_gbps, rows
+    return copy_gbps, rows + quant_rows(quick, copy_gbps, gen)
+
+
+def quant_rows(quick: bool, copy_gbps: float, gen) -> list[Row]:
+    rows = []
+    for bits in ([4] if quick else [4, 8]):
+        for m in ([1, 8, 16] if quick else [1, 2, 4, 8, 16, 64, 256]):
+            for name, n, k in QUANT_SHAPES:
+                rows.append(bench_quant_linear(m, name, n, k, bits, 128, copy_gbps, gen))
+    return rows
 
 
 def print_table(copy_gbps: float, rows: list[Row]) -> None:
@@ -384,8 +445,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench-results/kernels.json", help="JSON record path")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--only", choices=["quant"], help="only these rows")
     args = parser.parse_args(argv)
-    copy_gbps, rows = run(args.quick)
+    copy_gbps, rows = run(args.quick, args.only)
     record = {
         "benchmark": "kernels", "git_rev": git_rev(), "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),

@@ -47,6 +47,7 @@ KERNEL_MIN_CAPABILITY: dict[str, Capability] = {
     "fused_linear": (8, 0),
     "sample": (8, 0),
     "rejection_sample": (8, 0),
+    "quant_linear": (8, 0),
 }
 
 KERNEL_FUNCTIONS: dict[str, tuple[str, ...]] = {
@@ -59,10 +60,11 @@ KERNEL_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "fused_linear": ("gemv", "gemv_merge"),
     "sample": ("sample",),
     "rejection_sample": ("rejection_sample",),
+    "quant_linear": ("quant_gemv", "quant_dequantize"),
 }
 """Op -> the module's functions its CUDA path calls (same keys as KERNEL_MIN_CAPABILITY)."""
 
-CUDA_ABI_VERSION = 1
+CUDA_ABI_VERSION = 2
 """The launcher interface this package calls; a module must report it as its `abi_version`
 (cuda/launchers.h kAbiVersion: the two are bumped together)."""
 

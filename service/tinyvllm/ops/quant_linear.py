@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from tinyvllm.ops._dispatch import use_kernel
+
 BITS = (4, 8)
 
 
@@ -103,5 +105,18 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor, bits: int, group_size: int,
                  perm: Optional[torch.Tensor] = None,
                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`quant_linear_ref` (the one entry point the model's quantized layers call)."""
+    """`quant_linear_ref`, through the CUDA kernels where they serve (float16 / bfloat16 on a GPU,
+    k and group_size multiples of 32): the one entry point of the model's quantized layers.
+
+    On CUDA, batches of up to `quant_linear_cuda.GEMV_MAX_ROWS` rows run the GEMV, which reads the
+    packed weight once and dequantizes in registers; larger batches dequantize the weight into a
+    scratch tensor for cuBLAS (prefill is compute-bound; dequantizing is one pass over n * k).
+    """
+    n, k = check_layout(qweight, scales, zeros, bits, group_size, perm)
+    mod = use_kernel("quant_linear", x, qweight, scales, zeros)
+    if mod is not None:
+        from tinyvllm.ops.quant_linear_cuda import quant_gemv_supported, quant_linear_cuda
+
+        if quant_gemv_supported(x, k, group_size):
+            return quant_linear_cuda(mod, x, qweight, scales, zeros, bits, group_size, perm, bias)
     return quant_linear_ref(x, qweight, scales, zeros, bits, group_size, perm, bias)
