@@ -82,8 +82,8 @@ PYBIND11_MODULE(_cuda, m) {
                "silu_mul_out", "prefetch_weight", "dtype", "stream");
 
   def_launcher(m, "quant_gemv", &tinyvllm::quant_gemv, "out", "x", "qweight", "scales", "zeros",
-               "bias", "m", "n", "k", "x_stride", "out_stride", "bits", "group_size", "dtype",
-               "stream");
+               "bias", "m", "n", "k", "x_stride", "out_stride", "bits", "group_size", "method",
+               "dtype", "stream");
   def_launcher(m, "quant_dequantize", &tinyvllm::quant_dequantize, "out", "qweight", "scales",
                "zeros", "n", "k", "bits", "group_size", "dtype", "stream");
   def_launcher(m, "gemv_merge", &tinyvllm::gemv_merge, "out", "split_out", "split_max", "split_sum",

@@ -8,7 +8,23 @@
 namespace tinyvllm {
 namespace {
 
-constexpr int kQuantGemvMaxM = 8;
+constexpr int kQuantGemvMaxM = 8;   // the SIMT kernel (any bits)
+constexpr int kQuantMmaMaxM = 16;   // the tensor-core kernel (4 bits, k % 64 == 0)
+
+template <typename T>
+void launch_mma(T* out, const T* x, const uint32_t* qweight, const T* scales, const T* zeros,
+                const T* bias, int m, int n, int k, int64_t x_stride, int64_t out_stride,
+                int group_size, cudaStream_t stream) {
+  const int grid = (n + 15) / 16;
+  if (m <= 8) {
+    quant_mma_kernel<T, 1><<<grid, kQuantMmaWarps * 32, 0, stream>>>(
+        out, x, qweight, scales, zeros, bias, m, n, k, x_stride, out_stride, group_size);
+  } else {
+    quant_mma_kernel<T, 2><<<grid, kQuantMmaWarps * 32, 0, stream>>>(
+        out, x, qweight, scales, zeros, bias, m, n, k, x_stride, out_stride, group_size);
+  }
+  check_launch("quant_gemv (mma)");
+}
 
 template <typename T, int M, int BITS>
 void launch_gemv(T* out, const T* x, const uint32_t* qweight, const T* scales, const T* zeros,
@@ -57,11 +73,19 @@ void check_layout(const std::string& where, int64_t n, int64_t k, int bits, int 
 
 void quant_gemv(ptr_t out, ptr_t x, ptr_t qweight, ptr_t scales, ptr_t zeros, ptr_t bias,
                 int64_t m, int64_t n, int64_t k, int64_t x_stride, int64_t out_stride, int bits,
-                int group_size, int dtype, stream_t stream) {
+                int group_size, int method, int dtype, stream_t stream) {
   const std::string where = "quant_gemv: ";
   check_layout(where, n, k, bits, group_size, qweight);
-  require(m >= 0 && m <= kQuantGemvMaxM, where + "m=" + std::to_string(m) + " rows; at most " +
-                                             std::to_string(kQuantGemvMaxM) + " are served");
+  const bool mma_fits = bits == 4 && k % kQuantMmaTileK == 0;
+  require(method >= 0 && method <= 2, where + "method=" + std::to_string(method) + " unknown");
+  require(method != 2 || mma_fits, where + "method=2 (tensor cores) needs bits=4 and k a "
+                                           "multiple of 64, got bits=" + std::to_string(bits) +
+                                           " k=" + std::to_string(k));
+  // Auto: tensor cores from 2 rows where they fit, else the SIMT kernel.
+  const bool use_mma = method == 2 || (method == 0 && mma_fits && m >= 2);
+  const int max_m = use_mma ? kQuantMmaMaxM : kQuantGemvMaxM;
+  require(m >= 0 && m <= max_m, where + "m=" + std::to_string(m) + " rows; at most " +
+                                    std::to_string(max_m) + " are served here");
   require(x_stride % 8 == 0 && aligned16(reinterpret_cast<void*>(x)),
           where + "x must be 16-byte aligned with x_stride a multiple of 8 (got " +
               std::to_string(x_stride) + ")");
@@ -74,7 +98,10 @@ void quant_gemv(ptr_t out, ptr_t x, ptr_t qweight, ptr_t scales, ptr_t zeros, pt
     auto* sc = reinterpret_cast<const scalar_t*>(scales);
     auto* z = reinterpret_cast<const scalar_t*>(zeros);
     auto* b = reinterpret_cast<const scalar_t*>(bias);
-    if (bits == 4) {
+    if (use_mma) {
+      launch_mma<scalar_t>(o, xi, q, sc, z, b, int(m), int(n), int(k), x_stride, out_stride,
+                           group_size, s);
+    } else if (bits == 4) {
       launch_gemv_m<scalar_t, 4>(o, xi, q, sc, z, b, int(m), int(n), int(k), x_stride,
                                  out_stride, group_size, s);
     } else {

@@ -13,11 +13,22 @@
 // scale * (dot - zero * sx), which is sum x * (q - zero) * scale with one multiply per value.
 // x is read through the read-only cache; every warp of the grid reads the same few KB.
 //
+// quant_mma_kernel: the same for W4A16 with tensor cores, m <= 8 * NT. The weight is the mma's A
+// operand (16 output rows per CTA), x^T its B operand (the batch as the 8 columns of an n-tile),
+// so one mma.m16n8k16 serves up to 8 rows of x and the work per weight value is the
+// dequantization alone, whatever m is. The CTA's warps split k (64-value tiles) and add their
+// partial sums through shared memory. Lane l loads 16 bytes of row l / 2 of a tile (a warp reads
+// the tile's 16 rows x 32 bytes at once, two tiles ahead); the A fragments (rows g and g + 8,
+// columns 2t, 2t + 1 and 2t + 8, 2t + 9 of each 16-wide slice) come from the loading lanes by
+// shuffles and are dequantized to T pairs with the group's scale and zero (the rounding of the
+// reference's dequantize), then multiplied in fp32.
+//
 // quant_dequantize_kernel: the weight as T [n, k], for batches large enough that a tensor-core
 // GEMM over a dequantized copy beats the GEMV (prefill).
 #pragma once
 
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace tinyvllm {
 
@@ -115,6 +126,109 @@ __global__ void __launch_bounds__(kQuantGemvWarps * 32)
       if (lane == 0 && i < m && row < n) {
         const float b = bias != nullptr ? to_float<T>(bias[row]) : 0.f;
         out[i * out_stride + row] = from_float<T>(total + b);
+      }
+    }
+  }
+}
+
+constexpr int kQuantMmaWarps = 4;
+constexpr int kQuantMmaTileK = 64;
+
+template <typename T>
+__device__ __forceinline__ uint32_t dequant_pair(uint32_t word, int t, float scale, float zero) {
+  const uint32_t pair = word >> (8 * t);
+  const float lo = __uint_as_float(0x4B000000u | (pair & 0xFu)) - 8388608.0f;
+  const float hi = __uint_as_float(0x4B000000u | ((pair >> 4) & 0xFu)) - 8388608.0f;
+  return pack2<T>((lo - zero) * scale, (hi - zero) * scale);
+}
+
+template <typename T, int NT>
+__global__ void __launch_bounds__(kQuantMmaWarps * 32)
+    quant_mma_kernel(T* __restrict__ out, const T* __restrict__ x,
+                     const uint32_t* __restrict__ qweight, const T* __restrict__ scales,
+                     const T* __restrict__ zeros, const T* __restrict__ bias, int m, int n, int k,
+                     int64_t x_stride, int64_t out_stride, int group_size) {
+  __shared__ float partial[kQuantMmaWarps][NT][4][32];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * 16;
+  const int words_per_row = k / 8;
+  const int groups = k / group_size;
+  const int tiles = k / kQuantMmaTileK;
+  const int tile_begin = tiles * warp / kQuantMmaWarps;
+  const int tile_end = tiles * (warp + 1) / kQuantMmaWarps;
+  // Rows past n re-read row n - 1; their results are never written.
+  const uint32_t* qrow =
+      qweight + int64_t(min(row0 + (lane >> 1), n - 1)) * words_per_row + (lane & 1) * 4;
+  const int row_a = min(row0 + g, n - 1), row_b = min(row0 + g + 8, n - 1);
+
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
+
+  auto load_tile = [&](int tile) {
+    return tile < tile_end ? __ldg(reinterpret_cast<const uint4*>(qrow + tile * 8))
+                           : make_uint4(0, 0, 0, 0);
+  };
+  uint4 ahead0 = load_tile(tile_begin), ahead1 = load_tile(tile_begin + 1);
+  for (int tile = tile_begin; tile < tile_end; ++tile) {
+    const uint4 cur = ahead0;
+    ahead0 = ahead1;
+    ahead1 = load_tile(tile + 2);
+    const int k0 = tile * kQuantMmaTileK;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // 32 values: one group (group_size % 32 == 0)
+      const int gi = (k0 + 32 * half) / group_size;
+      const float sa = to_float<T>(scales[int64_t(row_a) * groups + gi]);
+      const float za = to_float<T>(zeros[int64_t(row_a) * groups + gi]);
+      const float sb = to_float<T>(scales[int64_t(row_b) * groups + gi]);
+      const float zb = to_float<T>(zeros[int64_t(row_b) * groups + gi]);
+#pragma unroll
+      for (int sub = 0; sub < 2; ++sub) {  // 16-wide slice s = 2 * half + sub: words 2s, 2s + 1
+        const uint32_t lo = sub ? cur.z : cur.x, hi = sub ? cur.w : cur.y;
+        const int src_a = 2 * g + half, src_b = 2 * (g + 8) + half;
+        uint32_t a[4];
+        a[0] = dequant_pair<T>(__shfl_sync(0xffffffffu, lo, src_a), t, sa, za);
+        a[1] = dequant_pair<T>(__shfl_sync(0xffffffffu, lo, src_b), t, sb, zb);
+        a[2] = dequant_pair<T>(__shfl_sync(0xffffffffu, hi, src_a), t, sa, za);
+        a[3] = dequant_pair<T>(__shfl_sync(0xffffffffu, hi, src_b), t, sb, zb);
+        const int kk = k0 + 16 * (2 * half + sub) + 2 * t;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const int b = 8 * j + g;  // this lane's column of the n-tile: a row of x
+          uint32_t b0 = 0, b1 = 0;
+          if (b < m) {
+            const T* xr = x + b * x_stride + kk;
+            b0 = __ldg(reinterpret_cast<const uint32_t*>(xr));
+            b1 = __ldg(reinterpret_cast<const uint32_t*>(xr + 8));
+          }
+          mma_16816<T>(acc[j], a, b0, b1);
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) partial[warp][j][c][lane] = acc[j][c];
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < kQuantMmaWarps; ++w) total += partial[w][j][c][lane];
+      const int row = row0 + g + (c >= 2 ? 8 : 0);  // c0, c1: row g; c2, c3: row g + 8
+      const int b = 8 * j + 2 * t + (c & 1);        // columns 2t, 2t + 1
+      if (row < n && b < m) {
+        const float bv = bias != nullptr ? to_float<T>(bias[row]) : 0.f;
+        out[b * out_stride + row] = from_float<T>(total + bv);
       }
     }
   }

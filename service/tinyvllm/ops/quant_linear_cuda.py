@@ -10,8 +10,14 @@ import torch.nn.functional as F
 
 from tinyvllm.ops._dispatch import dtype_code, stream_handle
 
-GEMV_MAX_ROWS = 8
-"""Rows served by the GEMV (cuda/quant_gemv.cu kQuantGemvMaxM); more dequantize and use cuBLAS."""
+METHODS = {"auto": 0, "simt": 1, "mma": 2}
+"""cuda/quant_gemv.cu's `method`: auto takes tensor cores from two rows where they fit."""
+
+
+def gemv_max_rows(bits: int, k: int) -> int:
+    """Rows the GEMV serves (cuda/quant_gemv.cu): 16 on tensor cores (4 bits, k % 64 == 0), else
+    8; larger batches dequantize and use cuBLAS."""
+    return 16 if bits == 4 and k % 64 == 0 else 8
 
 
 def quant_gemv_supported(x: torch.Tensor, k: int, group_size: int) -> bool:
@@ -34,8 +40,13 @@ def quant_dequantize_cuda(kernel, qweight: torch.Tensor, scales: torch.Tensor,
 def quant_linear_cuda(kernel, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                       zeros: torch.Tensor, bits: int, group_size: int,
                       perm: Optional[torch.Tensor] = None,
-                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """[..., k] float16 / bfloat16 -> [..., n]; scales, zeros and bias in x's dtype."""
+                      bias: Optional[torch.Tensor] = None, *,
+                      method: str = "auto") -> torch.Tensor:
+    """[..., k] float16 / bfloat16 -> [..., n]; scales, zeros and bias in x's dtype.
+
+    Args:
+        method: the GEMV kernel, "auto", "simt" or "mma" (`METHODS`; for tests and benchmarks).
+    """
     n, k = qweight.shape[0], qweight.shape[1] * (32 // bits)
     for name, t in (("scales", scales), ("zeros", zeros), ("bias", bias)):
         if t is not None and (t.dtype != x.dtype or not t.is_contiguous()):
@@ -45,7 +56,7 @@ def quant_linear_cuda(kernel, x: torch.Tensor, qweight: torch.Tensor, scales: to
     if perm is not None:
         x2 = x2.index_select(1, perm)
     m = x2.shape[0]
-    if m > GEMV_MAX_ROWS:
+    if m > gemv_max_rows(bits, k):
         w = quant_dequantize_cuda(kernel, qweight, scales, zeros, bits, group_size)
         return F.linear(x2, w, bias).view(*lead, n)
     if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
@@ -55,6 +66,6 @@ def quant_linear_cuda(kernel, x: torch.Tensor, qweight: torch.Tensor, scales: to
                       scales=scales.data_ptr(), zeros=zeros.data_ptr(),
                       bias=0 if bias is None else bias.data_ptr(), m=m, n=n, k=k,
                       x_stride=x2.stride(0) if m > 1 else k, out_stride=n, bits=bits,
-                      group_size=group_size, dtype=dtype_code(x.dtype),
+                      group_size=group_size, method=METHODS[method], dtype=dtype_code(x.dtype),
                       stream=stream_handle(x.device))
     return out.view(*lead, n)
