@@ -48,13 +48,14 @@ class Reader:
             raise ValueError(f"{module}: group_size {scheme.group_size} does not divide "
                              f"in_features {k} ({self.where})")
         required, optional = TENSORS[scheme.layout]
+        unknown = sorted(set(tensors) - set(required) - set(optional))
+        if unknown:  # e.g. a float `weight` where config.json says quantized
+            raise ValueError(f"{module}.{unknown[0]}: unexpected tensor for {self.where}, "
+                             f"which stores {', '.join(required)}")
         missing = [t for t in required if t not in tensors]
         if missing:
             raise ValueError(f"{module}.{missing[0]}: missing from the checkpoint ({self.where} "
                              f"stores {', '.join(required)})")
-        unknown = sorted(set(tensors) - set(required) - set(optional))
-        if unknown:
-            raise ValueError(f"{module}.{unknown[0]}: unexpected tensor for {self.where}")
 
     def get(self, name: str, shape: tuple[int, ...], dtype: Optional[torch.dtype] = None
             ) -> torch.Tensor:
