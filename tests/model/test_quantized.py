@@ -215,3 +215,19 @@ def test_quantization_flag_must_match_the_checkpoint(tmp_path):
     with pytest.raises(ValueError, match=r"--quantization gptq: float has no "
                                          "quantization_config"):
         load_model(str(ref_dir), torch.float32, CPU, quantization="gptq")
+
+
+def test_two_ranks_match_one_on_quantized_checkpoints(tmp_path):
+    """Tensor parallelism: each rank keeps its rows of qkv / gate_up and its input columns (and
+    their groups) of o / down, and the logits are one rank's."""
+    from tests.model.test_tensor_parallel import Case, _assert_matches, _greedy, _spawn
+
+    cases = {}
+    for spec in (Spec("gptq", group_size=32, sym=False), Spec("ct", bits=8, group_size=-1)):
+        quant_dir, _, _ = make_checkpoints(tmp_path / _spec_id(spec), spec)
+        cases[_spec_id(spec)] = Case(path=str(quant_dir))
+    ranks = _spawn(2, cases, tmp_path)
+    for name, case in cases.items():
+        model = case.build()
+        assert isinstance(model.model.layers[0].self_attn.o_proj, QuantLinear)
+        _assert_matches(name, ranks, _greedy(model))

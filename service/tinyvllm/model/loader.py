@@ -128,10 +128,6 @@ def _open_hf_dir(path: Path, quantization: Optional[str] = None):
     config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     # Formats we do not read (bitsandbytes, FP8, ...) are refused by name before any tensor.
     quant = parse_quantization_config(config, quantization, path.name)
-    if quant is not None and get_tp().size > 1:
-        raise ValueError(f"{path.name}: {quant.method} quantized checkpoints load on one rank "
-                         f"only (the packed projections are not split for tensor_parallel_size "
-                         f"{get_tp().size} yet)")
     arch = LlamaArch.from_hf_config(config, name=model_name(path))
     files = _safetensors_files(path)
     tokenizer = tokenizer_from_hf_dir(path)

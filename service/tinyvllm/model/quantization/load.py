@@ -70,13 +70,41 @@ def _fill(net: nn.Module, ours: str, shard: int, module: str, scheme: WeightSche
     sizes = (net.get_submodule(parent).shard_sizes(ours) if len(MERGED[merged]) > 1
              else [layer.out_features])
     start, n = sum(sizes[:shard]), sizes[shard]
-    unpacked = formats.read(formats.Reader(module, scheme, tensors, n, layer.in_features))
+    # Tensor parallelism: the checkpoint holds the whole projection; this rank keeps its rows
+    # (column-parallel qkv / gate_up) or its input columns (row-parallel o / down).
+    part = net._rank_part(ours, shard)  # (dim, start, length, whole length) or None
+    n_whole = part[3] if part is not None and part[0] == 0 else n
+    k_whole = part[3] if part is not None and part[0] == 1 else layer.in_features
+    reader = formats.Reader(module, scheme, tensors, n_whole, k_whole)
+    unpacked = _rank_slice(formats.read(reader), part, reader.group, module)
     values, perm = _sort_by_group(unpacked, layer.group_size, module)
     rows = slice(start, start + n)
     layer.qweight[rows] = pack(values, layer.bits).to(layer.qweight.device)
     layer.scales[rows] = unpacked.scales.to(layer.scales)
     layer.zeros[rows] = unpacked.zeros.to(layer.zeros)
     return perm
+
+
+def _rank_slice(u: formats.Unpacked, part: Optional[tuple[int, int, int, int]], group: int,
+                module: str) -> formats.Unpacked:
+    """This rank's rows (dim 0) or input columns and their groups (dim 1) of a projection."""
+    if part is None:
+        return u
+    dim, start, length, k = part
+    if dim == 0:
+        rows = slice(start, start + length)
+        return formats.Unpacked(u.values[rows], u.scales[rows], u.zeros[rows], u.g_idx)
+    if u.g_idx is not None and not torch.equal(u.g_idx, torch.arange(k) // group):
+        raise ValueError(f"{module}.g_idx: act-order groups span the whole input, so this "
+                         "row-parallel projection cannot be split for tensor parallelism")
+    columns = slice(start, start + length)
+    if u.scales.shape[1] == 1:  # per channel: every rank keeps the one group
+        return formats.Unpacked(u.values[:, columns], u.scales, u.zeros, None)
+    if start % group or length % group:
+        raise ValueError(f"{module}: this rank's input columns [{start}, {start + length}) do "
+                         f"not start and end on a group of {group} (tensor parallelism)")
+    groups = slice(start // group, (start + length) // group)
+    return formats.Unpacked(u.values[:, columns], u.scales[:, groups], u.zeros[:, groups], None)
 
 
 def _sort_by_group(u: formats.Unpacked, group_size: int, module: str
