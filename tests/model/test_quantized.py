@@ -96,12 +96,11 @@ def test_bfloat16_keeps_the_activation_dtype(tmp_path):
 
 def test_compressed_tensors_package_reads_our_test_checkpoints_the_same(tmp_path):
     """The real compressed-tensors packer and decompressor as the oracle of the layout."""
-    ct = pytest.importorskip("compressed_tensors")
+    pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from compressed_tensors.quantization import QuantizationScheme
 
-    del ct
     for spec in (Spec("ct", bits=4, group_size=32, sym=False), Spec("ct", bits=8,
                                                                      group_size=-1)):
         quant_dir, _, quantized = make_checkpoints(tmp_path / _spec_id(spec), spec)
