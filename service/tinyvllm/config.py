@@ -48,6 +48,13 @@ class ModelConfig:
         "path. Default: Q4_0 / Q4_1 / Q8_0 projections stay packed as in the file and run on "
         "the C++ kernels (activations quantized to int8 per block on the fly)."
     )
+    quantization: Optional[str] = _f(
+        None, "Weight-only quantized checkpoint format to expect: gptq, awq, compressed-tensors "
+        "or auto-round; it must match config.json's quantization_config.quant_method. Default: "
+        "read from config.json (quantized projections stay packed, 4 or 8 bits, as "
+        "QuantLinear modules).",
+        choices=("gptq", "awq", "compressed-tensors", "auto-round"),
+    )
     threads: Optional[int] = _f(
         None, "CPU threads of the quantized kernels' pool (and of torch). Default: the physical "
         "cores."

@@ -116,16 +116,28 @@ def test_no_safetensors_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("quant", [
-    {"quant_method": "gptq", "bits": 4, "group_size": 128},
-    {"quant_method": "awq", "bits": 4, "version": "gemm"},
-    {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+    {"quant_method": "bitsandbytes", "load_in_4bit": True},
+    {"quant_method": "fp8", "activation_scheme": "dynamic"},
+    {"quant_method": "hqq", "nbits": 4},
 ], ids=lambda q: q["quant_method"])
-def test_quantized_checkpoint_is_refused_by_name(quant, tmp_path):
+def test_unsupported_quantized_checkpoint_is_refused_by_name(quant, tmp_path):
+    """Formats we read (GPTQ, AWQ, ...) are tested in test_quantized.py."""
     torch.manual_seed(0)
     _save(_make_llama(), tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
     with pytest.raises(ValueError, match=f"'{quant['quant_method']}' quantized checkpoints"):
+        load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+
+
+def test_quantized_tensors_of_a_float_projection_are_named(tmp_path):
+    """A GPTQ config over float weights: the quantized projections' tensors are missing."""
+    torch.manual_seed(0)
+    _save(_make_llama(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    quant = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    with pytest.raises(ValueError, match=r"\w+_proj\.weight: unexpected tensor for gptq"):
         load_model(str(tmp_path), torch.float32, torch.device("cpu"))
 
 

@@ -16,7 +16,7 @@ adds an op.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -383,11 +383,16 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_empty_model(arch: LlamaArch, dtype: torch.dtype, device: torch.device,
-                      tp: Optional[TensorParallel] = None) -> LlamaForCausalLM:
+                      tp: Optional[TensorParallel] = None,
+                      prepare: Optional[Callable[[LlamaForCausalLM], Any]] = None
+                      ) -> LlamaForCausalLM:
     """An uninitialised model (this rank's part of it; `tp` defaults to `get_tp()`) allocated
-    directly in `dtype` on `device` (no CPU float32 copy)."""
+    directly in `dtype` on `device` (no CPU float32 copy). `prepare(model)` runs before the
+    allocation, still on the meta device in `dtype` (e.g. to swap in quantized projections)."""
     with _default_dtype(dtype), torch.device("meta"):
         model = LlamaForCausalLM(arch, tp)
+        if prepare is not None:
+            prepare(model)
     model.to_empty(device=device)
     model.init_buffers()
     return model.eval().requires_grad_(False)

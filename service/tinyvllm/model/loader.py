@@ -15,6 +15,8 @@ from tqdm.auto import tqdm
 from tinyvllm.distributed import get_tp
 from tinyvllm.model.arch import SUPPORTED_GGUF_ARCHITECTURES, LlamaArch
 from tinyvllm.model.llama import LlamaForCausalLM, build_empty_model
+from tinyvllm.model.quantization import (load_quantized_weights, parse_quantization_config,
+                                         swap_in_quant_linears)
 from tinyvllm.model.synthetic import SYNTHETIC_MODELS, make_random_model
 from tinyvllm.model_files import is_gguf, model_name, read_gguf, resolve_model_path
 from tinyvllm.tokenization import Tokenizer, tokenizer_from_gguf_metadata, tokenizer_from_hf_dir
@@ -51,7 +53,8 @@ class LoadedModel:
 
 
 def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device,
-               seed: int = 0, packed: bool = False) -> LoadedModel:
+               seed: int = 0, packed: bool = False,
+               quantization: Optional[str] = None) -> LoadedModel:
     """Load weights, architecture and tokenizer of a .gguf file or a HF directory (None: default).
 
     A name in `synthetic.SYNTHETIC_MODELS` (`llama3-8b-shape`) builds that shape with random
@@ -62,6 +65,10 @@ def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device,
     than one tensor-parallel rank) the weights are dequantized as usual, with a log line saying
     why.
 
+    A HF directory with a weight-only `quantization_config` (GPTQ, AWQ, compressed-tensors
+    pack-quantized, AutoRound: `model/quantization/`) keeps its projections packed as QuantLinear
+    modules; `quantization` (`--quantization`) must then name the checkpoint's method, if given.
+
     Under tensor parallelism (`tinyvllm.distributed.init_tensor_parallel` first) the model is
     this rank's part, and each rank reads only its slices of a safetensors checkpoint.
 
@@ -70,9 +77,15 @@ def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device,
         ValueError: unsupported architecture or weight type, or missing/mis-shaped weights.
     """
     if model in SYNTHETIC_MODELS:
+        if quantization is not None:
+            raise ValueError(f"--quantization {quantization}: not available for the synthetic "
+                             f"model {model!r} yet")
         return _load_synthetic(model, dtype, torch.device(device), seed)
     path = resolve_model_path(model)
     device = torch.device(device)
+    if is_gguf(path) and quantization is not None:
+        raise ValueError(f"--quantization {quantization}: {path.name} is a GGUF file (its own "
+                         "quantization types load as they are)")
     if is_gguf(path) and packed:
         from tinyvllm.model.packed import load_gguf_packed, packed_unsupported
 
@@ -80,14 +93,18 @@ def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device,
         if reason is None:
             return load_gguf_packed(path, device)
         logger.info("%s: dequantizing the weights: %s", path.name, reason)
+    quant = None
     if is_gguf(path):
         arch, tokenizer, weights, count = _open_gguf(path)
     else:
-        arch, tokenizer, weights, count = _open_hf_dir(path)
-    net = build_empty_model(arch, dtype, device)
+        arch, tokenizer, weights, count, quant = _open_hf_dir(path, quantization)
+    swapped: dict = {}
+    net = build_empty_model(arch, dtype, device, prepare=None if quant is None else
+                            lambda m: swapped.update(swap_in_quant_linears(m, quant)))
+    weights = tqdm(weights, total=count, desc=f"Loading {path.name}", unit="tensor", leave=False)
     try:
-        loaded = net.load_weights(tqdm(weights, total=count, desc=f"Loading {path.name}",
-                                       unit="tensor", leave=False))
+        loaded = (load_quantized_weights(net, weights, swapped) if swapped
+                  else net.load_weights(weights))
     except KeyError as e:  # a tensor no Llama parameter matches: a format we do not read
         raise ValueError(f"{path.name}: {e.args[0]}; this checkpoint's format or architecture "
                          "variant is not supported") from None
@@ -107,35 +124,16 @@ def _load_synthetic(name: str, dtype: torch.dtype, device: torch.device, seed: i
 
 # --- Hugging Face directory ----------------------------------------------------------------------
 
-# What to load instead of a quantized checkpoint (its packed weights are not read yet).
-_QUANTIZED_HINT = ("load an unquantized (float32/float16/bfloat16) checkpoint or a GGUF file "
-                   "instead")
-
-
-def _open_hf_dir(path: Path):
+def _open_hf_dir(path: Path, quantization: Optional[str] = None):
     config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    _refuse_quantized(config, path)
+    # Formats we do not read (bitsandbytes, FP8, ...) are refused by name before any tensor.
+    quant = parse_quantization_config(config, quantization, path.name)
     arch = LlamaArch.from_hf_config(config, name=model_name(path))
     files = _safetensors_files(path)
     tokenizer = tokenizer_from_hf_dir(path)
     tokenizer.vocab_size = arch.vocab_size
     count = sum(len(_safetensors_keys(f)) for f in files)
-    return arch, tokenizer, _iter_safetensors(files), count
-
-
-def _refuse_quantized(config: dict, path: Path) -> None:
-    """GPTQ, AWQ, compressed-tensors, bitsandbytes, FP8...: packed weights this loader does not
-    read. Refused by name before any tensor is touched.
-
-    Raises:
-        ValueError: config.json has a quantization_config (its quant_method named).
-    """
-    quant = config.get("quantization_config")
-    if not quant:
-        return
-    method = quant.get("quant_method") or quant.get("quant_type") or "unknown"
-    raise ValueError(f"{path.name}: {method!r} quantized checkpoints (config.json "
-                     f"quantization_config) are not supported yet; {_QUANTIZED_HINT}")
+    return arch, tokenizer, _iter_safetensors(files), count, quant
 
 
 def _safetensors_files(path: Path) -> list[Path]:

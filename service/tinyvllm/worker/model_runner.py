@@ -120,7 +120,8 @@ class ModelRunner:
         self.loaded = loaded or load_model(config.model.model, self.dtype, self.device,
                                            seed=config.model.seed,
                                            packed=self.device.type == "cpu"
-                                           and not config.model.dequantize)
+                                           and not config.model.dequantize,
+                                           quantization=config.model.quantization)
         self.model = self.loaded.model
         self.arch = self.loaded.arch
         # This rank's shape: its KV heads are the ones its cache holds (tensor parallelism).

@@ -1,0 +1,101 @@
+"""`QuantLinear`: a projection over weights kept packed in `ops.quant_linear`'s layout, and the
+module swap that puts it in place of a Llama model's float projections."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from tinyvllm.model.quantization.schemes import QuantizationConfig, WeightScheme
+from tinyvllm.ops.quant_linear import pack_factor, quant_linear
+
+MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+          "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
+"""Our projection -> its checkpoint projections, stacked along n in this order."""
+
+
+class QuantLinear(nn.Module):
+    """y = x[..., perm] @ dequantize(qweight, scales, zeros).T + bias (`ops.quant_linear`).
+
+    Buffers (filled at load; their layout is `ops.quant_linear`'s):
+        qweight  int32 [out_features, in_features / (32 / bits)]
+        scales   [out_features, in_features / group_size] (the model's float dtype)
+        zeros    [out_features, in_features / group_size] (same dtype; zero points as floats)
+        perm     int64 [in_features] or None (act-order)
+    bias: a float Parameter [out_features] or None, loaded like a float projection's.
+    No `weight` attribute: the fused float GEMV path (`ops.use_fused_decode`) stays off.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int,
+                 bias: bool) -> None:
+        super().__init__()
+        pf = pack_factor(bits)
+        if in_features % pf or in_features % group_size:
+            raise ValueError(f"in_features {in_features}: not a multiple of {pf} and of "
+                             f"group_size {group_size}")
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size = bits, group_size
+        groups = in_features // group_size
+        self.register_buffer("qweight", torch.empty(out_features, in_features // pf,
+                                                    dtype=torch.int32))
+        self.register_buffer("scales", torch.empty(out_features, groups))
+        self.register_buffer("zeros", torch.empty(out_features, groups))
+        self.register_buffer("perm", None)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., in_features] -> [..., out_features]."""
+        return quant_linear(x, self.qweight, self.scales, self.zeros, self.bits,
+                            self.group_size, self.perm, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bits={self.bits}, group_size={self.group_size}, "
+                f"act_order={self.perm is not None}, bias={self.bias is not None}")
+
+
+def projection_schemes(quant: QuantizationConfig, layer_prefix: str, merged: str
+                       ) -> Optional[WeightScheme]:
+    """The one scheme of a merged projection's checkpoint parts (None: all float).
+
+    Raises:
+        ValueError: parts stored differently (one quantized, one not, or other bits/groups).
+    """
+    parent = "self_attn" if merged in ("qkv_proj", "o_proj") else "mlp"
+    names = [f"{layer_prefix}.{parent}.{part}" for part in MERGED[merged]]
+    schemes = {quant.scheme_for(name) for name in names}
+    if len(schemes) > 1:
+        raise ValueError(f"{quant.method}: {', '.join(names)} are stored differently "
+                         f"({schemes}); the merged {merged} needs one scheme")
+    return schemes.pop()
+
+
+def swap_in_quant_linears(net: nn.Module, quant: QuantizationConfig) -> dict[str, WeightScheme]:
+    """Replace each projection of `net` (built on the meta device) whose checkpoint parts are
+    quantized by a QuantLinear of the same shape; returns {our module name: scheme}.
+
+    Raises:
+        ValueError: a scheme that does not fit a projection (group size not dividing k, ...),
+            naming the module.
+    """
+    swapped: dict[str, WeightScheme] = {}
+    for i, layer in enumerate(net.model.layers):
+        prefix = f"model.layers.{i}"
+        for parent_name, merged in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"),
+                                    ("mlp", "gate_up_proj"), ("mlp", "down_proj")):
+            scheme = projection_schemes(quant, prefix, merged)
+            if scheme is None:
+                continue
+            parent = getattr(layer, parent_name)
+            old: nn.Linear = getattr(parent, merged)
+            k, n = old.in_features, old.out_features
+            name = f"{prefix}.{parent_name}.{merged}"
+            try:
+                new = QuantLinear(k, n, scheme.bits, scheme.group_for(k), old.bias is not None)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e} ({scheme.method}, {scheme.bits}-bit)") from None
+            setattr(parent, merged, new)
+            swapped[name] = scheme
+    return swapped

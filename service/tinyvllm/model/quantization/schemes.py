@@ -1,0 +1,236 @@
+"""Which weight-only format each projection of a checkpoint is stored in, read from config.json's
+`quantization_config` the way Hugging Face transformers and vLLM read it.
+
+`quant_method` names the tool's format; each projection of the model (by its Hugging Face module
+name, `model.layers.0.self_attn.q_proj`) gets a `WeightScheme` or None (stored unquantized):
+
+    gptq                 qweight int32 [k/pf, n] packed along k, qzeros int32 [k/g, n/pf] packed
+                         along n, scales [k/g, n], g_idx int32 [k]; `checkpoint_format` gptq stores
+                         zero - 1 (read back + 1), gptq_v2 the zero itself
+    awq (GEMM)           qweight int32 [k, n/8] and qzeros int32 [k/g, n/8] packed along n in the
+                         interleaved order AWQ_ORDER, scales [k/g, n]; zero as is
+    compressed-tensors   `pack-quantized`: weight_packed int32 [n, k/pf] of signed values stored
+                         + 2^(bits-1), weight_scale [n, k/g], weight_zero_point (asymmetric: packed
+                         along n, same offset), weight_shape, optional weight_g_idx
+    auto-round           `packing_format` auto_round:auto_gptq (the gptq layout, zero - 1),
+                         auto_round:auto_awq (awq), other auto_round packings (the gptq layout with
+                         the zero as is); its `auto_gptq` / `auto_awq` exports are gptq / awq
+
+Raises ValueError, naming the key and the format, for anything this loader does not read.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+METHODS = ("gptq", "awq", "compressed-tensors", "auto-round")
+"""`--quantization` values that name a checkpoint's weight-only format."""
+
+_ALIASES = {"auto_round": "auto-round", "autoround": "auto-round",
+            "compressed_tensors": "compressed-tensors"}
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The Llama projections a checkpoint may store quantized (lm_head and embeddings stay float)."""
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """How one projection's weight is stored in the checkpoint.
+
+    layout: gptq, awq or pack-quantized (the tensor names and packing, see the module docstring);
+    group_size: -1 per output channel (one group over all of k); zero_offset: added to the stored
+    zero point (gptq v1: 1); sym: pack-quantized only, no zero-point tensor (zero 2^(bits-1)).
+    """
+
+    layout: str
+    bits: int
+    group_size: int
+    sym: bool = True
+    zero_offset: int = 0
+    desc_act: bool = False
+    method: str = ""
+    """The checkpoint's quant_method, for error messages."""
+
+    def group_for(self, in_features: int) -> int:
+        return in_features if self.group_size == -1 else self.group_size
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """The parsed `quantization_config`: `scheme_for(hf_module_name)` per projection."""
+
+    method: str
+    scheme_for: Callable[[str], Optional[WeightScheme]]
+
+
+def normalize_method(name: str) -> str:
+    name = name.strip().lower()
+    return _ALIASES.get(name, name)
+
+
+def parse_quantization_config(config: dict, forced: Optional[str] = None,
+                              model: str = "model") -> Optional[QuantizationConfig]:
+    """The checkpoint's weight-only quantization (None: an unquantized checkpoint).
+
+    forced: `--quantization`; must name the checkpoint's own method.
+
+    Raises:
+        ValueError: an unknown or unsupported method, key or value (named), or a forced method
+            that the checkpoint does not have.
+    """
+    quant = config.get("quantization_config")
+    if not quant:
+        if forced is not None:
+            raise ValueError(f"--quantization {forced}: {model} has no quantization_config in "
+                             "config.json (quantizing a float checkpoint at load is not "
+                             "supported yet)")
+        return None
+    method = normalize_method(str(quant.get("quant_method") or quant.get("quant_type")
+                                  or "unknown"))
+    if forced is not None and normalize_method(forced) != method:
+        raise ValueError(f"--quantization {forced}: {model} is a {method!r} checkpoint "
+                         "(config.json quantization_config.quant_method)")
+    parsers = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors,
+               "auto-round": _auto_round}
+    if method not in parsers:
+        raise ValueError(f"{model}: {method!r} quantized checkpoints (config.json "
+                         f"quantization_config) are not supported; supported: "
+                         f"{', '.join(METHODS)}")
+    return QuantizationConfig(method, parsers[method](quant, f"{model}: {method}"))
+
+
+def _bits(value: Any, where: str, allowed: tuple[int, ...] = (4, 8)) -> int:
+    if value not in allowed:
+        raise ValueError(f"{where}: bits {value} is not supported (supported: "
+                         f"{', '.join(map(str, allowed))})")
+    return int(value)
+
+
+def _group_size(value: Any, where: str) -> int:
+    if value is None:
+        return -1
+    if not isinstance(value, int) or (value <= 0 and value != -1):
+        raise ValueError(f"{where}: group_size {value!r} is not a positive size or -1")
+    return value
+
+
+def _everywhere(scheme: Optional[WeightScheme],
+                skip: Callable[[str], bool] = lambda name: False
+                ) -> Callable[[str], Optional[WeightScheme]]:
+    return lambda name: None if skip(name) else scheme
+
+
+def _gptq(quant: dict, where: str) -> Callable[[str], Optional[WeightScheme]]:
+    if quant.get("lm_head"):
+        raise ValueError(f"{where}: a quantized lm_head (lm_head: true) is not supported")
+    if quant.get("dynamic"):
+        raise ValueError(f"{where}: per-module overrides (dynamic) are not supported")
+    fmt = quant.get("checkpoint_format") or quant.get("format") or "gptq"
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"{where}: checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
+    scheme = WeightScheme("gptq", _bits(quant.get("bits"), where),
+                          _group_size(quant.get("group_size", 128), where),
+                          sym=bool(quant.get("sym", True)), zero_offset=int(fmt == "gptq"),
+                          desc_act=bool(quant.get("desc_act", False)), method="gptq")
+    only = quant.get("modules_in_block_to_quantize")
+    if not only:
+        return _everywhere(scheme)
+    names = {n for group in only for n in ([group] if isinstance(group, str) else group)}
+    return _everywhere(scheme, lambda name: not any(name.endswith("." + n) for n in names))
+
+
+def _awq(quant: dict, where: str) -> Callable[[str], Optional[WeightScheme]]:
+    version = str(quant.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"{where}: version {version!r} is not supported (gemm)")
+    if not quant.get("zero_point", True):
+        raise ValueError(f"{where}: zero_point false is not supported")
+    scheme = WeightScheme("awq", _bits(quant.get("bits", quant.get("w_bit")), where, (4,)),
+                          _group_size(quant.get("group_size", quant.get("q_group_size", 128)),
+                                      where), sym=False, method="awq")
+    skip = quant.get("modules_to_not_convert") or []
+    return _everywhere(scheme, lambda name: any(s in name for s in skip))
+
+
+def _auto_round(quant: dict, where: str) -> Callable[[str], Optional[WeightScheme]]:
+    packing = str(quant.get("packing_format") or "auto_round:auto_gptq")
+    if "llm_compressor" in packing or "fp8" in packing or "mx" in packing:
+        raise ValueError(f"{where}: packing_format {packing!r} is not supported")
+
+    def scheme(args: dict, name: str) -> Optional[WeightScheme]:
+        bits = args.get("bits", quant.get("bits"))
+        if bits is not None and bits >= 16:
+            return None  # left in float
+        w = f"{where} ({name})" if name else where
+        if str(args.get("data_type", quant.get("data_type", "int"))) != "int":
+            raise ValueError(f"{w}: data_type {args.get('data_type', quant.get('data_type'))!r}"
+                             " is not supported (int)")
+        if int(args.get("act_bits", quant.get("act_bits", 16))) < 16:
+            raise ValueError(f"{w}: act_bits below 16 (activation quantization) is not "
+                             "supported")
+        group = _group_size(args.get("group_size", quant.get("group_size", 128)), w)
+        if "awq" in packing:
+            return WeightScheme("awq", _bits(bits, w, (4,)), group, sym=False,
+                                method="auto-round")
+        return WeightScheme("gptq", _bits(bits, w), group,
+                            sym=bool(args.get("sym", quant.get("sym", True))),
+                            zero_offset=int("gptq" in packing and "gptqmodel" not in packing),
+                            method="auto-round")
+
+    default = scheme({}, "")
+    extra = quant.get("extra_config") or {}
+    overrides = {name: scheme(args, name) for name, args in extra.items()}
+    return lambda name: overrides.get(name, default)
+
+
+def _ct_match(name: str, target: str) -> bool:
+    """compressed-tensors' target matching for a Linear module: its class name, the exact module
+    name, or `re:<pattern>` matched at the start of the name."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target in ("Linear", name)
+
+
+def _compressed_tensors(quant: dict, where: str) -> Callable[[str], Optional[WeightScheme]]:
+    top_format = quant.get("format")
+    groups = []
+    for group_name, group in (quant.get("config_groups") or {}).items():
+        w = f"{where} config_groups.{group_name}"
+        groups.append((group.get("targets") or [], _ct_scheme(group, group.get("format")
+                                                             or top_format, w)))
+    ignore = quant.get("ignore") or []
+
+    def scheme_for(name: str) -> Optional[WeightScheme]:
+        if any(_ct_match(name, t) for t in ignore):
+            return None
+        for targets, scheme in groups:
+            if any(_ct_match(name, t) for t in targets):
+                return scheme
+        return None
+    return scheme_for
+
+
+def _ct_scheme(group: dict, fmt: Optional[str], where: str) -> Optional[WeightScheme]:
+    weights = group.get("weights")
+    if not weights:
+        return None
+    if group.get("input_activations"):
+        raise ValueError(f"{where}: activation quantization (input_activations, format {fmt!r}:"
+                         " W8A8) is not supported yet; weight-only pack-quantized is")
+    if fmt != "pack-quantized":
+        raise ValueError(f"{where}: format {fmt!r} is not supported (pack-quantized)")
+    if weights.get("type", "int") != "int" or weights.get("dynamic"):
+        raise ValueError(f"{where}: weights of type {weights.get('type')!r} / dynamic "
+                         f"{weights.get('dynamic')} are not supported (static int)")
+    strategy = weights.get("strategy")
+    if strategy == "group":
+        group_size = _group_size(weights.get("group_size"), where)
+    elif strategy == "channel":
+        group_size = -1
+    else:
+        raise ValueError(f"{where}: weight strategy {strategy!r} is not supported "
+                         "(group, channel)")
+    return WeightScheme("pack-quantized", _bits(weights.get("num_bits"), where), group_size,
+                        sym=bool(weights.get("symmetric", True)), method="compressed-tensors")
