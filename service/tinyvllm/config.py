@@ -52,7 +52,8 @@ class ModelConfig:
         None, "Weight-only quantized checkpoint format to expect: gptq, awq, compressed-tensors "
         "or auto-round; it must match config.json's quantization_config.quant_method. Default: "
         "read from config.json (quantized projections stay packed, 4 or 8 bits, as "
-        "QuantLinear modules).",
+        "QuantLinear modules). On a synthetic model (llama3-8b-shape, ...) any of them makes "
+        "every projection random 4-bit, group 128, for timing.",
         choices=("gptq", "awq", "compressed-tensors", "auto-round"),
     )
     threads: Optional[int] = _f(

@@ -230,3 +230,22 @@ def test_two_ranks_match_one_on_quantized_checkpoints(tmp_path):
         model = case.build()
         assert isinstance(model.model.layers[0].self_attn.o_proj, QuantLinear)
         _assert_matches(name, ranks, _greedy(model))
+
+
+def test_synthetic_model_with_quantization_is_random_w4a16():
+    from tinyvllm.model.loader import load_model
+    from tinyvllm.model.quantization import QuantLinear
+    from tinyvllm.ops.quant_linear import dequantize
+
+    loaded = load_model("smollm2-135m-shape", torch.float32, torch.device("cpu"), seed=3,
+                        quantization="gptq")
+    layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 4 * loaded.arch.num_layers
+    layer = layers[0]
+    assert (layer.bits, layer.group_size) == (4, 64)  # 128 does not divide 576
+    w = dequantize(layer.qweight, layer.scales, layer.zeros, 4, 64)
+    assert 0.01 < w.std().item() < 0.03  # the float synthetic model's spread (0.02)
+    out = layer(torch.randn(2, layer.in_features))
+    assert out.shape == (2, layer.out_features) and torch.isfinite(out).all()
+    norm = loaded.model.model.layers[0].input_layernorm
+    assert not torch.equal(norm, torch.ones_like(norm))  # the float parts were loaded too

@@ -17,7 +17,8 @@ from tinyvllm.model.arch import SUPPORTED_GGUF_ARCHITECTURES, LlamaArch
 from tinyvllm.model.llama import LlamaForCausalLM, build_empty_model
 from tinyvllm.model.quantization import (load_quantized_weights, parse_quantization_config,
                                          swap_in_quant_linears)
-from tinyvllm.model.synthetic import SYNTHETIC_MODELS, make_random_model
+from tinyvllm.model.synthetic import (SYNTHETIC_MODELS, make_random_model,
+                                      make_random_quantized_model)
 from tinyvllm.model_files import is_gguf, model_name, read_gguf, resolve_model_path
 from tinyvllm.tokenization import Tokenizer, tokenizer_from_gguf_metadata, tokenizer_from_hf_dir
 from tinyvllm.tokenization.synthetic import synthetic_tokenizer
@@ -77,10 +78,7 @@ def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device,
         ValueError: unsupported architecture or weight type, or missing/mis-shaped weights.
     """
     if model in SYNTHETIC_MODELS:
-        if quantization is not None:
-            raise ValueError(f"--quantization {quantization}: not available for the synthetic "
-                             f"model {model!r} yet")
-        return _load_synthetic(model, dtype, torch.device(device), seed)
+        return _load_synthetic(model, dtype, torch.device(device), seed, quantization)
     path = resolve_model_path(model)
     device = torch.device(device)
     if is_gguf(path) and quantization is not None:
@@ -115,9 +113,17 @@ def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device,
                        max_model_len=arch.max_position_embeddings)
 
 
-def _load_synthetic(name: str, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
+def _load_synthetic(name: str, dtype: torch.dtype, device: torch.device, seed: int,
+                    quantization: Optional[str] = None) -> LoadedModel:
+    """With `quantization` (any method name): every projection random W4A16, group 128."""
     arch = SYNTHETIC_MODELS[name]
-    net = make_random_model(arch, seed, dtype, device)
+    if quantization is not None:
+        if get_tp().size > 1:
+            raise ValueError(f"--quantization {quantization}: the synthetic model {name!r} is "
+                             "quantized on one rank only")
+        net = make_random_quantized_model(arch, seed, dtype, device)
+    else:
+        net = make_random_model(arch, seed, dtype, device)
     return LoadedModel(model=net, arch=arch, tokenizer=synthetic_tokenizer(arch.vocab_size, name),
                        name=name, path=Path(name), max_model_len=arch.max_position_embeddings)
 

@@ -39,6 +39,55 @@ def tiny_arch(**overrides: Any) -> LlamaArch:
     return dataclasses.replace(base, **overrides)
 
 
+SYNTHETIC_QUANT_BITS, SYNTHETIC_QUANT_GROUP = 4, 128
+"""A synthetic model with `--quantization`: every projection W4A16, group 128 (halved until it
+divides every projection's k: 64 for the SmolLM2 shape), zero point 8."""
+
+
+@torch.no_grad()
+def make_random_quantized_model(arch: LlamaArch, seed: int, dtype: torch.dtype,
+                                device: torch.device) -> LlamaForCausalLM:
+    """`make_random_model` with each projection a QuantLinear of random 4-bit values (group 128 or
+    less, zero point 8, scales giving the float model's weight spread), made on `device`: timing of
+    the quantized kernels at real shapes without a file. One rank only."""
+    from tinyvllm.model.quantization import QuantizationConfig, WeightScheme, swap_in_quant_linears
+    from tinyvllm.ops.quant_linear import pack
+
+    group = SYNTHETIC_QUANT_GROUP
+    while any(k % group for k in (arch.hidden_size, arch.q_size, arch.intermediate_size)):
+        group //= 2
+    scheme = WeightScheme(layout="gptq", bits=SYNTHETIC_QUANT_BITS, group_size=group, sym=True,
+                          method="synthetic")
+    config = QuantizationConfig(method="synthetic", scheme_for=lambda name: scheme)
+    device = torch.device(device)
+    swapped: dict = {}
+    model = build_empty_model(arch, dtype, device, TensorParallel(),
+                              prepare=lambda m: swapped.update(swap_in_quant_linears(m, config)))
+    generator = torch.Generator(device=device).manual_seed(seed)
+    zero = float(1 << (SYNTHETIC_QUANT_BITS - 1))
+    spread = WEIGHT_STD / 4.6  # the standard deviation of q - 8 for q uniform in 0..15
+    for name, module in model.named_modules():
+        if name not in swapped:
+            continue
+        q = torch.randint(0, 1 << SYNTHETIC_QUANT_BITS, (module.out_features, module.in_features),
+                          generator=generator, device=device, dtype=torch.int32)
+        module.qweight.copy_(pack(q, SYNTHETIC_QUANT_BITS))
+        module.scales.uniform_(0.5 * spread, 1.5 * spread, generator=generator)
+        module.zeros.fill_(zero)
+    model.load_weights((n, t) for n, t in random_weights(arch, seed, dtype, device)
+                       if _float_part(n, swapped))
+    return model
+
+
+def _float_part(name: str, swapped: dict) -> bool:
+    """Whether checkpoint tensor `name` is not one of the swapped projections' weights."""
+    parent = name.rsplit(".", 1)[0]
+    merged = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+              "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+    head, _, proj = parent.rpartition(".")
+    return f"{head}.{merged.get(proj, proj)}" not in swapped
+
+
 @torch.no_grad()
 def make_random_model(arch: LlamaArch, seed: int, dtype: torch.dtype, device: torch.device,
                       tp: Optional[TensorParallel] = None) -> LlamaForCausalLM:
