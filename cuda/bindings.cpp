@@ -86,6 +86,10 @@ PYBIND11_MODULE(_cuda, m) {
                "dtype", "stream");
   def_launcher(m, "quant_dequantize", &tinyvllm::quant_dequantize, "out", "qweight", "scales",
                "zeros", "n", "k", "bits", "group_size", "dtype", "stream");
+  def_launcher(m, "gguf_gemv", &tinyvllm::gguf_gemv, "out", "x", "qweight", "bias", "m", "n", "k",
+               "x_stride", "out_stride", "qtype", "dtype", "stream");
+  def_launcher(m, "gguf_dequantize", &tinyvllm::gguf_dequantize, "out", "qweight", "rows",
+               "num_rows", "k", "qtype", "dtype", "stream");
   def_launcher(m, "gemv_merge", &tinyvllm::gemv_merge, "out", "split_out", "split_max", "split_sum",
                "seq_lens", "weight", "bias", "residual", "m", "n", "num_heads", "head_dim",
                "num_splits", "partition_size", "out_stride", "residual_stride", "dtype", "stream");

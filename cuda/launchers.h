@@ -101,6 +101,15 @@ void quant_gemv(ptr_t out, ptr_t x, ptr_t qweight, ptr_t scales, ptr_t zeros, pt
 void quant_dequantize(ptr_t out, ptr_t qweight, ptr_t scales, ptr_t zeros, int64_t n, int64_t k,
                       int bits, int group_size, int dtype, stream_t stream);
 
+// gguf_gemv.cu: GGUF Q4_0 / Q4_1 / Q8_0 rows read as stored (qweight uint8 [n, k / 32 * block
+// bytes], 4-byte aligned). gguf_gemv: out[m, n] = x . w^T (+ bias) for m <= 8.
+void gguf_gemv(ptr_t out, ptr_t x, ptr_t qweight, ptr_t bias, int64_t m, int64_t n, int64_t k,
+               int64_t x_stride, int64_t out_stride, int qtype, int dtype, stream_t stream);
+// gguf_dequantize: rows `rows` (int64 [num_rows]; 0: rows 0 .. num_rows - 1) as dtype
+// [num_rows, k], with gguf-py's arithmetic (prefill-sized batches, embedding lookups).
+void gguf_dequantize(ptr_t out, ptr_t qweight, ptr_t rows, int64_t num_rows, int64_t k, int qtype,
+                     int dtype, stream_t stream);
+
 // sampling.cu: one token per row after penalties (greedy, temperature, top-k, top-p, min-p, the
 // exponential race with Philox or given noise), no sort, no host sync. 0 = absent for top_k,
 // top_p, min_p; seed and offset only without noise. workspace: partials of split rows.

@@ -326,6 +326,34 @@ def bench_quant_linear(m, name, n, k, bits, group_size, copy_gbps, gen) -> Row:
                frac_copy_bw=gbps / copy_gbps, baselines_us=baselines)
 
 
+GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+
+
+def bench_gguf_linear(m, name, n, k, qtype_name, copy_gbps, gen) -> Row:
+    """ops.quantized over GGUF blocks on the GPU (the GEMV up to 8 rows) against cuBLAS over the
+    bf16 weight; random block bytes (timing only), weight copies L2 cannot hold."""
+    from tinyvllm.ops import quantized as q
+    cuda_ops_or_exit()
+    qtype = GGUF_TYPES[qtype_name]
+    row_bytes = q.row_bytes(qtype, k)
+    packed_bytes = n * row_bytes
+    copies = max(1, -(-ROTATE_BYTES // packed_bytes))
+    qweights = [torch.randint(0, 256, (n, row_bytes), generator=gen, device="cuda",
+                              dtype=torch.uint8) for _ in range(copies)]
+    bf16_copies = max(1, -(-ROTATE_BYTES // (n * k * 2)))
+    weights = [torch.randn(n, k, generator=gen, device="cuda", dtype=DTYPE)
+               for _ in range(bf16_copies)]
+    x = torch.randn(m, k, generator=gen, device="cuda", dtype=DTYPE)
+    out = torch.empty(m, n, device="cuda", dtype=DTYPE)
+    baselines = {"cublas_bf16": time_graph_us(
+        lambda i: torch.matmul(x, weights[i % bf16_copies].t(), out=out), calls=bf16_copies)}
+    us = time_graph_us(lambda i: q.quantized_linear(x, qweights[i % copies], qtype, k),
+                       calls=copies)
+    gbps = packed_bytes / us / 1e3
+    return Row(f"gguf {qtype_name}", f"m{m} {name} {n}x{k}", us, gbps,
+               frac_copy_bw=gbps / copy_gbps, baselines_us=baselines)
+
+
 # ---- sampling ---------------------------------------------------------------------------------
 
 SAMPLE_VOCAB = 128256  # llama3
@@ -432,6 +460,10 @@ def quant_rows(quick: bool, copy_gbps: float, gen) -> list[Row]:
         for m in ([1, 2, 4, 8, 16] if quick else [1, 2, 4, 8, 16, 64, 256]):
             for name, n, k in QUANT_SHAPES:
                 rows.append(bench_quant_linear(m, name, n, k, bits, 128, copy_gbps, gen))
+    for qtype_name in GGUF_TYPES:
+        for m in ([1] if quick else [1, 4, 8]):
+            for name, n, k in QUANT_SHAPES:
+                rows.append(bench_gguf_linear(m, name, n, k, qtype_name, copy_gbps, gen))
     return rows
 
 

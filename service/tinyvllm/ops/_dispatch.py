@@ -48,6 +48,7 @@ KERNEL_MIN_CAPABILITY: dict[str, Capability] = {
     "sample": (8, 0),
     "rejection_sample": (8, 0),
     "quant_linear": (8, 0),
+    "gguf_linear": (8, 0),
 }
 
 KERNEL_FUNCTIONS: dict[str, tuple[str, ...]] = {
@@ -61,6 +62,7 @@ KERNEL_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "sample": ("sample",),
     "rejection_sample": ("rejection_sample",),
     "quant_linear": ("quant_gemv", "quant_dequantize"),
+    "gguf_linear": ("gguf_gemv", "gguf_dequantize"),
 }
 """Op -> the module's functions its CUDA path calls (same keys as KERNEL_MIN_CAPABILITY)."""
 

@@ -86,17 +86,22 @@ def row_bytes(qtype: int, k: int) -> int:
     return k // QBLOCK * BLOCK_BYTES[qtype]
 
 
-def _check_packed(qweight: torch.Tensor, qtype: int, k: int) -> None:
+def _check_packed(qweight: torch.Tensor, qtype: int, k: int,
+                  device: torch.device = torch.device("cpu")) -> None:
     want = row_bytes(qtype, k)
     if (qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] != want
-            or not qweight.is_contiguous() or qweight.device.type != "cpu"):
-        raise ValueError(f"qweight: expected a contiguous CPU uint8 [n, {want}] tensor for "
-                         f"k={k}, got {qweight.dtype} {tuple(qweight.shape)} on {qweight.device}")
+            or not qweight.is_contiguous() or qweight.device.type != device.type):
+        raise ValueError(f"qweight: expected a contiguous {device.type.upper()} uint8 [n, {want}] tensor "
+                         f"for k={k}, got {qweight.dtype} {tuple(qweight.shape)} on "
+                         f"{qweight.device}")
 
 
 def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k: int,
                      bias: Optional[torch.Tensor] = None, *, isa: str = "auto") -> torch.Tensor:
     """x @ dequantize(qweight).T + bias through the C++ kernels (the reference without them).
+
+    On a GPU (x and qweight there, x float16 / bfloat16) the CUDA GEMV reads the blocks with
+    float activations (`ops.gguf_cuda`; without the kernels, the dequantized reference).
 
     Args:
         isa: "auto" (the best this CPU has; env TINYVLLM_CPU_ISA overrides), "avx2" or "scalar".
@@ -104,6 +109,8 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k: int,
         x: [..., k] float32 on the CPU; qweight: [n, row_bytes(qtype, k)] uint8; bias: [n] float32
         returns: [..., n] float32
     """
+    if x.is_cuda:
+        return _quantized_linear_cuda(x, qweight, qtype, k, bias)
     _check_packed(qweight, qtype, k)
     n = qweight.shape[0]
     if x.dtype != torch.float32 or x.shape[-1] != k or x.device.type != "cpu":
@@ -128,11 +135,41 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k: int,
     return out.view(*x.shape[:-1], n)
 
 
-def embedding_rows(qweight: torch.Tensor, qtype: int, k: int, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of a packed [num_rows, k] matrix as float32 (a quantized embedding lookup).
+def _quantized_linear_cuda(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k: int,
+                           bias: Optional[torch.Tensor]) -> torch.Tensor:
+    from tinyvllm.ops._dispatch import use_kernel
 
-    Shape: ids [...] int64 -> [..., k] float32.
+    _check_packed(qweight, qtype, k, x.device)
+    if x.dtype not in (torch.float16, torch.bfloat16) or x.shape[-1] != k:
+        raise ValueError(f"x: expected a float16 / bfloat16 [..., {k}] tensor on the GPU, got "
+                         f"{x.dtype} {tuple(x.shape)}")
+    mod = use_kernel("gguf_linear", x, qweight)
+    if mod is None:
+        return dequantized_linear_ref(x, qweight, qtype, k, bias)
+    from tinyvllm.ops.gguf_cuda import gguf_linear_cuda
+
+    return gguf_linear_cuda(mod, x, qweight, qtype, k, bias)
+
+
+def embedding_rows(qweight: torch.Tensor, qtype: int, k: int, ids: torch.Tensor,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows `ids` of a packed [num_rows, k] matrix (a quantized embedding lookup), float32 on the
+    CPU; on a GPU in `dtype` (float16 / bfloat16) through the CUDA dequantize kernel.
+
+    Shape: ids [...] int64 -> [..., k].
     """
+    if qweight.is_cuda:
+        from tinyvllm.ops._dispatch import use_kernel
+
+        _check_packed(qweight, qtype, k, qweight.device)
+        mod = use_kernel("gguf_linear", qweight)
+        if mod is None:
+            return dequantize(qweight[ids.reshape(-1)].cpu(), qtype, k).to(
+                device=qweight.device, dtype=dtype).view(*ids.shape, k)
+        from tinyvllm.ops.gguf_cuda import gguf_dequantize_cuda
+
+        return gguf_dequantize_cuda(mod, qweight, qtype, k, dtype, ids.reshape(-1)).view(
+            *ids.shape, k)
     _check_packed(qweight, qtype, k)
     mod = cpu_kernels()
     flat = ids.reshape(-1).to(torch.int64).contiguous()
@@ -147,9 +184,12 @@ def embedding_rows(qweight: torch.Tensor, qtype: int, k: int, ids: torch.Tensor)
 # --- references ---------------------------------------------------------------------------------
 
 def dequantize(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """The packed rows as float32 [n, k], through `gguf.quants` (the oracle for the layouts)."""
+    """The packed rows as float32 [n, k] on qweight's device, through `gguf.quants` (the oracle
+    for the layouts)."""
     import gguf
 
+    if qweight.device.type != "cpu":
+        return dequantize(qweight.cpu(), qtype, k).to(qweight.device)
     _check_packed(qweight, qtype, k)
     values = gguf.quants.dequantize(qweight.numpy(), gguf.GGMLQuantizationType(qtype))
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1, k))
@@ -174,4 +214,4 @@ def quantized_linear_ref(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k: 
 def dequantized_linear_ref(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k: int,
                            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The `--dequantize` path: F.linear over the dequantized weight, x as it is."""
-    return F.linear(x, dequantize(qweight, qtype, k).to(x.device), bias)
+    return F.linear(x, dequantize(qweight, qtype, k).to(device=x.device, dtype=x.dtype), bias)

@@ -1,0 +1,67 @@
+"""The GGUF block GEMV and dequantize kernels (cuda/gguf_gemv.cuh) against gguf-py's
+dequantization (ops/quantized.py's references)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tinyvllm.ops import quantized as q
+from tinyvllm.ops._dispatch import cuda_ops
+from tinyvllm.ops.gguf_cuda import gguf_dequantize_cuda
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+QTYPES = [2, 3, 8]  # Q4_0, Q4_1, Q8_0
+
+
+def packed(n, k, qtype, seed):
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype))
+    return torch.from_numpy(np.ascontiguousarray(blocks)).cuda()
+
+
+def rel_err(out, ref):
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 33])
+@pytest.mark.parametrize("n,k", [(7, 32), (1001, 576), (576, 1536), (4104, 4096), (33, 14336)])
+def test_gguf_linear_matches_dequantized_reference(dtype, qtype, m, n, k):
+    qweight = packed(n, k, qtype, seed=m * 31 + n + k)
+    gen = torch.Generator(device="cuda").manual_seed(n + m)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+    bias = torch.randn(n, generator=gen, device="cuda").to(dtype) if n % 2 else None
+    out = q.quantized_linear(x, qweight, qtype, k, bias)
+    ref = q.dequantized_linear_ref(x.float(), qweight, qtype, k,
+                                   None if bias is None else bias.float())
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, ref) < (3e-3 if dtype == torch.float16 else 1e-2)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_kernel_equals_gguf_py(qtype):
+    n, k = 70, 256
+    qweight = packed(n, k, qtype, seed=qtype)
+    want = q.dequantize(qweight.cpu(), qtype, k)
+    got = gguf_dequantize_cuda(cuda_ops(), qweight, qtype, k, torch.float16)
+    assert torch.equal(got.cpu(), want.to(torch.float16))
+    rows = torch.tensor([5, 0, 69, 5], device="cuda")
+    emb = q.embedding_rows(qweight, qtype, k, rows, torch.bfloat16)
+    assert torch.equal(emb.cpu(), want[[5, 0, 69, 5]].to(torch.bfloat16))
+
+
+def test_bad_qtype_is_named():
+    qweight = packed(8, 32, 2, seed=0)
+    x = torch.randn(1, 32, device="cuda", dtype=torch.float16)
+    out = torch.empty(1, 8, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="qtype=12"):
+        cuda_ops().gguf_gemv(out=out.data_ptr(), x=x.data_ptr(), qweight=qweight.data_ptr(),
+                             bias=0, m=1, n=8, k=32, x_stride=32, out_stride=8, qtype=12, dtype=1,
+                             stream=0)
