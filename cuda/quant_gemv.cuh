@@ -65,15 +65,28 @@ __global__ void __launch_bounds__(kQuantGemvWarps * 32)
 #pragma unroll
     for (int i = 0; i < M; ++i) acc[r][i] = 0.f;
 
+  // The weight of the lane's next chunk is requested before this one is computed.
+  auto load_chunk = [&](int c0, uint4 (&q)[kQuantRowsPerWarp]) {
+#pragma unroll
+    for (int r = 0; r < kQuantRowsPerWarp; ++r) {
+      const int row = min(row0 + r, n - 1);  // a missing last row re-reads the one before
+      q[r] = c0 < k ? __ldg(reinterpret_cast<const uint4*>(qweight + int64_t(row) * words_per_row +
+                                                           c0 / kPerWord))
+                    : make_uint4(0, 0, 0, 0);
+    }
+  };
+  uint4 ahead[kQuantRowsPerWarp];
+  load_chunk(lane * kChunk, ahead);
   for (int c0 = lane * kChunk; c0 < k; c0 += 32 * kChunk) {
     uint4 q[kQuantRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kQuantRowsPerWarp; ++r) q[r] = ahead[r];
+    load_chunk(c0 + 32 * kChunk, ahead);
     float scale[kQuantRowsPerWarp], zero[kQuantRowsPerWarp];
     const int g = c0 / group_size;
 #pragma unroll
     for (int r = 0; r < kQuantRowsPerWarp; ++r) {
-      const int row = min(row0 + r, n - 1);  // a missing last row re-reads the one before
-      q[r] = __ldg(reinterpret_cast<const uint4*>(qweight + int64_t(row) * words_per_row +
-                                                  c0 / kPerWord));
+      const int row = min(row0 + r, n - 1);
       scale[r] = to_float<T>(scales[int64_t(row) * groups + g]);
       zero[r] = to_float<T>(zeros[int64_t(row) * groups + g]);
     }
