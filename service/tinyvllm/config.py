@@ -43,10 +43,11 @@ class ModelConfig:
         choices=("auto", "cpu", "cuda"),
     )
     enforce_eager: bool = _f(False, "Disable CUDA graphs and always run eagerly.")
-    dequantize: bool = _f(
-        False, "On the CPU, dequantize a GGUF file's weights at load and run the float torch "
-        "path. Default: Q4_0 / Q4_1 / Q8_0 projections stay packed as in the file and run on "
-        "the C++ kernels (activations quantized to int8 per block on the fly)."
+    dequantize: Optional[bool] = _f(
+        None, "Dequantize a GGUF file's Q4_0 / Q4_1 / Q8_0 weights at load and run the float "
+        "path (--dequantize), or keep them packed as in the file (--no-dequantize). Default: "
+        "packed on the CPU (C++ kernels, activations quantized to int8 per block on the fly), "
+        "dequantized on a GPU; --no-dequantize on a GPU runs the CUDA block GEMV over them."
     )
     quantization: Optional[str] = _f(
         None, "Weight-only quantized checkpoint format to expect: gptq, awq, compressed-tensors "

@@ -55,7 +55,8 @@ def _rope_freqs(arch) -> np.ndarray:
     return (inv / _scale_inv_freq(inv, LLAMA3_SCALING)).float().numpy()
 
 
-def _write_gguf(path, model, pre="smollm"):
+def _write_gguf(path, model, pre="smollm", qtype=None):
+    """The model as a GGUF file: matrices F16, or quantized to `qtype` (a GGMLQuantizationType)."""
     a = model.arch
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-gguf")
@@ -80,7 +81,13 @@ def _write_gguf(path, model, pre="smollm"):
     w.add_add_bos_token(False)
     w.add_chat_template(TEMPLATE)
     for name, tensor in _hf_state(model).items():
-        w.add_tensor(name, tensor if tensor.ndim == 1 else tensor.astype(np.float16))
+        if tensor.ndim == 1:
+            w.add_tensor(name, tensor)
+        elif qtype is None:
+            w.add_tensor(name, tensor.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(tensor.astype(np.float32), qtype),
+                         raw_dtype=qtype)
     w.add_tensor("rope_freqs.weight", _rope_freqs(a))
     w.write_header_to_file()
     w.write_kv_data_to_file()

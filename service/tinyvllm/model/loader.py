@@ -62,9 +62,9 @@ def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device,
     weights made on `device` from `seed`, and a byte-level stand-in tokenizer; no file is read.
 
     packed=True keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 projections as the file's blocks for the
-    CPU kernels (`model/packed.py`); where that cannot serve (not CPU float32, no kernels, more
-    than one tensor-parallel rank) the weights are dequantized as usual, with a log line saying
-    why.
+    CPU kernels or the CUDA block GEMV (`model/packed.py`); where that cannot serve (not CPU
+    float32 or GPU 16-bit, no kernels, more than one tensor-parallel rank) the weights are
+    dequantized as usual, with a log line saying why.
 
     A HF directory with a weight-only `quantization_config` (GPTQ, AWQ, compressed-tensors
     pack-quantized, AutoRound: `model/quantization/`) keeps its projections packed as QuantLinear
@@ -89,7 +89,7 @@ def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device,
 
         reason = packed_unsupported(dtype, device, get_tp().size)
         if reason is None:
-            return load_gguf_packed(path, device)
+            return load_gguf_packed(path, device, dtype)
         logger.info("%s: dequantizing the weights: %s", path.name, reason)
     quant = None
     if is_gguf(path):

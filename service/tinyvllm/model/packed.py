@@ -1,4 +1,5 @@
-"""Modules over GGUF weights kept packed, and loading a GGUF file into them (the CPU data plane).
+"""Modules over GGUF weights kept packed, and loading a GGUF file into them (the CPU data plane,
+and a GPU with `--no-dequantize`).
 
 `load_gguf_packed` builds the Llama model with every projection (qkv, o, gate_up, down, lm_head)
 whose GGUF tensors the CPU kernels read (`ops.quantized.KERNEL_TYPES`) as a `PackedLinear` over
@@ -25,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 
 class PackedLinear(nn.Module):
-    """y = x @ dequantize(qweight).T + bias over packed GGUF rows (one row per output feature).
+    """y = x @ dequantize(qweight).T + bias over packed GGUF rows (one row per output feature):
+    the C++ kernels on the CPU (float32 x), the CUDA block GEMV on a GPU (16-bit x).
 
     Shape: qweight [out_features, row_bytes] uint8 (a buffer: loaded, never trained).
     """
@@ -48,16 +50,18 @@ class PackedLinear(nn.Module):
 
 
 class PackedEmbedding(nn.Module):
-    """Token embedding over packed rows: each lookup dequantizes the rows it needs."""
+    """Token embedding over packed rows: each lookup dequantizes the rows it needs (to `dtype`:
+    float32 on the CPU, the model's 16-bit dtype on a GPU)."""
 
-    def __init__(self, qweight: torch.Tensor, qtype: int, embedding_dim: int) -> None:
+    def __init__(self, qweight: torch.Tensor, qtype: int, embedding_dim: int,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.qtype, self.embedding_dim = qtype, embedding_dim
+        self.qtype, self.embedding_dim, self.dtype = qtype, embedding_dim, dtype
         self.register_buffer("qweight", qweight, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """[...] int64 -> [..., embedding_dim] float32."""
-        return q.embedding_rows(self.qweight, self.qtype, self.embedding_dim, ids)
+        """[...] int64 -> [..., embedding_dim]."""
+        return q.embedding_rows(self.qweight, self.qtype, self.embedding_dim, ids, self.dtype)
 
 
 # GGUF tensor names of each projection, by our module path; shards in row order.
@@ -103,7 +107,8 @@ def _pack(tensors: list[Any], arch: LlamaArch, permuted: bool) -> Optional[tuple
 
 
 def pack_model(net: LlamaForCausalLM, tensors: dict[str, Any], arch: LlamaArch,
-               permuted: bool) -> set[str]:
+               permuted: bool, device: torch.device = torch.device("cpu"),
+               dtype: torch.dtype = torch.float32) -> set[str]:
     """Swap net's projections (and a quantized embedding) for packed modules over the file's
     bytes; returns the GGUF tensor names now served packed (the rest load dequantized)."""
     packed: set[str] = set()
@@ -118,9 +123,11 @@ def pack_model(net: LlamaForCausalLM, tensors: dict[str, Any], arch: LlamaArch,
         parent, name = path.rsplit(".", 1)
         old = net.get_submodule(path)
         bias = None if old.bias is None else torch.zeros_like(old.bias)  # loaded later
-        setattr(net.get_submodule(parent), name, PackedLinear(*got, bias=bias))
+        qweight, qtype, k = got
+        setattr(net.get_submodule(parent), name,
+                PackedLinear(qweight.to(device), qtype, k, bias=bias))
         packed.update(f"{s}.weight" for s in stems)
-    packed |= _pack_embedding_and_head(net, tensors, arch, fallback)
+    packed |= _pack_embedding_and_head(net, tensors, arch, fallback, device, dtype)
     for types, paths in fallback.items():
         logger.info("CPU kernels read %s; %d projection(s) of type %s run on the torch path, "
                     "dequantized (e.g. %s)", ", ".join(q.KERNEL_TYPES), len(paths), types,
@@ -129,19 +136,24 @@ def pack_model(net: LlamaForCausalLM, tensors: dict[str, Any], arch: LlamaArch,
 
 
 def _pack_embedding_and_head(net: LlamaForCausalLM, tensors: dict[str, Any], arch: LlamaArch,
-                             fallback: dict[str, list[str]]) -> set[str]:
+                             fallback: dict[str, list[str]], device: torch.device,
+                             dtype: torch.dtype) -> set[str]:
     """A quantized token_embd becomes a PackedEmbedding; the lm_head (output.weight, or the
     embedding itself when tied, as in SmolLM2) a PackedLinear over the same bytes."""
     packed: set[str] = set()
     embd = tensors["token_embd.weight"]
     embedding = _pack([embd], arch, False)
     if embedding is not None:
-        net.model.embed_tokens = PackedEmbedding(embedding[0], embedding[1], arch.hidden_size)
+        embedding = (embedding[0].to(device),) + embedding[1:]
+        net.model.embed_tokens = PackedEmbedding(embedding[0], embedding[1], arch.hidden_size,
+                                                 dtype)
         packed.add(embd.name)
     head_tensor = tensors.get("output.weight")
     if head_tensor is None and not arch.tie_word_embeddings:
         return packed  # the loader reports the missing weight
     head = embedding if head_tensor is None else _pack([head_tensor], arch, False)
+    if head is not None:
+        head = (head[0].to(device),) + head[1:]
     if head is None:
         fallback.setdefault((head_tensor or embd).tensor_type.name, []).append("lm_head")
         return packed
@@ -170,34 +182,42 @@ def open_gguf_tensors(path: Path) -> tuple[LlamaArch, Any, dict[str, Any], bool]
     return arch, tokenizer, tensors, meta["general.architecture"] == "llama"
 
 
-def load_gguf_packed(path: Path, device: torch.device):
-    """A LoadedModel of a GGUF file with its quantized projections kept packed (CPU, float32
-    activations). Raises as `loader.load_model` does."""
+def load_gguf_packed(path: Path, device: torch.device, dtype: torch.dtype = torch.float32):
+    """A LoadedModel of a GGUF file with its quantized projections kept packed (the CPU with
+    float32 activations, or a GPU with 16-bit ones). Raises as `loader.load_model` does."""
     from tinyvllm.model import loader
     from tinyvllm.model_files import model_name
 
     arch, tokenizer, tensors, permuted = open_gguf_tensors(path)
-    net = build_empty_model(arch, torch.float32, device)
-    packed = pack_model(net, tensors, arch, permuted)
+    net = build_empty_model(arch, dtype, device)
+    packed = pack_model(net, tensors, arch, permuted, device, dtype)
     rest = [t for name, t in tensors.items() if name not in packed]
     loaded = net.load_weights(loader._iter_gguf(rest, arch, permuted))
     missing = net.expected_weight_names() - loaded
     if missing:
         raise ValueError(f"{path.name}: missing weights {sorted(missing)[:8]}")
-    logger.info("%s: %d GGUF tensors kept packed for the CPU kernels, %d dequantized",
-                path.name, len(packed), len(rest))
+    logger.info("%s: %d GGUF tensors kept packed for the %s kernels, %d dequantized",
+                path.name, len(packed), device.type.upper(), len(rest))
     return loader.LoadedModel(model=net, arch=arch, tokenizer=tokenizer, name=model_name(path),
                               path=path, max_model_len=arch.max_position_embeddings)
 
 
 def packed_unsupported(dtype: torch.dtype, device: torch.device,
                        tensor_parallel_size: int = 1) -> Optional[str]:
-    """Why the packed CPU path cannot serve this load (None: it can)."""
+    """Why the packed path cannot serve this load (None: it can)."""
     if tensor_parallel_size > 1:  # the packed modules hold whole projections
         return (f"the packed GGUF kernels serve one rank, not tensor_parallel_size "
                 f"{tensor_parallel_size}")
+    if device.type == "cuda":
+        from tinyvllm.ops._dispatch import kernel_enabled
+
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"the CUDA GGUF kernels take float16 / bfloat16 activations, not {dtype}"
+        if not kernel_enabled("gguf_linear"):
+            return "the CUDA GGUF kernels do not run on this GPU (or tinyvllm._cuda is absent)"
+        return None
     if device.type != "cpu":
-        return f"the packed GGUF kernels run on the CPU, not {device}"
+        return f"the packed GGUF kernels run on the CPU or a CUDA GPU, not {device}"
     if dtype != torch.float32:
         return f"the packed GGUF kernels take float32 activations, not {dtype}"
     if q.cpu_kernels() is None:

@@ -92,6 +92,11 @@ class _PrevSampled:
     rows: dict[str, int]  # request id -> row in token_ids
 
 
+def keep_gguf_packed(dequantize: Optional[bool], device: torch.device) -> bool:
+    """`--[no-]dequantize`: GGUF blocks stay packed by default on the CPU, on a GPU when asked."""
+    return dequantize is False or (dequantize is None and device.type == "cpu")
+
+
 class ModelRunner:
     """Owns the model, the KV cache, the input buffers and (on CUDA) the decode graphs.
 
@@ -119,8 +124,8 @@ class ModelRunner:
             configure_cpu_threads(config.model.threads)
         self.loaded = loaded or load_model(config.model.model, self.dtype, self.device,
                                            seed=config.model.seed,
-                                           packed=self.device.type == "cpu"
-                                           and not config.model.dequantize,
+                                           packed=keep_gguf_packed(config.model.dequantize,
+                                                                   self.device),
                                            quantization=config.model.quantization)
         self.model = self.loaded.model
         self.arch = self.loaded.arch
