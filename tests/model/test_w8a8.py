@@ -88,7 +88,10 @@ def test_activation_quantization_equals_compressed_tensors_for_static_scales():
                                   W8A8Spec("float", "tensor", False)], ids=_spec_id)
 def test_logits_and_greedy_tokens_follow_the_dequantized_float_model(spec, tmp_path, paged_run):
     """Only the activations' quantization differs from the float model of the dequantized
-    weights: logits within 5% (int8) / 12% (fp8) relative error, and the same greedy tokens."""
+    weights: logits within 2% (int8, dynamic; measured 1.0%) / 8% (fp8, static; measured 4.3%)
+    relative error (Frobenius norm over 37 positions), and the same greedy tokens on these
+    prompts (argmax agrees at 97% / 89% of the positions above: the tiny random model's logits
+    have near-ties, so other prompts may differ at one)."""
     from tinyvllm import LLM, SamplingParams
 
     quant_dir, ref_dir, _ = make_w8a8_checkpoints(tmp_path, spec)
@@ -96,7 +99,7 @@ def test_logits_and_greedy_tokens_follow_the_dequantized_float_model(spec, tmp_p
     logits = paged_run(load_model(str(quant_dir), torch.float32, CPU).model, len(ids))
     ref = paged_run(load_model(str(ref_dir), torch.float32, CPU).model, len(ids))
     a, b = logits.step([(ids, 0)]), ref.step([(ids, 0)])
-    assert ((a - b).norm() / b.norm()).item() < (0.05 if spec.kind == "int" else 0.12)
+    assert ((a - b).norm() / b.norm()).item() < (0.02 if spec.kind == "int" else 0.08)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = ["Hello world!", "The quick brown fox"]
 
@@ -106,11 +109,12 @@ def test_logits_and_greedy_tokens_follow_the_dequantized_float_model(spec, tmp_p
     assert greedy(quant_dir) == greedy(ref_dir)
 
 
-@pytest.mark.parametrize("method,dtype,max_rel", [("int8", torch.int8, 0.05),
-                                                  ("fp8", torch.float8_e4m3fn, 0.12)])
+@pytest.mark.parametrize("method,dtype,max_rel", [("int8", torch.int8, 0.03),
+                                                  ("fp8", torch.float8_e4m3fn, 0.1)])
 def test_quantization_flag_on_a_float_checkpoint(method, dtype, max_rel, tmp_path, paged_run):
     """Per-channel weight scales made at load (max|w_row| / 127 or 448), dynamic per-token
-    activations; logits within 5% (int8) / 12% (fp8) relative error of the float model."""
+    activations; logits within 3% (int8; measured 1.5%) / 10% (fp8; measured 5.6%) relative
+    error of the float model."""
     _save(tiny_llama().eval(), tmp_path)
     float_net = load_model(str(tmp_path), torch.float32, CPU).model
     net = load_model(str(tmp_path), torch.float32, CPU, quantization=method).model

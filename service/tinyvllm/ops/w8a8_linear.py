@@ -120,30 +120,43 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tens
     GPU that runs the type's GEMM (int8: sm_80, fp8: sm_89), k and n multiples of 8 (int8) or
     16 (fp8). The one entry point of the model's W8A8 layers; [..., k] -> [..., n] in x's dtype.
     """
-    n, k = check_layout(qweight, weight_scale, input_scale)
+    check_layout(qweight, weight_scale, input_scale)
     if not cuda_supported(x, qweight):
         return w8a8_linear_ref(x, qweight, weight_scale, input_scale, bias)
+    return scaled_gemm(x, qweight, weight_scale, input_scale, bias)
+
+
+def scaled_gemm(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+                input_scale: Optional[torch.Tensor] = None,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The GEMM path of `w8a8_linear` (torch._int_mm / torch._scaled_mm; torch's CPU kernels
+    run it too, which tests use), for the inputs `cuda_supported` admits."""
+    n, k = qweight.shape
     lead = x.shape[:-1]
     qx, x_scale = quantize_rows(x.reshape(-1, k), qweight.dtype, input_scale)
-    if qweight.dtype == torch.int8:
-        y = _int8_gemm(qx, qweight, x_scale, weight_scale, x.dtype)
-    else:
-        # Row-wise scaling: scale_a float32 [m, 1] and scale_b [1, n], both contiguous.
-        y = torch._scaled_mm(qx, qweight.t(), scale_a=x_scale.contiguous(),
-                             scale_b=weight_scale.view(1, n), out_dtype=x.dtype)
     if bias is not None:
-        y = y + bias.to(x.dtype)
+        bias = bias.to(x.dtype)
+    if qweight.dtype == torch.int8:
+        y = _int8_gemm(qx, qweight, x_scale, weight_scale, bias, x.dtype)
+    else:
+        # Row-wise scaling: scale_a float32 [m, 1] and scale_b [1, n], both contiguous; the
+        # bias (in the output dtype, as torch._scaled_mm requires) is added before rounding.
+        y = torch._scaled_mm(qx, qweight.t(), scale_a=x_scale.contiguous(),
+                             scale_b=weight_scale.view(1, n), bias=bias, out_dtype=x.dtype)
     return y.view(*lead, n)
 
 
 def _int8_gemm(qx: torch.Tensor, qweight: torch.Tensor, x_scale: torch.Tensor,
-               weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """qx int8 [m, k] @ qweight.T through torch._int_mm (int32), rescaled to `dtype` [m, n]."""
+               weight_scale: torch.Tensor, bias: Optional[torch.Tensor],
+               dtype: torch.dtype) -> torch.Tensor:
+    """qx int8 [m, k] @ qweight.T through torch._int_mm (int32), rescaled (and the bias added)
+    in float32, rounded once to `dtype`; [m, n]."""
     m = qx.shape[0]
     if m < INT_MM_MIN_ROWS:
         qx = F.pad(qx, (0, 0, 0, INT_MM_MIN_ROWS - m))
     acc = torch._int_mm(qx, qweight.t())[:m]  # [m, n] int32
-    return (acc.float() * x_scale * weight_scale).to(dtype)
+    y = acc.float() * x_scale * weight_scale
+    return (y if bias is None else y + bias.float()).to(dtype)
 
 
 def cuda_supported(x: torch.Tensor, qweight: torch.Tensor) -> bool:
