@@ -239,3 +239,27 @@ def test_quantization_flag_int8_on_a_quantized_checkpoint_is_refused(tmp_path):
     net = load_model(str(quant_dir), torch.float32, CPU, quantization="compressed-tensors").model
     assert isinstance(net.model.layers[0].mlp.down_proj, W8A8Linear)
     assert json.loads((quant_dir / "config.json").read_text())["quantization_config"]
+
+
+def test_two_ranks_match_one_on_w8a8(tmp_path):
+    """Tensor parallelism: each rank keeps its rows of qkv / gate_up (and their scales) and its
+    input columns of o / down (every row's scale). With static input scales (the whole
+    projection's) the logits are one rank's. With dynamic per-token scales a row-parallel rank
+    (o / down) scales its own slice of each token, as vLLM's ranks do: the logits differ from one
+    rank's by quantization noise, here within 10% relative error (fp8)."""
+    from tests.model.test_tensor_parallel import Case, _assert_matches, _greedy, _spawn
+
+    quant_dir = make_w8a8_checkpoints(tmp_path / "ct", W8A8Spec("int", "channel", False))[0]
+    float_dir = tmp_path / "float-for-fp8"
+    _save(tiny_llama().eval(), float_dir)
+    cases = {"ct-int8-static": Case(path=str(quant_dir)),
+             "fp8-at-load": Case(path=str(float_dir), quantization="fp8")}
+    ranks = _spawn(2, cases, tmp_path)
+    for name, case in cases.items():
+        model = case.build()
+        assert isinstance(model.model.layers[0].self_attn.o_proj, W8A8Linear)
+        assert torch.equal(ranks[1][name]["logits"], ranks[0][name]["logits"])
+    _assert_matches("ct-int8-static", ranks, _greedy(cases["ct-int8-static"].build()))
+    got = ranks[0]["fp8-at-load"]["logits"]
+    want = _greedy(cases["fp8-at-load"].build())
+    assert got.shape == want.shape and ((got - want).norm() / want.norm()).item() < 0.1
