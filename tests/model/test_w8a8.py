@@ -263,3 +263,13 @@ def test_two_ranks_match_one_on_w8a8(tmp_path):
     got = ranks[0]["fp8-at-load"]["logits"]
     want = _greedy(cases["fp8-at-load"].build())
     assert got.shape == want.shape and ((got - want).norm() / want.norm()).item() < 0.1
+
+
+def test_naive_quantized_format_reads_as_its_weight_type(tmp_path):
+    """compressed-tensors' generic naive-quantized compressor stores what int-quantized does."""
+    quant_dir, _, stored = make_w8a8_checkpoints(tmp_path, W8A8Spec("int", "tensor", False))
+    config = json.loads((quant_dir / "config.json").read_text())["quantization_config"]
+    write_config(quant_dir, {**config, "format": "naive-quantized"})
+    down = load_model(str(quant_dir), torch.float32, CPU).model.model.layers[0].mlp.down_proj
+    assert isinstance(down, W8A8Linear) and down.input_scale is not None
+    assert torch.equal(down.qweight, stored["model.layers.0.mlp.down_proj"]["weight"])

@@ -5,11 +5,14 @@ Both paths quantize x with the same torch ops (bit-identical on CPU and GPU: IEE
 round half to even), so the reference is the exact product sum in float64, and the tolerance is
 what the GPU path may add to it, element by element:
 
-    |out - ref| <= 2 u (|ref| + |bias|) + 4 k 2^-24 S + 1e-6 max|ref|
+    |out - ref| <= 2 u (|ref| + |bias|) + a S + 1e-6 max|ref|
 
 u: the output dtype's unit roundoff (bfloat16 2^-8, float16 2^-11), for the final rounding and
-the bias addition; S = (|qx| @ |qw|.T) * x_scale * weight_scale: fp32 accumulation in another
-order (fp8; int8 accumulates exactly in int32, and the bound only loosens it).
+the bias addition; S = (|qx| @ |qw|.T) * x_scale * weight_scale, the accumulation's scale, with
+a = 4 k 2^-24 for int8 (exact int32 sums; only their conversion to float32 and the rescaling
+round) and a = max(4 k 2^-24, 2^-12) for fp8: fp32 accumulation in another order, and Hopper's
+FP8 tensor cores keep about 14 bits between cuBLAS's promotions to fp32 (DeepSeek-V3 report),
+bounded here at 4x that. (On torch's CPU kernels the same calls stay under half this bound.)
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ pytestmark = [pytest.mark.gpu,
 
 FP8 = torch.float8_e4m3fn
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+FP8_ACCUMULATION = 2.0 ** -12
+"""Relative accumulation error allowed for fp8 GEMMs (see the module docstring)."""
 
 
 def needs(dtype):
@@ -60,8 +65,11 @@ def check(out, x, qweight, weight_scale, input_scale, bias):
     assert out.is_cuda and out.dtype == x.dtype and bool(torch.isfinite(out).all())
     ref, total = exact(x, qweight, weight_scale, input_scale, bias)
     k, u = qweight.shape[1], UNIT_ROUNDOFF[x.dtype]
+    a = 4 * k * 2.0 ** -24
+    if qweight.dtype == FP8:
+        a = max(a, FP8_ACCUMULATION)
     b = 0 if bias is None else bias.cpu().double().abs()
-    bound = 2 * u * (ref.abs() + b) + 4 * k * 2.0 ** -24 * total + 1e-6 * ref.abs().max()
+    bound = 2 * u * (ref.abs() + b) + a * total + 1e-6 * ref.abs().max()
     err = (out.cpu().double() - ref).abs()
     worst = (err - bound).argmax()
     assert bool((err <= bound).all()), (f"error {err.flatten()[worst].item():.3g} over bound "

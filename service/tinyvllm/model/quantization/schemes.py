@@ -277,7 +277,11 @@ _CT_W8A8_TYPES = {"int-quantized": "int", "float-quantized": "float"}
 
 def _ct_w8a8(weights: dict, acts: dict, fmt: Optional[str], where: str) -> WeightScheme:
     """compressed-tensors W8A8: symmetric 8-bit weights (channel or tensor scales) and
-    activations of the same type, dynamic per token or static per tensor."""
+    activations of the same type, dynamic per token or static per tensor. `naive-quantized`
+    (the generic compressor, whose tensors int- / float-quantized alias) is read by the weight
+    type."""
+    if fmt == "naive-quantized":
+        fmt = {"int": "int-quantized", "float": "float-quantized"}.get(weights.get("type", "int"))
     if fmt not in _CT_W8A8_TYPES:
         raise ValueError(f"{where}: format {fmt!r} with input_activations is not supported "
                          f"(W8A8: {', '.join(_CT_W8A8_TYPES)})")
