@@ -94,7 +94,7 @@ def normalize_method(name: str) -> str:
 
 def parse_quantization_config(config: dict, forced: Optional[str] = None,
                               model: str = "model") -> Optional[QuantizationConfig]:
-    """The checkpoint's weight-only quantization (None: an unquantized checkpoint).
+    """The checkpoint's quantization (None: an unquantized checkpoint, not forced).
 
     forced: `--quantization`; must name the checkpoint's own method, or be int8 / fp8 on a float
         checkpoint (every projection quantized at load, `QUANTIZE_AT_LOAD`).
