@@ -50,12 +50,15 @@ class ModelConfig:
         "dequantized on a GPU; --no-dequantize on a GPU runs the CUDA block GEMV over them."
     )
     quantization: Optional[str] = _f(
-        None, "Weight-only quantized checkpoint format to expect: gptq, awq, compressed-tensors "
-        "or auto-round; it must match config.json's quantization_config.quant_method. Default: "
-        "read from config.json (quantized projections stay packed, 4 or 8 bits, as "
-        "QuantLinear modules). On a synthetic model (llama3-8b-shape, ...) any of them makes "
-        "every projection random 4-bit, group 128, for timing.",
-        choices=("gptq", "awq", "compressed-tensors", "auto-round"),
+        None, "Quantized checkpoint format to expect: gptq, awq, compressed-tensors or "
+        "auto-round; it must match config.json's quantization_config.quant_method. Default: "
+        "read from config.json (weight-only projections stay packed, 4 or 8 bits, as "
+        "QuantLinear modules; compressed-tensors W8A8 INT8 / FP8 as W8A8Linear modules). int8 "
+        "or fp8: quantize a float checkpoint at load to W8A8 (8-bit weights with one scale per "
+        "output channel, activations quantized per token on the fly). On a synthetic model "
+        "(llama3-8b-shape, ...) int8 / fp8 quantize its random weights so, and any other value "
+        "makes every projection random 4-bit, group 128, for timing.",
+        choices=("gptq", "awq", "compressed-tensors", "auto-round", "int8", "fp8"),
     )
     threads: Optional[int] = _f(
         None, "CPU threads of the quantized kernels' pool (and of torch). Default: the physical "

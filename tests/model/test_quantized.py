@@ -192,12 +192,12 @@ def test_act_order_that_differs_inside_a_merged_projection_is_refused(tmp_path):
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"},
      r"awq: version 'gemv' is not supported"),
     ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {
-        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "strategy": "channel"},
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "strategy": "channel"},
                     "input_activations": {"num_bits": 8, "dynamic": True}}}},
-     r"input_activations.*W8A8\) is not supported yet"),
+     r"weights of 4-bit type 'int' are not supported in format 'int-quantized' \(8-bit int\)"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True},
      r"'bitsandbytes' quantized checkpoints .* not supported; supported: gptq, awq"),
-], ids=["awq-gemv", "ct-w8a8", "bitsandbytes"])
+], ids=["awq-gemv", "ct-w4a8", "bitsandbytes"])
 def test_unsupported_formats_are_named(quant, match, tmp_path):
     quant_dir = _quant_dir(tmp_path)
     write_config(quant_dir, quant)

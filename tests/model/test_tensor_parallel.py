@@ -46,6 +46,8 @@ class Case:
     path: Optional[str] = None
     fused: bool = False
     """Run every step through `forward_fused` (the CUDA decode path; torch references here)."""
+    quantization: Optional[str] = None
+    """`load_model`'s quantization (`--quantization`) for the checkpoint at `path`."""
 
     def build(self, tp: Optional[TensorParallel] = None) -> LlamaForCausalLM:
         from tinyvllm.model import load_model
@@ -53,7 +55,8 @@ class Case:
         if self.arch is not None:
             model = make_random_model(self.arch, SEED, torch.float32, torch.device("cpu"), tp)
         else:  # packed=True as the CPU runner asks: more than one rank dequantizes instead
-            model = load_model(self.path, torch.float32, torch.device("cpu"), packed=True).model
+            model = load_model(self.path, torch.float32, torch.device("cpu"), packed=True,
+                               quantization=self.quantization).model
         if self.fused:
             model._use_fused_decode = lambda hidden: True
         return model

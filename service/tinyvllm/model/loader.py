@@ -68,7 +68,10 @@ def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device,
 
     A HF directory with a weight-only `quantization_config` (GPTQ, AWQ, compressed-tensors
     pack-quantized, AutoRound: `model/quantization/`) keeps its projections packed as QuantLinear
+    modules, a W8A8 one (compressed-tensors int-quantized / float-quantized) as W8A8Linear
     modules; `quantization` (`--quantization`) must then name the checkpoint's method, if given.
+    `quantization` int8 or fp8 on a float checkpoint (or a synthetic model) quantizes every
+    projection to W8A8 at load.
 
     Under tensor parallelism (`tinyvllm.distributed.init_tensor_parallel` first) the model is
     this rank's part, and each rank reads only its slices of a safetensors checkpoint.
@@ -115,13 +118,14 @@ def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device,
 
 def _load_synthetic(name: str, dtype: torch.dtype, device: torch.device, seed: int,
                     quantization: Optional[str] = None) -> LoadedModel:
-    """With `quantization` (any method name): every projection random W4A16, group 128."""
+    """With `quantization` int8 / fp8: every projection W8A8, quantized from the random float
+    weights; any other method name: every projection random W4A16, group 128."""
     arch = SYNTHETIC_MODELS[name]
     if quantization is not None:
         if get_tp().size > 1:
             raise ValueError(f"--quantization {quantization}: the synthetic model {name!r} is "
                              "quantized on one rank only")
-        net = make_random_quantized_model(arch, seed, dtype, device)
+        net = make_random_quantized_model(arch, seed, dtype, device, quantization)
     else:
         net = make_random_model(arch, seed, dtype, device)
     return LoadedModel(model=net, arch=arch, tokenizer=synthetic_tokenizer(arch.vocab_size, name),

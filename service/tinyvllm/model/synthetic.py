@@ -46,12 +46,19 @@ divides every projection's k: 64 for the SmolLM2 shape), zero point 8."""
 
 @torch.no_grad()
 def make_random_quantized_model(arch: LlamaArch, seed: int, dtype: torch.dtype,
-                                device: torch.device) -> LlamaForCausalLM:
+                                device: torch.device, method: str = "gptq") -> LlamaForCausalLM:
     """`make_random_model` with each projection a QuantLinear of random 4-bit values (group 128 or
     less, zero point 8, scales giving the float model's weight spread), made on `device`: timing of
-    the quantized kernels at real shapes without a file. One rank only."""
+    the quantized kernels at real shapes without a file. One rank only.
+
+    method int8 / fp8 (`--quantization`): each projection a W8A8Linear instead, quantized on
+    `device` from `make_random_model`'s float weights (the same seed gives the same weights)."""
     from tinyvllm.model.quantization import QuantizationConfig, WeightScheme, swap_in_quant_linears
+    from tinyvllm.model.quantization.schemes import QUANTIZE_AT_LOAD
     from tinyvllm.ops.quant_linear import pack
+
+    if method in QUANTIZE_AT_LOAD:
+        return _make_random_w8a8_model(arch, seed, dtype, torch.device(device), method)
 
     group = SYNTHETIC_QUANT_GROUP
     while any(k % group for k in (arch.hidden_size, arch.q_size, arch.intermediate_size)):
@@ -76,6 +83,20 @@ def make_random_quantized_model(arch: LlamaArch, seed: int, dtype: torch.dtype,
         module.zeros.fill_(zero)
     model.load_weights((n, t) for n, t in random_weights(arch, seed, dtype, device)
                        if _float_part(n, swapped))
+    return model
+
+
+def _make_random_w8a8_model(arch: LlamaArch, seed: int, dtype: torch.dtype,
+                            device: torch.device, method: str) -> LlamaForCausalLM:
+    """The random float model's tensors through the `--quantization int8|fp8` loader."""
+    from tinyvllm.model.quantization import load_quantized_weights, swap_in_quant_linears
+    from tinyvllm.model.quantization.schemes import quantize_at_load
+
+    config = quantize_at_load(method)
+    swapped: dict = {}
+    model = build_empty_model(arch, dtype, device, TensorParallel(),
+                              prepare=lambda m: swapped.update(swap_in_quant_linears(m, config)))
+    load_quantized_weights(model, random_weights(arch, seed, dtype, device), swapped)
     return model
 
 

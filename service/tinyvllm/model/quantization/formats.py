@@ -1,9 +1,10 @@
-"""Reading one projection's checkpoint tensors in each weight-only layout (`schemes.py`) into
-the format-neutral parts of `ops.quant_linear`'s layout, before act-order sorting and packing.
+"""Reading one projection's checkpoint tensors in each layout (`schemes.py`).
 
-Every reader returns an `Unpacked`: the unsigned integer weight [n, k] with its columns in the
-checkpoint's order, scales and zero points [n, k / group_size] as float32 (w = (q - zero) *
+Every weight-only reader returns an `Unpacked`, the format-neutral parts of `ops.quant_linear`'s
+layout before act-order sorting and packing: the unsigned integer weight [n, k] with its columns
+in the checkpoint's order, scales and zero points [n, k / group_size] as float32 (w = (q - zero) *
 scale), and the checkpoint's g_idx [k] (None: column c is in group c // group_size).
+`read_w8a8` returns a `W8A8Weight`, `ops.w8a8_linear`'s layout.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from tinyvllm.model.quantization.schemes import WeightScheme
 from tinyvllm.ops.quant_linear import pack_factor
+from tinyvllm.ops.w8a8_linear import FP8_DTYPE
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 """AWQ GEMM packing: value i of a word (bits 4i..4i+3) is column AWQ_ORDER[i] of its 8."""
@@ -24,6 +26,8 @@ TENSORS = {
     "awq": (("qweight", "qzeros", "scales"), ()),
     "pack-quantized": (("weight_packed", "weight_scale"),
                        ("weight_zero_point", "weight_shape", "weight_g_idx")),
+    "int-quantized": (("weight", "weight_scale"), ("input_scale",)),
+    "float-quantized": (("weight", "weight_scale"), ("input_scale",)),
 }
 """Per layout: (required, optional) tensor names of a projection (`<module>.<name>`)."""
 
@@ -166,3 +170,48 @@ def _ct_zero_point(r: Reader, groups: int) -> torch.Tensor:
         zp = r.get("weight_zero_point", (r.n // pack_factor(r.scheme.bits), groups))
         return unpack_along(zp, r.scheme.bits, 0) - (1 << (r.scheme.bits - 1))
     return r.get("weight_zero_point", (r.n, groups)).to(torch.int32)
+
+
+# --- W8A8 -----------------------------------------------------------------------------------------
+
+W8A8_WEIGHT_DTYPES = {"int-quantized": torch.int8, "float-quantized": FP8_DTYPE}
+
+
+@dataclass
+class W8A8Weight:
+    qweight: torch.Tensor                # [n, k] int8 or float8_e4m3fn
+    weight_scale: torch.Tensor           # [n] float32
+    input_scale: Optional[torch.Tensor]  # [] float32, or None (dynamic per token)
+
+
+def read_w8a8(r: Reader) -> W8A8Weight:
+    """compressed-tensors `int-quantized` / `float-quantized` (compressors/naive_quantized): the
+    weight as is, weight_scale [n, 1] (channel) or [1] (tensor), input_scale [1] if static."""
+    s = r.scheme
+    qweight = r.get("weight", (r.n, r.k), W8A8_WEIGHT_DTYPES[s.layout])
+    shapes = [(1,), ()] if s.per_tensor else [(r.n, 1), (r.n,)]
+    weight_scale = _w8a8_scale(r, "weight_scale", shapes).reshape(-1).expand(r.n)
+    if not s.static_input:
+        if "input_scale" in r.tensors:
+            raise ValueError(f"{r.module}.input_scale: unexpected tensor; config.json says the "
+                             f"activations are quantized dynamically ({r.where})")
+        return W8A8Weight(qweight, weight_scale.contiguous(), None)
+    if "input_scale" not in r.tensors:
+        raise ValueError(f"{r.module}.input_scale: missing; static activation quantization "
+                         f"(dynamic: false) needs it ({r.where})")
+    input_scale = _w8a8_scale(r, "input_scale", [(1,), ()]).reshape(())
+    if float(input_scale) <= 0:
+        raise ValueError(f"{r.module}.input_scale: {float(input_scale)}, expected a positive "
+                         f"scale ({r.where})")
+    return W8A8Weight(qweight, weight_scale.contiguous(), input_scale)
+
+
+def _w8a8_scale(r: Reader, name: str, shapes: list[tuple[int, ...]]) -> torch.Tensor:
+    t = r.tensors[name]
+    if tuple(t.shape) not in shapes or not t.is_floating_point():
+        raise ValueError(f"{r.module}.{name}: expected float scales of shape {shapes[0]}, got "
+                         f"{t.dtype} {tuple(t.shape)} ({r.where}, out_features {r.n})")
+    t = t.float()
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{r.module}.{name}: non-finite scales ({r.where})")
+    return t

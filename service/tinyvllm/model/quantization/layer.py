@@ -1,5 +1,6 @@
-"""`QuantLinear`: a projection over weights kept packed in `ops.quant_linear`'s layout, and the
-module swap that puts it in place of a Llama model's float projections."""
+"""`QuantLinear`: a projection over weights kept packed in `ops.quant_linear`'s layout;
+`W8A8Linear`: one over 8-bit weights with 8-bit activations (`ops.w8a8_linear`); and the module
+swap that puts them in place of a Llama model's float projections."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from torch import nn
 
 from tinyvllm.model.quantization.schemes import QuantizationConfig, WeightScheme
 from tinyvllm.ops.quant_linear import pack_factor, quant_linear
+from tinyvllm.ops.w8a8_linear import FP8_DTYPE, w8a8_linear
+
+W8A8_DTYPES = {"int-quantized": torch.int8, "float-quantized": FP8_DTYPE}
+"""W8A8 layout -> the dtype of its weight (and of the quantized activations)."""
 
 MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
           "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
@@ -56,6 +61,44 @@ class QuantLinear(nn.Module):
                 f"act_order={self.perm is not None}, bias={self.bias is not None}")
 
 
+class W8A8Linear(nn.Module):
+    """y = w8a8_linear(x, qweight, weight_scale, input_scale) + bias (`ops.w8a8_linear`).
+
+    Buffers (filled at load; their layout is `ops.w8a8_linear`'s):
+        qweight       int8 or float8_e4m3fn [out_features, in_features]
+        weight_scale  float32 [out_features]
+        input_scale   float32 [] (static activation scale) or None (dynamic per token)
+    bias: a float Parameter [out_features] or None, loaded like a float projection's.
+    No `weight` attribute: the fused float GEMV path (`ops.use_fused_decode`) stays off.
+    """
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
+                 static_input: bool, bias: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=dtype))
+        self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32))
+        self.register_buffer("input_scale", torch.empty((), dtype=torch.float32)
+                             if static_input else None)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., in_features] -> [..., out_features]."""
+        return w8a8_linear(x, self.qweight, self.weight_scale, self.input_scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"dtype={self.qweight.dtype}, static_input={self.input_scale is not None}, "
+                f"bias={self.bias is not None}")
+
+
+def _new_linear(old: nn.Linear, scheme: WeightScheme) -> nn.Module:
+    k, n, bias = old.in_features, old.out_features, old.bias is not None
+    if scheme.w8a8:
+        return W8A8Linear(k, n, W8A8_DTYPES[scheme.layout], scheme.static_input, bias)
+    return QuantLinear(k, n, scheme.bits, scheme.group_for(k), bias)
+
+
 def projection_schemes(quant: QuantizationConfig, layer_prefix: str, merged: str
                        ) -> Optional[WeightScheme]:
     """The one scheme of a merged projection's checkpoint parts (None: all float).
@@ -74,7 +117,8 @@ def projection_schemes(quant: QuantizationConfig, layer_prefix: str, merged: str
 
 def swap_in_quant_linears(net: nn.Module, quant: QuantizationConfig) -> dict[str, WeightScheme]:
     """Replace each projection of `net` (built on the meta device) whose checkpoint parts are
-    quantized by a QuantLinear of the same shape; returns {our module name: scheme}.
+    quantized by a QuantLinear (or a W8A8Linear) of the same shape; returns {our module name:
+    scheme}.
 
     Raises:
         ValueError: a scheme that does not fit a projection (group size not dividing k, ...),
@@ -90,10 +134,9 @@ def swap_in_quant_linears(net: nn.Module, quant: QuantizationConfig) -> dict[str
                 continue
             parent = getattr(layer, parent_name)
             old: nn.Linear = getattr(parent, merged)
-            k, n = old.in_features, old.out_features
             name = f"{prefix}.{parent_name}.{merged}"
             try:
-                new = QuantLinear(k, n, scheme.bits, scheme.group_for(k), old.bias is not None)
+                new = _new_linear(old, scheme)
             except ValueError as e:
                 raise ValueError(f"{name}: {e} ({scheme.method}, {scheme.bits}-bit)") from None
             setattr(parent, merged, new)

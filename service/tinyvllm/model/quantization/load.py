@@ -1,8 +1,11 @@
-"""Filling a model's QuantLinear projections from a checkpoint's packed tensors.
+"""Filling a model's QuantLinear and W8A8Linear projections from a checkpoint's tensors.
 
 Each checkpoint projection (q_proj, ..., down_proj) is read in its format (`formats.py`), its
 columns sorted by group where act-order left them unsorted, packed once into `ops.quant_linear`'s
 layout and written into its rows of the merged QuantLinear (qkv_proj: q, k, v stacked along n).
+A W8A8 projection's 8-bit weight and scales are written into its rows of the W8A8Linear as they
+are (a float weight under `--quantization int8|fp8` is quantized per channel first); the parts
+of a merged projection share one static input scale, the largest of theirs (as vLLM does).
 Everything else (norms, embeddings, lm_head, biases, float projections) loads as before.
 """
 
@@ -15,9 +18,10 @@ import torch
 from torch import nn
 
 from tinyvllm.model.quantization import formats
-from tinyvllm.model.quantization.layer import MERGED, QuantLinear
+from tinyvllm.model.quantization.layer import MERGED, W8A8_DTYPES, QuantLinear, W8A8Linear
 from tinyvllm.model.quantization.schemes import WeightScheme
 from tinyvllm.ops.quant_linear import pack
+from tinyvllm.ops.w8a8_linear import quantize_weight
 
 
 def load_quantized_weights(net: nn.Module, weights: Iterable[tuple[str, Any]],
@@ -39,7 +43,11 @@ def load_quantized_weights(net: nn.Module, weights: Iterable[tuple[str, Any]],
             if module not in parts:
                 yield name, tensor
             elif leaf != "bias":
-                collected[module][leaf] = tensor[...]
+                ours = parts[module][0]
+                if swapped[ours].quantize_at_load and leaf == "weight":
+                    collected[module].update(_quantize_at_load(net, ours, swapped[ours], tensor))
+                else:
+                    collected[module][leaf] = tensor[...]
             elif net.get_submodule(parts[module][0]).bias is None:
                 _check_zero_bias(name, tensor[...])  # GPTQ writers may store a zero bias
             else:
@@ -49,23 +57,44 @@ def load_quantized_weights(net: nn.Module, weights: Iterable[tuple[str, Any]],
     missing = sorted(set(parts) - set(collected))
     if missing:
         scheme = swapped[parts[missing[0]][0]]
+        if scheme.quantize_at_load:
+            raise ValueError(f"{missing[0]}.weight: missing from the checkpoint")
         required = ", ".join(formats.TENSORS[scheme.layout][0])
         raise ValueError(f"{missing[0]}: no quantized tensors ({required}) in the checkpoint, "
                          f"which config.json says is {scheme.method} ({scheme.layout})")
-    perms: dict[str, dict[int, Optional[torch.Tensor]]] = defaultdict(dict)
+    # Per merged projection, what its parts must agree on: the act-order perm of a QuantLinear,
+    # the static input scale of a W8A8Linear.
+    shared: dict[str, dict[int, Optional[torch.Tensor]]] = defaultdict(dict)
     for module, tensors in collected.items():
         ours, shard = parts[module]
-        perms[ours][shard] = _fill(net, ours, shard, module, swapped[ours], tensors)
-    for ours, by_shard in perms.items():
-        _set_perm(net.get_submodule(ours), ours, [by_shard[s] for s in sorted(by_shard)])
+        fill = _fill_w8a8 if swapped[ours].w8a8 else _fill
+        shared[ours][shard] = fill(net, ours, shard, module, swapped[ours], tensors)
+    for ours, by_shard in shared.items():
+        layer = net.get_submodule(ours)
+        values = [by_shard[s] for s in sorted(by_shard)]
+        if isinstance(layer, W8A8Linear):
+            _set_input_scale(layer, values)
+        else:
+            _set_perm(layer, ours, values)
         loaded.add(ours)
     return loaded
 
 
-def _fill(net: nn.Module, ours: str, shard: int, module: str, scheme: WeightScheme,
-          tensors: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
-    """Write one checkpoint projection into its rows of `ours`; returns its act-order perm."""
-    layer: QuantLinear = net.get_submodule(ours)
+def _quantize_at_load(net: nn.Module, ours: str, scheme: WeightScheme, tensor: Any
+                      ) -> dict[str, torch.Tensor]:
+    """A float weight [n, k] as the W8A8 tensors a checkpoint would hold (`--quantization
+    int8|fp8`): quantized on the layer's device, one scale per output channel over the whole
+    row (before any tensor-parallel slicing, so that every rank gets one rank's values)."""
+    device = net.get_submodule(ours).qweight.device
+    qweight, scale = quantize_weight(tensor[...].to(device), W8A8_DTYPES[scheme.layout])
+    return {"weight": qweight, "weight_scale": scale.view(-1, 1)}
+
+
+def _shard(net: nn.Module, ours: str, shard: int
+           ) -> tuple[slice, Optional[tuple[int, int, int, int]], int, int]:
+    """(this part's rows of `ours`, this rank's part of the checkpoint tensor, the checkpoint
+    projection's whole n and k)."""
+    layer = net.get_submodule(ours)
     parent, merged = ours.rsplit(".", 1)
     sizes = (net.get_submodule(parent).shard_sizes(ours) if len(MERGED[merged]) > 1
              else [layer.out_features])
@@ -75,14 +104,45 @@ def _fill(net: nn.Module, ours: str, shard: int, module: str, scheme: WeightSche
     part = net._rank_part(ours, shard)  # (dim, start, length, whole length) or None
     n_whole = part[3] if part is not None and part[0] == 0 else n
     k_whole = part[3] if part is not None and part[0] == 1 else layer.in_features
+    return slice(start, start + n), part, n_whole, k_whole
+
+
+def _fill(net: nn.Module, ours: str, shard: int, module: str, scheme: WeightScheme,
+          tensors: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+    """Write one checkpoint projection into its rows of `ours`; returns its act-order perm."""
+    layer: QuantLinear = net.get_submodule(ours)
+    rows, part, n_whole, k_whole = _shard(net, ours, shard)
     reader = formats.Reader(module, scheme, tensors, n_whole, k_whole)
     unpacked = _rank_slice(formats.read(reader), part, reader.group, module)
     values, perm = _sort_by_group(unpacked, layer.group_size, module)
-    rows = slice(start, start + n)
     layer.qweight[rows] = pack(values, layer.bits).to(layer.qweight.device)
     layer.scales[rows] = unpacked.scales.to(layer.scales)
     layer.zeros[rows] = unpacked.zeros.to(layer.zeros)
     return perm
+
+
+def _fill_w8a8(net: nn.Module, ours: str, shard: int, module: str, scheme: WeightScheme,
+               tensors: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+    """Write one checkpoint projection into its rows of the W8A8Linear `ours`; returns its
+    static input scale (None: dynamic)."""
+    layer: W8A8Linear = net.get_submodule(ours)
+    rows, part, n_whole, k_whole = _shard(net, ours, shard)
+    w = formats.read_w8a8(formats.Reader(module, scheme, tensors, n_whole, k_whole))
+    qweight, weight_scale = w.qweight, w.weight_scale
+    if part is not None and part[0] == 0:
+        qweight, weight_scale = (t[part[1]:part[1] + part[2]] for t in (qweight, weight_scale))
+    elif part is not None:  # input columns; every output channel keeps its scale
+        qweight = qweight[:, part[1]:part[1] + part[2]]
+    layer.qweight[rows] = qweight.to(layer.qweight.device)
+    layer.weight_scale[rows] = weight_scale.to(layer.weight_scale.device)
+    return w.input_scale
+
+
+def _set_input_scale(layer: W8A8Linear, scales: list[Optional[torch.Tensor]]) -> None:
+    """One static input scale for the merged projection's parts, which read the same input: the
+    largest, so that no part's activations clip where its own scale would not."""
+    if layer.input_scale is not None:
+        layer.input_scale.copy_(torch.stack(scales).max())
 
 
 def _rank_slice(u: formats.Unpacked, part: Optional[tuple[int, int, int, int]], group: int,

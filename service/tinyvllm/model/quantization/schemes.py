@@ -1,4 +1,4 @@
-"""Which weight-only format each projection of a checkpoint is stored in, read from config.json's
+"""Which quantized format each projection of a checkpoint is stored in, read from config.json's
 `quantization_config` the way Hugging Face transformers and vLLM read it.
 
 `quant_method` names the tool's format; each projection of the model (by its Hugging Face module
@@ -16,6 +16,13 @@ name, `model.layers.0.self_attn.q_proj`) gets a `WeightScheme` or None (stored u
                          auto_round:auto_awq (awq), other auto_round packings (the gptq layout with
                          the zero as is); its `auto_gptq` / `auto_awq` exports are gptq / awq
 
+W8A8 (8-bit weights and activations, `ops.w8a8_linear`), compressed-tensors as llm-compressor
+writes it (`compressors/naive_quantized`): `int-quantized` (weight int8 [n, k]) or
+`float-quantized` (weight float8_e4m3fn [n, k]), symmetric, with weight_scale [n, 1] (strategy
+channel) or [1] (tensor) in the model's float dtype; activations dynamic per token (no tensor) or
+static per tensor (input_scale [1]). `--quantization int8|fp8` on a float checkpoint makes the
+same from its float weights at load (one scale per output channel, dynamic per-token activations).
+
 Raises ValueError, naming the key and the format, for anything this loader does not read.
 """
 
@@ -25,8 +32,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-METHODS = ("gptq", "awq", "compressed-tensors", "auto-round")
-"""`--quantization` values that name a checkpoint's weight-only format."""
+QUANTIZE_AT_LOAD = {"int8": "int-quantized", "fp8": "float-quantized"}
+"""`--quantization` values that quantize a float checkpoint at load -> the W8A8 layout made."""
+METHODS = ("gptq", "awq", "compressed-tensors", "auto-round", *QUANTIZE_AT_LOAD)
+"""`--quantization` values: a checkpoint's quantized format, or int8 / fp8 (QUANTIZE_AT_LOAD)."""
+W8A8_LAYOUTS = ("int-quantized", "float-quantized")
+"""Layouts of 8-bit weights with 8-bit activations (`ops.w8a8_linear`, W8A8Linear)."""
 
 _ALIASES = {"auto_round": "auto-round", "autoround": "auto-round",
             "compressed_tensors": "compressed-tensors"}
@@ -39,9 +50,10 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 class WeightScheme:
     """How one projection's weight is stored in the checkpoint.
 
-    layout: gptq, awq or pack-quantized (the tensor names and packing, see the module docstring);
-    group_size: -1 per output channel (one group over all of k); zero_offset: added to the stored
-    zero point (gptq v1: 1); sym: pack-quantized only, no zero-point tensor (zero 2^(bits-1)).
+    layout: gptq, awq, pack-quantized, or a W8A8 layout (int-quantized, float-quantized; the
+    tensor names and packing, see the module docstring); group_size: -1 per output channel (one
+    group over all of k); zero_offset: added to the stored zero point (gptq v1: 1); sym:
+    pack-quantized only, no zero-point tensor (zero 2^(bits-1)).
     """
 
     layout: str
@@ -52,6 +64,16 @@ class WeightScheme:
     desc_act: bool = False
     method: str = ""
     """The checkpoint's quant_method, for error messages."""
+    per_tensor: bool = False
+    """W8A8: one weight_scale for the projection (strategy tensor) instead of one per channel."""
+    static_input: bool = False
+    """W8A8: a static per-tensor input_scale; False: activations scaled per token at run time."""
+    quantize_at_load: bool = False
+    """W8A8: the checkpoint holds a float weight, quantized per channel at load."""
+
+    @property
+    def w8a8(self) -> bool:
+        return self.layout in W8A8_LAYOUTS
 
     def group_for(self, in_features: int) -> int:
         return in_features if self.group_size == -1 else self.group_size
@@ -72,23 +94,30 @@ def normalize_method(name: str) -> str:
 
 def parse_quantization_config(config: dict, forced: Optional[str] = None,
                               model: str = "model") -> Optional[QuantizationConfig]:
-    """The checkpoint's weight-only quantization (None: an unquantized checkpoint).
+    """The checkpoint's quantization (None: an unquantized checkpoint, not forced).
 
-    forced: `--quantization`; must name the checkpoint's own method.
+    forced: `--quantization`; must name the checkpoint's own method, or be int8 / fp8 on a float
+        checkpoint (every projection quantized at load, `QUANTIZE_AT_LOAD`).
 
     Raises:
         ValueError: an unknown or unsupported method, key or value (named), or a forced method
             that the checkpoint does not have.
     """
     quant = config.get("quantization_config")
+    method = normalize_method(str((quant or {}).get("quant_method")
+                                  or (quant or {}).get("quant_type") or "unknown"))
+    if forced is not None and normalize_method(forced) in QUANTIZE_AT_LOAD:
+        if quant:
+            raise ValueError(f"--quantization {forced} quantizes a float checkpoint at load; "
+                             f"{model} is already a {method!r} checkpoint (config.json "
+                             "quantization_config)")
+        return quantize_at_load(normalize_method(forced))
     if not quant:
         if forced is not None:
             raise ValueError(f"--quantization {forced}: {model} has no quantization_config in "
-                             "config.json (quantizing a float checkpoint at load is not "
-                             "supported yet)")
+                             "config.json (--quantization int8 or fp8 quantizes a float "
+                             "checkpoint at load)")
         return None
-    method = normalize_method(str(quant.get("quant_method") or quant.get("quant_type")
-                                  or "unknown"))
     if forced is not None and normalize_method(forced) != method:
         raise ValueError(f"--quantization {forced}: {model} is a {method!r} checkpoint "
                          "(config.json quantization_config.quant_method)")
@@ -99,6 +128,13 @@ def parse_quantization_config(config: dict, forced: Optional[str] = None,
                          f"quantization_config) are not supported; supported: "
                          f"{', '.join(METHODS)}")
     return QuantizationConfig(method, parsers[method](quant, f"{model}: {method}"))
+
+
+def quantize_at_load(method: str) -> QuantizationConfig:
+    """Every projection W8A8 (`method` int8 or fp8), its float weight quantized at load."""
+    scheme = WeightScheme(QUANTIZE_AT_LOAD[method], 8, -1, method=f"--quantization {method}",
+                          quantize_at_load=True)
+    return QuantizationConfig(method, _everywhere(scheme))
 
 
 def _bits(value: Any, where: str, allowed: tuple[int, ...] = (4, 8)) -> int:
@@ -217,10 +253,10 @@ def _ct_scheme(group: dict, fmt: Optional[str], where: str) -> Optional[WeightSc
     if not weights:
         return None
     if group.get("input_activations"):
-        raise ValueError(f"{where}: activation quantization (input_activations, format {fmt!r}:"
-                         " W8A8) is not supported yet; weight-only pack-quantized is")
+        return _ct_w8a8(weights, group["input_activations"], fmt, where)
     if fmt != "pack-quantized":
-        raise ValueError(f"{where}: format {fmt!r} is not supported (pack-quantized)")
+        raise ValueError(f"{where}: format {fmt!r} is not supported for weight-only "
+                         "quantization (pack-quantized)")
     if weights.get("type", "int") != "int" or weights.get("dynamic"):
         raise ValueError(f"{where}: weights of type {weights.get('type')!r} / dynamic "
                          f"{weights.get('dynamic')} are not supported (static int)")
@@ -234,3 +270,38 @@ def _ct_scheme(group: dict, fmt: Optional[str], where: str) -> Optional[WeightSc
                          "(group, channel)")
     return WeightScheme("pack-quantized", _bits(weights.get("num_bits"), where), group_size,
                         sym=bool(weights.get("symmetric", True)), method="compressed-tensors")
+
+
+_CT_W8A8_TYPES = {"int-quantized": "int", "float-quantized": "float"}
+
+
+def _ct_w8a8(weights: dict, acts: dict, fmt: Optional[str], where: str) -> WeightScheme:
+    """compressed-tensors W8A8: symmetric 8-bit weights (channel or tensor scales) and
+    activations of the same type, dynamic per token or static per tensor. `naive-quantized`
+    (the generic compressor, whose tensors int- / float-quantized alias) is read by the weight
+    type."""
+    if fmt == "naive-quantized":
+        fmt = {"int": "int-quantized", "float": "float-quantized"}.get(weights.get("type", "int"))
+    if fmt not in _CT_W8A8_TYPES:
+        raise ValueError(f"{where}: format {fmt!r} with input_activations is not supported "
+                         f"(W8A8: {', '.join(_CT_W8A8_TYPES)})")
+    kind = _CT_W8A8_TYPES[fmt]
+    for name, args in (("weights", weights), ("input_activations", acts)):
+        if args.get("num_bits") != 8 or args.get("type", "int") != kind:
+            raise ValueError(f"{where}: {name} of {args.get('num_bits')}-bit type "
+                             f"{args.get('type', 'int')!r} are not supported in format {fmt!r} "
+                             f"(8-bit {kind})")
+        if not args.get("symmetric", True):
+            raise ValueError(f"{where}: asymmetric {name} (symmetric: false) are not supported "
+                             "for W8A8")
+    if weights.get("dynamic") or weights.get("strategy") not in ("channel", "tensor"):
+        raise ValueError(f"{where}: weights of strategy {weights.get('strategy')!r} / dynamic "
+                         f"{weights.get('dynamic')} are not supported for W8A8 (static channel "
+                         "or tensor)")
+    dynamic, strategy = acts.get("dynamic"), acts.get("strategy")
+    if not ((dynamic is True and strategy == "token")
+            or (dynamic is False and strategy == "tensor")):
+        raise ValueError(f"{where}: input_activations of strategy {strategy!r} / dynamic "
+                         f"{dynamic!r} are not supported (dynamic token, or static tensor)")
+    return WeightScheme(fmt, 8, -1, method="compressed-tensors",
+                        per_tensor=weights["strategy"] == "tensor", static_input=not dynamic)

@@ -1,0 +1,175 @@
+"""Linear layers over 8-bit weights and 8-bit activations (W8A8): INT8 or FP8 (e4m3).
+
+Every W8A8 format (compressed-tensors `int-quantized` / `float-quantized`, and a float checkpoint
+quantized at load by `--quantization int8|fp8`) is turned at load into this one layout, which the
+CUDA path (cuBLAS through `torch._int_mm` / `torch._scaled_mm`) and the torch reference both read:
+
+    qweight       [n, k] int8 or float8_e4m3fn, row-major: its transpose is the column-major
+                  [k, n] operand that torch._int_mm and torch._scaled_mm take
+    weight_scale  float32 [n]         w[i, :] = qweight[i, :] * weight_scale[i] (a per-tensor
+                                      scale is repeated over n at load)
+    input_scale   float32 [] or None  a static per-tensor activation scale; None: dynamic, one
+                                      scale per token (row of x)
+
+Each row of x is quantized to the weight's type, then
+
+    y = (qx @ qweight.T) * x_scale * weight_scale + bias        (accumulated exactly: int32 / fp32)
+
+    x_scale = max|x_row| / QMAX (dynamic) or input_scale (static); QMAX 127 (int8), 448 (fp8)
+    qx      = int8: round half to even (x / x_scale), clamped to [-128, 127] (the int8 range that
+              compressed-tensors calibrates static scales for; dynamic scales never pass 127)
+              fp8:  x / x_scale clamped to +-448, cast to float8_e4m3fn (round to nearest even)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPE = torch.float8_e4m3fn
+QMAX = {torch.int8: 127.0, FP8_DTYPE: float(torch.finfo(FP8_DTYPE).max)}
+"""The largest magnitude a scale maps max|x| to, per quantized type (fp8 e4m3: 448)."""
+QMIN = {torch.int8: -128.0, FP8_DTYPE: -float(torch.finfo(FP8_DTYPE).max)}
+MIN_ABSMAX = 1e-10
+"""max|x| of an all-zero row is taken as this, so that its scale is positive (its values stay 0)."""
+INT_MM_MIN_ROWS = 17
+"""torch._int_mm on CUDA needs more than 16 rows: smaller batches are padded with zero rows."""
+INT8_ALIGN, FP8_ALIGN = 8, 16
+"""torch._int_mm needs k and n multiples of 8; torch._scaled_mm multiples of 16 (ATen's checks)."""
+INT8_MIN_CAPABILITY, FP8_MIN_CAPABILITY = (8, 0), (8, 9)
+"""cuBLAS int8 GEMMs run on the project's minimum (sm_80); torch._scaled_mm needs sm_89 or newer."""
+
+
+def check_layout(qweight: torch.Tensor, weight_scale: torch.Tensor,
+                 input_scale: Optional[torch.Tensor] = None) -> tuple[int, int]:
+    """(n, k) of a weight in the layout above; raises ValueError naming what does not fit."""
+    if qweight.dtype not in QMAX or qweight.dim() != 2:
+        raise ValueError(f"qweight: expected an int8 or float8_e4m3fn [n, k] tensor, got "
+                         f"{qweight.dtype} {tuple(qweight.shape)}")
+    n, k = qweight.shape
+    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (n,):
+        raise ValueError(f"weight_scale: expected a float32 ({n},) tensor, got "
+                         f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
+    if input_scale is not None and (input_scale.dtype != torch.float32
+                                    or input_scale.numel() != 1):
+        raise ValueError(f"input_scale: expected a float32 scalar tensor, got "
+                         f"{input_scale.dtype} {tuple(input_scale.shape)}")
+    return n, k
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype,
+                  scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric quantization of each row of x to `dtype` (int8 or float8_e4m3fn).
+
+    Args:
+        x: [m, k] float.
+        scale: a static float32 scalar scale; None: per row, max|row| / QMAX[dtype].
+    Returns:
+        (q [m, k] in `dtype`, scales float32 [m, 1]) with x ~ q * scales.
+    """
+    xf = x.float()
+    if scale is None:
+        absmax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_ABSMAX)
+        scales = absmax / QMAX[dtype]
+    else:
+        scales = scale.reshape(1, 1).expand(x.shape[0], 1)
+    q = (xf / scales).clamp(QMIN[dtype], QMAX[dtype])
+    if dtype == torch.int8:
+        q = torch.round(q)  # half to even
+    return q.to(dtype), scales
+
+
+def quantize_weight(weight: torch.Tensor, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [n, k] -> (qweight [n, k] in `dtype`, weight_scale float32 [n]): one scale
+    per output channel, max|w[i, :]| / QMAX (`--quantization int8|fp8` at load)."""
+    q, scales = quantize_rows(weight, dtype)
+    return q, scales.view(-1)
+
+
+def dequantize(qweight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """The weight [n, k] as float32."""
+    check_layout(qweight, weight_scale)
+    return qweight.float() * weight_scale.unsqueeze(1)
+
+
+def w8a8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+                    input_scale: Optional[torch.Tensor] = None,
+                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The module docstring's arithmetic in float32 torch; [..., k] -> [..., n] in x's dtype.
+
+    The products of 8-bit values are exact in float32 (int8: sums exact while k * 127^2 < 2^24,
+    k < 1040; beyond that, and for fp8, equal to the exact sum up to float32 summation order).
+    """
+    n, k = check_layout(qweight, weight_scale, input_scale)
+    lead = x.shape[:-1]
+    qx, x_scale = quantize_rows(x.reshape(-1, k), qweight.dtype, input_scale)
+    y = (qx.float() @ qweight.float().t()) * x_scale * weight_scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*lead, n)
+
+
+def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+                input_scale: Optional[torch.Tensor] = None,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`w8a8_linear_ref`, through cuBLAS where it serves the inputs: float16 / bfloat16 x on a
+    GPU that runs the type's GEMM (int8: sm_80, fp8: sm_89), k and n multiples of 8 (int8) or
+    16 (fp8). The one entry point of the model's W8A8 layers; [..., k] -> [..., n] in x's dtype.
+    """
+    check_layout(qweight, weight_scale, input_scale)
+    if not cuda_supported(x, qweight):
+        return w8a8_linear_ref(x, qweight, weight_scale, input_scale, bias)
+    return scaled_gemm(x, qweight, weight_scale, input_scale, bias)
+
+
+def scaled_gemm(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+                input_scale: Optional[torch.Tensor] = None,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The GEMM path of `w8a8_linear` (torch._int_mm / torch._scaled_mm; torch's CPU kernels
+    run it too, which tests use), for the inputs `cuda_supported` admits."""
+    n, k = qweight.shape
+    lead = x.shape[:-1]
+    qx, x_scale = quantize_rows(x.reshape(-1, k), qweight.dtype, input_scale)
+    if bias is not None:
+        bias = bias.to(x.dtype)
+    if qweight.dtype == torch.int8:
+        y = _int8_gemm(qx, qweight, x_scale, weight_scale, bias, x.dtype)
+    else:
+        # Row-wise scaling: scale_a float32 [m, 1] and scale_b [1, n], both contiguous; the
+        # bias (in the output dtype, as torch._scaled_mm requires) is added before rounding.
+        y = torch._scaled_mm(qx, qweight.t(), scale_a=x_scale.contiguous(),
+                             scale_b=weight_scale.view(1, n), bias=bias, out_dtype=x.dtype)
+    return y.view(*lead, n)
+
+
+def _int8_gemm(qx: torch.Tensor, qweight: torch.Tensor, x_scale: torch.Tensor,
+               weight_scale: torch.Tensor, bias: Optional[torch.Tensor],
+               dtype: torch.dtype) -> torch.Tensor:
+    """qx int8 [m, k] @ qweight.T through torch._int_mm (int32), rescaled (and the bias added)
+    in float32, rounded once to `dtype`; [m, n]."""
+    m = qx.shape[0]
+    if m < INT_MM_MIN_ROWS:
+        qx = F.pad(qx, (0, 0, 0, INT_MM_MIN_ROWS - m))
+    acc = torch._int_mm(qx, qweight.t())[:m]  # [m, n] int32
+    y = acc.float() * x_scale * weight_scale
+    return (y if bias is None else y + bias.float()).to(dtype)
+
+
+def cuda_supported(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """Whether the cuBLAS path serves these inputs (else the torch reference runs)."""
+    if not (x.is_cuda and qweight.is_cuda) or x.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    n, k = qweight.shape
+    int8 = qweight.dtype == torch.int8
+    align = INT8_ALIGN if int8 else FP8_ALIGN
+    need = INT8_MIN_CAPABILITY if int8 else FP8_MIN_CAPABILITY
+    return n % align == 0 and k % align == 0 and _capability(x.device) >= need
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)

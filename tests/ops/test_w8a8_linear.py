@@ -1,0 +1,101 @@
+"""ops/w8a8_linear.py on the CPU: the activation quantization (rounding, clamping, zero rows,
+static scales), the reference's arithmetic against exact integer products, and layout errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinyvllm.ops import w8a8_linear as w8
+
+FP8 = torch.float8_e4m3fn
+
+
+def test_int8_rounds_half_to_even_and_clamps_to_the_int8_range():
+    x = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, 126.5, 200.0, -200.0, 0.0]])
+    q, scale = w8.quantize_rows(x, torch.int8, torch.tensor(1.0))
+    assert q.dtype == torch.int8 and scale.shape == (1, 1)
+    assert q.tolist() == [[0, 2, 2, 0, -2, 126, 127, -128, 0]]
+
+
+def test_dynamic_scales_map_each_rows_absmax_to_qmax():
+    x = torch.randn(6, 40) * torch.tensor([1e-3, 1.0, 10.0, 300.0, 1.0, 2.0])[:, None]
+    x[4] = 0
+    for dtype, qmax in ((torch.int8, 127), (FP8, 448)):
+        q, scale = w8.quantize_rows(x, dtype)
+        assert scale.shape == (6, 1) and bool((scale > 0).all())
+        amax = q.float().abs().amax(1)
+        assert amax[[0, 1, 2, 3, 5]].tolist() == [qmax] * 5
+        assert amax[4].item() == 0  # an all-zero row: zeros, no NaN
+        torch.testing.assert_close(scale[[0, 1, 2, 3, 5], 0],
+                                   x[[0, 1, 2, 3, 5]].abs().amax(1) / qmax)
+
+
+def test_fp8_clamps_to_448_instead_of_overflowing():
+    x = torch.tensor([[1000.0, -1000.0, 448.0, 0.3]])
+    q, _ = w8.quantize_rows(x, FP8, torch.tensor(1.0))
+    assert q.float().tolist() == [[448.0, -448.0, 448.0, 0.3125]]  # 0.3: nearest e4m3 value
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_int8_reference_equals_exact_integer_products(static):
+    """k = 1000: every float32 partial sum of int8 products is an exact integer (< 2^24)."""
+    gen = torch.Generator().manual_seed(0)
+    m, n, k = 9, 24, 1000
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    qweight, weight_scale = w8.quantize_weight(w, torch.int8)
+    input_scale = torch.tensor(2.5 / 127) if static else None
+    qx, sx = w8.quantize_rows(x, torch.int8, input_scale)
+    exact = torch._int_mm(qx, qweight.t().contiguous()).double()  # int32, exact
+    bias = torch.randn(n, generator=gen)
+    want = exact * sx.double() * weight_scale.double() + bias.double()
+    got = w8.w8a8_linear(x, qweight, weight_scale, input_scale, bias)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_leading_dims_dtype_and_the_dequantized_weight():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 64, generator=gen) * 0.05
+    for dtype in (torch.int8, FP8):
+        qweight, weight_scale = w8.quantize_weight(w, dtype)
+        assert qweight.dtype == dtype and weight_scale.dtype == torch.float32
+        deq = w8.dequantize(qweight, weight_scale)
+        assert ((deq - w).norm() / w.norm()).item() < (0.01 if dtype == torch.int8 else 0.04)
+        x = torch.randn(2, 3, 64, generator=gen, dtype=torch.bfloat16)
+        out = w8.w8a8_linear(x, qweight, weight_scale)
+        assert out.shape == (2, 3, 48) and out.dtype == torch.bfloat16
+        ref = x.float() @ w.t()
+        assert ((out.float() - ref).norm() / ref.norm()).item() < 0.06
+
+
+@pytest.mark.parametrize("args,match", [
+    ((torch.zeros(4, 8, dtype=torch.int16), torch.ones(4)),
+     r"qweight: expected an int8 or float8_e4m3fn \[n, k\] tensor, got torch\.int16"),
+    ((torch.zeros(4, 8, dtype=torch.int8), torch.ones(4, 1)),
+     r"weight_scale: expected a float32 \(4,\) tensor, got torch\.float32 \(4, 1\)"),
+    ((torch.zeros(4, 8, dtype=torch.int8), torch.ones(4, dtype=torch.bfloat16)),
+     r"weight_scale: expected a float32 \(4,\) tensor, got torch\.bfloat16"),
+    ((torch.zeros(4, 8, dtype=torch.int8), torch.ones(4), torch.ones(2)),
+     r"input_scale: expected a float32 scalar tensor, got torch\.float32 \(2,\)"),
+], ids=["qweight-dtype", "scale-shape", "scale-dtype", "input-scale"])
+def test_bad_layouts_are_named(args, match):
+    with pytest.raises(ValueError, match=match):
+        w8.w8a8_linear(torch.randn(2, 8), *args)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_gemm_path_on_torchs_cpu_kernels(dtype, m):
+    """The CUDA path's calls (torch._int_mm with padding to 17 rows, torch._scaled_mm with
+    row-wise float32 scales [m, 1] and [1, n]) run on torch's CPU kernels too: same values as
+    the reference, up to the bfloat16 output's rounding (2^-8 relative) and fp32 summation."""
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 64, generator=gen).to(torch.bfloat16)
+    qweight, weight_scale = w8.quantize_weight(torch.randn(48, 64, generator=gen), dtype)
+    bias = torch.randn(48, generator=gen).to(torch.bfloat16)
+    for input_scale in (None, torch.tensor(0.01)):
+        got = w8.scaled_gemm(x, qweight, weight_scale, input_scale, bias)
+        want = w8.w8a8_linear_ref(x.float(), qweight, weight_scale, input_scale, bias.float())
+        assert got.shape == (m, 48) and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-3)

@@ -1,0 +1,150 @@
+"""The CUDA path of ops/w8a8_linear.py (torch._int_mm / torch._scaled_mm through cuBLAS)
+against an exact float64 reference of the same quantized values, on awkward shapes.
+
+Both paths quantize x with the same torch ops (bit-identical on CPU and GPU: IEEE division,
+round half to even), so the reference is the exact product sum in float64, and the tolerance is
+what the GPU path may add to it, element by element:
+
+    |out - ref| <= 2 u (|ref| + |bias|) + a S + 1e-6 max|ref|
+
+u: the output dtype's unit roundoff (bfloat16 2^-8, float16 2^-11), for the final rounding and
+the bias addition; S = (|qx| @ |qw|.T) * x_scale * weight_scale, the accumulation's scale, with
+a = 4 k 2^-24 for int8 (exact int32 sums; only their conversion to float32 and the rescaling
+round) and a = max(4 k 2^-24, 2^-12) for fp8: fp32 accumulation in another order, and Hopper's
+FP8 tensor cores keep about 14 bits between cuBLAS's promotions to fp32 (DeepSeek-V3 report),
+bounded here at 4x that. (On torch's CPU kernels the same calls stay under half this bound.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinyvllm.ops import w8a8_linear as w8
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+FP8 = torch.float8_e4m3fn
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+FP8_ACCUMULATION = 2.0 ** -12
+"""Relative accumulation error allowed for fp8 GEMMs (see the module docstring)."""
+
+
+def needs(dtype):
+    cc = torch.cuda.get_device_capability()
+    need = w8.INT8_MIN_CAPABILITY if dtype == torch.int8 else w8.FP8_MIN_CAPABILITY
+    if cc < need:
+        pytest.skip(f"{dtype} GEMMs need compute capability {need}, the device has {cc}")
+
+
+def make(m, n, k, wdtype, dtype, seed, static):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=gen) * 2).to(dtype)
+    x[m // 2, : k // 3] = 0  # a partly zero row
+    w = torch.randn(n, k, generator=gen) * 0.02
+    w[1] = 0  # an all-zero output channel
+    qweight, weight_scale = w8.quantize_weight(w, wdtype)
+    input_scale = (x.float().abs().max() / w8.QMAX[wdtype] * 0.7) if static else None  # clips
+    bias = (torch.randn(n, generator=gen) * 0.1).to(dtype)
+    return x, qweight, weight_scale, input_scale, bias
+
+
+def exact(x, qweight, weight_scale, input_scale, bias):
+    """(reference [m, n] float64, S the bound's absolute sum) on the CPU."""
+    qx, sx = w8.quantize_rows(x.cpu(), qweight.dtype, input_scale)
+    qx, qw = qx.double(), qweight.cpu().double()
+    scale = sx.double() * weight_scale.cpu().double()
+    ref = (qx @ qw.t()) * scale
+    if bias is not None:
+        ref = ref + bias.cpu().double()
+    return ref, (qx.abs() @ qw.abs().t()) * scale
+
+
+def check(out, x, qweight, weight_scale, input_scale, bias):
+    assert out.is_cuda and out.dtype == x.dtype and bool(torch.isfinite(out).all())
+    ref, total = exact(x, qweight, weight_scale, input_scale, bias)
+    k, u = qweight.shape[1], UNIT_ROUNDOFF[x.dtype]
+    a = 4 * k * 2.0 ** -24
+    if qweight.dtype == FP8:
+        a = max(a, FP8_ACCUMULATION)
+    b = 0 if bias is None else bias.cpu().double().abs()
+    bound = 2 * u * (ref.abs() + b) + a * total + 1e-6 * ref.abs().max()
+    err = (out.cpu().double() - ref).abs()
+    worst = (err - bound).argmax()
+    assert bool((err <= bound).all()), (f"error {err.flatten()[worst].item():.3g} over bound "
+                                       f"{bound.flatten()[worst].item():.3g}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("wdtype", [torch.int8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 100])
+@pytest.mark.parametrize("n,k", [(96, 160), (4096, 4096), (1536, 576), (40, 96)])
+def test_matches_the_exact_reference(dtype, wdtype, static, m, n, k):
+    needs(wdtype)
+    seed = m * 7919 + n * 31 + k + static
+    x, qweight, weight_scale, input_scale, bias = make(m, n, k, wdtype, dtype, seed, static)
+    cuda = [t.cuda() if t is not None else None
+            for t in (x, qweight, weight_scale, input_scale, bias)]
+    # Shapes cuBLAS serves take it (n = 40 is not a multiple of 16: fp8 runs the reference).
+    align = w8.INT8_ALIGN if wdtype == torch.int8 else w8.FP8_ALIGN
+    assert w8.cuda_supported(cuda[0], cuda[1]) == (n % align == 0 and k % align == 0)
+    out = w8.w8a8_linear(*cuda)
+    check(out, x, qweight, weight_scale, input_scale, bias)
+    check(w8.w8a8_linear(*cuda[:4]), x, qweight, weight_scale, input_scale, None)
+
+
+@pytest.mark.parametrize("wdtype", [torch.int8, FP8], ids=["int8", "fp8"])
+def test_leading_dims_and_a_strided_input(wdtype):
+    needs(wdtype)
+    x, qweight, weight_scale, _, bias = make(6, 256, 512, wdtype, torch.bfloat16, 5, False)
+    wide = torch.zeros(6, 1024, dtype=torch.bfloat16)
+    wide[:, 256:768] = x  # a view with row stride 1024
+    cuda = [t.cuda() for t in (wide, qweight, weight_scale, bias)]
+    out = w8.w8a8_linear(cuda[0][:, 256:768].view(2, 3, 512), cuda[1], cuda[2], None, cuda[3])
+    assert out.shape == (2, 3, 256)
+    check(out.view(6, 256), x, qweight, weight_scale, None, bias)
+
+
+@pytest.mark.parametrize("wdtype", [torch.int8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("m", [1, 17])
+def test_cuda_graph_replay_equals_eager(wdtype, m):
+    """The decode path is captured in CUDA graphs: no host sync, and padding (int8, m <= 16)
+    inside the graph."""
+    needs(wdtype)
+    x, qweight, weight_scale, _, bias = make(m, 512, 256, wdtype, torch.bfloat16, 7, False)
+    x, qweight, weight_scale, bias = (t.cuda() for t in (x, qweight, weight_scale, bias))
+    eager = w8.w8a8_linear(x, qweight, weight_scale, None, bias)
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        w8.w8a8_linear(static_x, qweight, weight_scale, None, bias)  # warm up cuBLAS
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = w8.w8a8_linear(static_x, qweight, weight_scale, None, bias)
+    static_x.copy_(x * 2)
+    graph.replay()
+    torch.testing.assert_close(static_out, w8.w8a8_linear(x * 2, qweight, weight_scale, None,
+                                                          bias), rtol=0, atol=0)
+    static_x.copy_(x)
+    graph.replay()
+    torch.testing.assert_close(static_out, eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_synthetic_model_runs_w8a8_on_the_gpu(method):
+    """`--model ... --quantization int8|fp8` makes its W8A8 weights on the GPU, in bfloat16."""
+    from tinyvllm.model.quantization.layer import W8A8Linear
+    from tinyvllm.model.synthetic import make_random_quantized_model, tiny_arch
+
+    wdtype = torch.int8 if method == "int8" else FP8
+    needs(wdtype)
+    net = make_random_quantized_model(tiny_arch(), 3, torch.bfloat16, torch.device("cuda"),
+                                      method)
+    down = net.model.layers[0].mlp.down_proj
+    assert isinstance(down, W8A8Linear) and down.qweight.is_cuda and down.qweight.dtype == wdtype
+    x = torch.randn(5, down.in_features, device="cuda", dtype=torch.bfloat16)
+    check(down(x), x.cpu(), down.qweight, down.weight_scale, None, None)
