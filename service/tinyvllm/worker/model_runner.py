@@ -25,6 +25,7 @@ from tinyvllm.ops._dispatch import configure, cuda_ops, device_support
 from tinyvllm.ops.quantized import configure_cpu_threads
 from tinyvllm.ops.kv_cache import FP8_DTYPE, PADDING_SLOT, resolve_kv_cache_dtype
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.worker.draft_model import DraftModelProposer, truncated_self_draft
 from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_sizes,
                                         decode_seq_len_tiers)
 from tinyvllm.worker.input_buffers import InputBuffers
@@ -148,10 +149,22 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             self.arch.num_layers, self.num_blocks, self.block_size, self.rank_arch.num_kv_heads,
             self.arch.head_dim, self.kv_cache_dtype, self.device)
+        self.drafter = self._make_drafter()
         self.graphs = self._capture_graphs() if self.use_cuda_graphs else None
         logger.info("KV cache: %d blocks of %d tokens on %s (%s, %d bytes per block)",
                     self.num_blocks, self.block_size, self.device,
                     str(self.kv_cache_dtype).removeprefix("torch."), self.kv_bytes_per_block())
+
+    def _make_drafter(self) -> Optional[DraftModelProposer]:
+        """The draft-model proposer (`--speculative-config` method draft_model), else None."""
+        spec = self.config.speculative
+        if not spec.uses_draft_model:
+            return None
+        if spec.draft_num_layers is not None:
+            return truncated_self_draft(self.model, self.kv_caches, spec.draft_num_layers,
+                                        self.buffers, self.block_size)
+        raise NotImplementedError("speculative_config.model: a separate draft checkpoint is "
+                                  "not supported yet; use draft_num_layers")
 
     def _capture_graphs(self) -> DecodeGraphs:
         # A decode batch has at most max_num_seqs rows and max_num_batched_tokens tokens.
@@ -248,9 +261,19 @@ class ModelRunner:
         """Run one step and wait for its sampled tokens."""
         return self.execute_async(out).result()
 
-    @torch.inference_mode()
     def execute_async(self, out: SchedulerOutput) -> StepHandle:
-        """Launch one step (inputs, forward, logits, sampling) without waiting for it."""
+        """Launch one step (inputs, forward, logits, sampling) without waiting for it; with
+        draft-model speculation, wait for it and draft (`StepHandle.draft_token_ids`) when the
+        scheduler gave lookahead slots: the drafts start from the step's tokens, and the
+        scheduler does not schedule ahead while a request could speculate."""
+        handle = self._launch(out)
+        if self.drafter is not None and any(s.num_lookahead_tokens for s in out.scheduled):
+            handle.result()  # the records now hold the step's tokens (cached for the engine)
+            handle.draft_token_ids = self.drafter.propose(out.scheduled, self.requests)
+        return handle
+
+    @torch.inference_mode()
+    def _launch(self, out: SchedulerOutput) -> StepHandle:
         rows = apply_scheduler_output(self.requests, out, self.device)
         if rows is None:
             return StepHandle.done()
