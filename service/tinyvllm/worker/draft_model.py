@@ -21,6 +21,12 @@ when the step is processed (`KVCacheManager.trim`): the draft rolls back with th
   norm and head. Those layers see the same inputs for the same tokens as in the target, so their
   K/V are the target's first L layers' K/V: the draft reads and writes the target's own cache
   tensors for them; nothing else to allocate or keep in step.
+- A separate draft checkpoint (`model`, the target's vocabulary): its own paged cache, one tensor
+  per draft layer sized by the draft's KV heads, indexed by the target's block ids (the block
+  tables are the target's). The draft sees every token the target computes: each step's batch
+  runs through it too (`catch_up`, right after the target's forward, with the same inputs), so
+  its cache holds what the target's does, block for block: prefix-cache hits, preemption and
+  the rollback of rejected drafts apply to both.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import numpy as np
 import torch
 
 from tinyvllm.model.llama import LlamaForCausalLM
+from tinyvllm.model.loader import LoadedModel
+from tinyvllm.ops import AttentionMetadata, allocate_kv_caches
 from tinyvllm.scheduling.output import DraftTokens, ScheduledRequest
 from tinyvllm.worker.input_buffers import InputBuffers
 from tinyvllm.worker.requests import CachedRequest
@@ -45,15 +53,28 @@ class DraftModelProposer:
             target's block ids.
         num_layers: run only the first num_layers layers (a truncated self-draft); None: all.
         buffers: the runner's input buffers (the draft steps run after the step's forward).
+        separate: a model of its own, whose cache `catch_up` must fill with every step's tokens.
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor],
-                 num_layers: Optional[int], buffers: InputBuffers, block_size: int):
+                 num_layers: Optional[int], buffers: InputBuffers, block_size: int,
+                 separate: bool = False):
         self.model = model
         self.kv_caches = kv_caches
         self.num_layers = num_layers
         self.buffers = buffers
         self.block_size = block_size
+        self.separate = separate
+
+    def catch_up(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        """A separate draft: write its K/V for the step's tokens (the target's batch, the same
+        slots). A truncated self-draft's K/V are the target's: nothing to do.
+
+        Shape: input_ids, positions [num_tokens] int64.
+        """
+        if self.separate:
+            self.model(input_ids, positions, self.kv_caches, meta)
 
     @torch.inference_mode()
     def propose(self, scheduled: list[ScheduledRequest],
@@ -123,3 +144,39 @@ def truncated_self_draft(model: LlamaForCausalLM, kv_caches: list[torch.Tensor],
         raise ValueError(f"speculative_config.draft_num_layers must be in [1, {total}] (the "
                          f"target's layers), got {num_layers}")
     return DraftModelProposer(model, kv_caches[:num_layers], num_layers, buffers, block_size)
+
+
+def separate_draft(target: LoadedModel, draft: LoadedModel, num_blocks: int, block_size: int,
+                   kv_cache_dtype: torch.dtype, buffers: InputBuffers,
+                   device: torch.device) -> DraftModelProposer:
+    """A draft checkpoint with a cache of its own (`draft_kv_bytes_per_block` per block).
+
+    Raises:
+        ValueError: the draft's vocabulary is not the target's (naming the key).
+    """
+    check_same_vocabulary(target, draft)
+    rank_arch = getattr(draft.model, "rank_arch", draft.arch)
+    caches = allocate_kv_caches(draft.arch.num_layers, num_blocks, block_size,
+                                rank_arch.num_kv_heads, draft.arch.head_dim, kv_cache_dtype,
+                                device)
+    return DraftModelProposer(draft.model, caches, None, buffers, block_size, separate=True)
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """Draft token ids must mean the target's tokens: same vocabulary size and EOS ids."""
+    if draft.arch.vocab_size != target.arch.vocab_size:
+        raise ValueError(f"speculative_config.model: {draft.name} has a vocabulary of "
+                         f"{draft.arch.vocab_size} tokens, the target {target.name} "
+                         f"{target.arch.vocab_size}; a draft model needs the target's vocabulary")
+    draft_eos = set(draft.tokenizer.eos_token_ids)
+    if draft_eos != set(target.tokenizer.eos_token_ids):
+        raise ValueError(f"speculative_config.model: {draft.name} has EOS ids "
+                         f"{sorted(draft_eos)}, the target {sorted(target.tokenizer.eos_token_ids)}"
+                         "; a draft model needs the target's vocabulary")
+
+
+def draft_kv_bytes_per_block(draft: LoadedModel, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every draft layer for one block on this rank."""
+    a = getattr(draft.model, "rank_arch", draft.arch)
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * draft.arch.num_layers * block_size * a.num_kv_heads * a.head_dim * elem
