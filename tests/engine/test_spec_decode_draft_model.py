@@ -14,7 +14,8 @@ from tinyvllm.scheduling.scheduler import Scheduler
 from tinyvllm.sampling_params import SamplingParams
 
 from .conftest import assert_all_blocks_free
-from .test_spec_decode import PARAMS, TINY_PROMPTS, generate, make_engine
+from .test_spec_decode import (PARAMS, TINY_PROMPTS, generate, make_engine,  # noqa: F401
+                               real_off, real_prompts)  # fixtures
 
 BLOCK = 4
 
@@ -271,3 +272,75 @@ def test_draft_checkpoint_is_loaded_and_checked_at_start(tiny_model, smollm2_pat
     spec = {"method": "draft_model", "model": str(smollm2_path)}
     with pytest.raises(ValueError, match="speculative_config.model: .*vocabulary of 49152"):
         make_engine(tiny_model, spec)
+
+
+# --- tensor parallelism: two worker processes (gloo) ----------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """A 2-layer target and a 1-layer draft with its vocabulary, as safetensors directories."""
+    import torch
+
+    from tinyvllm.model.synthetic import random_weights, tiny_arch
+    from tests.model.test_tensor_parallel import _write_hf_dir
+
+    dirs = []
+    for name, layers, seed in (("target", 2, 5), ("draft", 1, 6)):
+        arch = tiny_arch(vocab_size=512, num_heads=4, num_kv_heads=2, num_layers=layers)
+        weights = dict(random_weights(arch, seed, torch.float32, torch.device("cpu")))
+        dirs.append(_write_hf_dir(tmp_path_factory.mktemp(name), arch, weights))
+    return dirs
+
+
+@pytest.mark.parametrize("draft", ["draft_num_layers", "model"])
+def test_two_ranks_drafting_give_the_one_rank_tokens(hf_dirs, draft):
+    """Every rank runs the draft steps (its layers take part in the collectives); rank 0's
+    drafts come back with its tokens, beside a row that never speculates (logprobs)."""
+    from tests.engine.conftest import run_to_completion
+
+    target, draft_dir = hf_dirs
+    prompts = [[7, 8, 9, 10] * 3, [5, 17, 99, 3, 250, 8]]
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)]
+
+    def config(size: int, **kwargs) -> EngineConfig:
+        return EngineConfig.from_kwargs(model=target, device="cpu", dtype="float32",
+                                        max_model_len=128, num_kv_blocks=40, block_size=16,
+                                        max_num_batched_tokens=24, tensor_parallel_size=size,
+                                        **kwargs)
+
+    one = EngineCore(config(1))
+    expected = run_to_completion(one, prompts, params)
+    one.shutdown()
+    spec = {"method": "draft_model",
+            **({"draft_num_layers": 1} if draft == "draft_num_layers" else {"model": draft_dir})}
+    engine = EngineCore(config(2, speculative_config=spec))
+    try:
+        assert run_to_completion(engine, prompts, params) == expected
+        assert engine.get_stats().spec_num_drafts > 0
+        assert_all_blocks_free(engine)
+    finally:
+        engine.shutdown()
+
+
+# --- the bundled model ------------------------------------------------------------------------
+
+REAL_GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.slow
+def test_real_full_depth_self_draft_accepts_everything(smollm2_model, real_prompts, real_off):
+    engine = make_engine(smollm2_model, draft_spec(smollm2_model.arch.num_layers))
+    assert generate(engine, real_prompts[1:2], REAL_GREEDY) == real_off[1:2]
+    stats = engine.get_stats()
+    assert stats.spec_num_draft_tokens > 0
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+
+
+@pytest.mark.slow
+def test_real_truncated_self_draft_mixed_batch_greedy_identical(smollm2_model, real_prompts,
+                                                                real_off):
+    """Prompts chunked while others verify drafts, prefix caching on (the default)."""
+    engine = make_engine(smollm2_model, draft_spec(8), max_num_batched_tokens=24)
+    assert generate(engine, real_prompts, REAL_GREEDY) == real_off
+    assert engine.get_stats().spec_num_accepted_tokens > 0
