@@ -268,11 +268,12 @@ class SpeculativeConfig:
                              f"{self.disable_by_batch_size}")
 
     def _check_draft_model(self) -> None:
-        """`model` xor `draft_num_layers` with draft_model, neither otherwise (the layer count's
-        upper bound, the target's layers, is checked when the model is loaded)."""
+        """`model` xor `draft_num_layers` with draft_model, neither with another method (with
+        none, speculation is off and they are ignored, as every other key is); the layer
+        count's upper bound, the target's layers, is checked when the model is loaded."""
         draft_keys = [k for k in ("model", "draft_num_layers") if getattr(self, k) is not None]
         if self.method != "draft_model":
-            if draft_keys:
+            if draft_keys and self.method is not None:
                 raise ValueError(f"speculative_config.{draft_keys[0]} needs method "
                                  f"'draft_model', got {self.method!r}")
             return

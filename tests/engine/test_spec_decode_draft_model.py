@@ -1,12 +1,16 @@
 """Draft-model speculation (`method: draft_model`): the scheduler's lookahead slots and their
 rollback (exact block counts), the config's errors, and the engine's output with a
-layer-truncated self-draft, which must equal plain decoding token for token."""
+layer-truncated self-draft and with a separate draft checkpoint (in process and on two
+tensor-parallel ranks), which must equal plain decoding token for token with no block leaked."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from tinyvllm.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from tinyvllm.config import (EngineConfig, SchedulerConfig, SpeculativeConfig,
+                             add_engine_arguments)
 from tinyvllm.engine.engine_core import EngineCore
 from tinyvllm.scheduling.kv_cache_manager import KVCacheManager
 from tinyvllm.scheduling.request import EngineCoreRequest, Request
@@ -112,8 +116,6 @@ def test_draft_deeper_than_the_target_is_refused_at_start(tiny_model):
 
 
 def test_cli_help_names_the_draft_keys():
-    from tinyvllm.config import add_engine_arguments
-    import argparse
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     text = " ".join(parser.format_help().split())
