@@ -220,7 +220,7 @@ class KernelConfig:
                              f"kernel's limit), got {self.gemv_max_rows}")
 
 
-SPEC_METHODS = ("ngram",)  # a draft-model proposer is planned
+SPEC_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -235,9 +235,17 @@ class SpeculativeConfig:
 
     method: Optional[str] = _f(
         None, "Proposer: ngram (prompt lookup: the tokens that followed an earlier occurrence "
-        "of the sequence's last n tokens). None: off.",
+        "of the sequence's last n tokens) or draft_model (a smaller model's greedy tokens: "
+        "`model` or `draft_num_layers`). None: off.",
         choices=SPEC_METHODS)
     num_speculative_tokens: int = _f(4, "Most draft tokens per request and step (k).")
+    model: Optional[str] = _f(
+        None, "draft_model: the draft checkpoint (a path or hub name, as --model), with the "
+        "target's vocabulary.")
+    draft_num_layers: Optional[int] = _f(
+        None, "draft_model: a layer-truncated self-draft, the target's first draft_num_layers "
+        "layers with its final norm and head (no extra weights; it shares those layers' KV "
+        "cache). No vLLM equivalent.")
     prompt_lookup_max: int = _f(4, "ngram: longest suffix n tried (longest first).")
     prompt_lookup_min: int = _f(1, "ngram: shortest suffix n tried.")
     disable_by_batch_size: Optional[int] = _f(
@@ -258,13 +266,37 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= "
                              f"prompt_lookup_max, got {self.prompt_lookup_min} and "
                              f"{self.prompt_lookup_max}")
+        self._check_draft_model()
         if self.disable_by_batch_size is not None and self.disable_by_batch_size <= 0:
             raise ValueError("speculative_config.disable_by_batch_size must be positive, got "
                              f"{self.disable_by_batch_size}")
 
+    def _check_draft_model(self) -> None:
+        """`model` xor `draft_num_layers` with draft_model, neither with another method (with
+        none, speculation is off and they are ignored, as every other key is); the layer
+        count's upper bound, the target's layers, is checked when the model is loaded."""
+        draft_keys = [k for k in ("model", "draft_num_layers") if getattr(self, k) is not None]
+        if self.method != "draft_model":
+            if draft_keys and self.method is not None:
+                raise ValueError(f"speculative_config.{draft_keys[0]} needs method "
+                                 f"'draft_model', got {self.method!r}")
+            return
+        if len(draft_keys) != 1:
+            raise ValueError("speculative_config: method 'draft_model' needs exactly one of "
+                             "'model' (a draft checkpoint) and 'draft_num_layers' (the target's "
+                             f"first layers), got {draft_keys or 'neither'}")
+        if self.draft_num_layers is not None and self.draft_num_layers <= 0:
+            raise ValueError("speculative_config.draft_num_layers must be positive, got "
+                             f"{self.draft_num_layers}")
+
     @property
     def enabled(self) -> bool:
         return self.method is not None
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """Drafts come from a model the worker runs after each step (not at schedule time)."""
+        return self.method == "draft_model"
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig":
@@ -449,7 +481,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument_group("SpeculativeConfig").add_argument(
         "--speculative-config", default=None, metavar="JSON",
         help=f"Speculative decoding as a JSON object, e.g. '{{\"method\": \"ngram\", "
-        f"\"num_speculative_tokens\": 4}}'. Keys: {keys}. Default: off.")
+        f"\"num_speculative_tokens\": 4}}', or a draft model: '{{\"method\": "
+        f"\"draft_model\", \"model\": PATH}}' (same vocabulary as --model), or the "
+        f"target's first L layers: '{{\"method\": \"draft_model\", \"draft_num_layers\": "
+        f"L}}'. Keys: {keys}. Default: off.")
 
 
 def _unwrap_optional(typ: Any) -> Any:

@@ -78,3 +78,17 @@ def test_spec_writes_a_record(tmp_path, smollm2_path, capsys):
     assert result["off"]["num_drafts"] == 0 and result["on"]["num_drafts"] > 0
     assert record["workload"]["speculative_config"]["method"] == "ngram"
     assert "accept rate" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_spec_with_a_truncated_self_draft(tmp_path, smollm2_path):
+    out = tmp_path / "spec.json"
+    spec = '{"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 30}'
+    assert main(["bench", "spec", "--max-tokens", "6", "--batch-sizes", "1", "--workloads",
+                 "open", "--no-baseline", "--speculative-config", spec,
+                 "--out", str(out)]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["identical_outputs"] is True
+    # The full-depth self-draft is the target: every draft token is accepted.
+    assert result["off"]["num_drafts"] == 0 and result["on"]["num_drafts"] > 0
+    assert result["on"]["acceptance_rate"] == 1.0

@@ -31,7 +31,8 @@ from tinyvllm.engine.stats import EngineStats
 from tinyvllm.engine.validation import validate_request
 from tinyvllm.errors import InvalidRequestError
 from tinyvllm.scheduling.kv_cache_manager import KVCacheManager
-from tinyvllm.scheduling.output import PromptLogprobs, SampledTokens, SchedulerOutput
+from tinyvllm.scheduling.output import (DraftTokens, PromptLogprobs, SampledTokens,
+                                        SchedulerOutput)
 from tinyvllm.scheduling.request import EngineCoreOutput, EngineCoreRequest, Request
 from tinyvllm.scheduling.scheduler import Scheduler
 
@@ -40,6 +41,7 @@ class StepHandle(Protocol):
     """A launched step (`ModelRunner.execute_async`, or a step published to worker processes)."""
 
     prompt_logprobs: PromptLogprobs  # those the step computed, set by `result()`
+    draft_token_ids: DraftTokens  # the draft model's proposals, set by `result()` (or before)
 
     def result(self) -> SampledTokens: ...
 
@@ -133,7 +135,8 @@ class EngineCore:
         if self.async_scheduling and self.scheduler.can_schedule_ahead():
             self._in_flight = self._launch()
         sampled = current.handle.result()
-        outputs = self.scheduler.update(current.out, sampled, current.handle.prompt_logprobs)
+        outputs = self.scheduler.update(current.out, sampled, current.handle.prompt_logprobs,
+                                        current.handle.draft_token_ids)
         self._count(current.out, outputs)
         if self._in_flight is None and self.scheduler.spec.config.enabled:
             self._observe_spec_cost(current.out, outputs, time.perf_counter() - start_s)

@@ -41,7 +41,8 @@ import msgspec
 import zmq
 
 from tinyvllm.config import EngineConfig
-from tinyvllm.scheduling.output import PromptLogprobs, SampledTokens, SchedulerOutput
+from tinyvllm.scheduling.output import (DraftTokens, PromptLogprobs, SampledTokens,
+                                        SchedulerOutput)
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class _Output(msgspec.Struct, array_like=True, omit_defaults=True):
     step_id: int
     sampled: SampledTokens
     prompt_logprobs: PromptLogprobs = {}
+    draft_token_ids: DraftTokens = {}
 
 
 class _Error(msgspec.Struct, array_like=True):
@@ -115,20 +117,22 @@ class UniProcExecutor:
 
 class _RemoteStep:
     """A step published to the workers; `result()` waits for rank 0's answer (and sets
-    `prompt_logprobs`)."""
+    `prompt_logprobs` and `draft_token_ids`)."""
 
-    __slots__ = ("_executor", "_step_id", "_result", "prompt_logprobs")
+    __slots__ = ("_executor", "_step_id", "_result", "prompt_logprobs", "draft_token_ids")
 
     def __init__(self, executor: "MultiprocExecutor", step_id: Optional[int]):
         self._executor = executor
         self._step_id = step_id
         self._result: Optional[SampledTokens] = None if step_id is not None else {}
         self.prompt_logprobs: PromptLogprobs = {}
+        self.draft_token_ids: DraftTokens = {}
 
     def result(self) -> SampledTokens:
         if self._result is None:
             output = self._executor._wait_output(self._step_id)
             self._result, self.prompt_logprobs = output.sampled, output.prompt_logprobs
+            self.draft_token_ids = output.draft_token_ids
         return self._result
 
 
@@ -369,7 +373,8 @@ class _WorkerLoop:
                 sampled = handle.result()
                 if self.rank == 0:
                     self.send(_OUTPUT, self.encoder.encode(
-                        _Output(step_id, sampled, handle.prompt_logprobs)))
+                        _Output(step_id, sampled, handle.prompt_logprobs,
+                                handle.draft_token_ids)))
         except BaseException as e:  # noqa: BLE001 - the main thread may be blocked in recv
             detail = "".join(traceback.format_exception(e))
             print(f"tinyvllm worker rank {self.rank} failed:\n{detail}", file=sys.stderr,

@@ -220,21 +220,24 @@ class LlamaForCausalLM(nn.Module):
                 buf.fill_(1.0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: ops.AttentionMetadata) -> torch.Tensor:
-        """Run the decoder over one flat batch.
+                kv_caches: list[torch.Tensor], meta: ops.AttentionMetadata,
+                num_layers: Optional[int] = None) -> torch.Tensor:
+        """Run the decoder over one flat batch; `num_layers`: only the first ones (a
+        layer-truncated self-draft, `worker/draft_model.py`), then the final norm.
 
         Shape:
             input_ids, positions: [num_tokens] int64
-            kv_caches: num_layers tensors, each ops.KV_CACHE_LAYOUT
+            kv_caches: one tensor per layer run, each ops.KV_CACHE_LAYOUT
             returns: [num_tokens, hidden_size] after the final norm
         """
         hidden = self.model.embed_tokens(input_ids)
+        layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
         if self._use_fused_decode(hidden):
-            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            for layer, kv_cache in zip(layers, kv_caches, strict=True):
                 layer.forward_fused(positions, hidden, kv_cache, meta, self.cos_sin_cache)
             return ops.rms_norm(hidden, self.model.norm, self.arch.rms_norm_eps)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta,
                                      self.cos_sin_cache)
         hidden, _ = ops.rms_norm(hidden, self.model.norm, self.arch.rms_norm_eps, residual)

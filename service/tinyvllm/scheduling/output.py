@@ -45,6 +45,11 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # Speculative decoding: the tokens proposed after the request's last one, computed at
     # positions num_computed_tokens + 1 ... (num_new_tokens = 1 + len(draft_token_ids)).
     draft_token_ids: list[int] = []
+    # Draft-model speculation: after this step the worker drafts this many tokens after the
+    # request's last one, for the scheduler to verify next step. Their KV slots (positions up to
+    # num_computed_tokens + num_new_tokens + num_lookahead_tokens - 1) are allocated with the
+    # step's; `Scheduler.update` frees the ones past the computed tokens.
+    num_lookahead_tokens: int = 0
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -72,6 +77,12 @@ SampledTokens = dict[str, tuple[Union[int, list[int]], Optional[Logprobs]]]
 """What a step returns to the scheduler (rank 0's): request id -> (sampled token id, its logprobs
 when asked), for the requests whose sequence the step completed; for a request that speculated,
 (the tokens it keeps: accepted drafts, then the target's own; None)."""
+
+
+DraftTokens = dict[str, list[int]]
+"""Draft-model speculation (rank 0's): request id -> the tokens the draft model proposes after the
+request's last token, for the requests scheduled with `num_lookahead_tokens`; the scheduler
+verifies them in the request's next step."""
 
 
 PromptLogprobs = dict[str, list[Optional[Logprobs]]]

@@ -102,6 +102,9 @@ class Request:
     # tokens are appended.
     spec_token_buffer: Optional[Any] = None
     spec_token_buffer_len: int = 0
+    # The draft model's proposal after its last token (the worker's, from the step that sampled
+    # it); taken by its next schedule.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, eos_token_ids: frozenset,

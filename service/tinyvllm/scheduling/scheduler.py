@@ -23,12 +23,12 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 from tinyvllm.config import SchedulerConfig, SpeculativeConfig
 from tinyvllm.errors import InvalidRequestError
 from tinyvllm.scheduling.kv_cache_manager import KVCacheManager
-from tinyvllm.scheduling.output import (NewRequest, PromptLogprobs, SampledTokens,
+from tinyvllm.scheduling.output import (DraftTokens, NewRequest, PromptLogprobs, SampledTokens,
                                         ScheduledRequest, SchedulerOutput)
 from tinyvllm.scheduling.request import EngineCoreOutput, FinishReason, Request, RequestStatus
 from tinyvllm.scheduling.spec_decode import SpecDecodePolicy
@@ -134,7 +134,8 @@ class Scheduler:
         Speculation turns scheduling ahead off while a request could speculate: its draft is
         proposed from, and its verification's rollback decides, the tokens of the step before,
         which a step scheduled ahead would not know yet (the simplest correct choice; on the CPU
-        async scheduling is off anyway)."""
+        async scheduling is off anyway). A draft model's drafts are made by the worker after the
+        step before, from its tokens, so they too exist only once that step is processed."""
         if self.spec.config.enabled and any(r.can_speculate for r in self.running):
             return False
         return not any(r.num_output_placeholders and r.sampling_reads_output_tokens
@@ -161,7 +162,8 @@ class Scheduler:
         return out
 
     def _add_scheduled(self, step: _Step, request: Request, num_new: int, block_offset: int,
-                       new_block_ids: list[int], drafts: list[int] = ()) -> None:
+                       new_block_ids: list[int], drafts: list[int] = (),
+                       num_lookahead: int = 0) -> None:
         r = request
         step.requests.append(r)
         step.out.scheduled.append(ScheduledRequest(
@@ -170,7 +172,7 @@ class Scheduler:
             completes_sequence=(r.num_computed_tokens + num_new
                                 >= r.num_tokens + r.num_output_placeholders),
             block_offset=block_offset, new_block_ids=new_block_ids,
-            draft_token_ids=list(drafts)))
+            draft_token_ids=list(drafts), num_lookahead_tokens=num_lookahead))
 
     def _drop_scheduled(self, step: _Step, victim: Request) -> int:
         """Take a preempted request out of the step; returns the tokens it had there."""
@@ -197,8 +199,9 @@ class Scheduler:
             num_new = self._num_new_tokens(request, budget)
             drafts = self._draft(request, budget) if speculate and num_new == 1 else []
             num_new += len(drafts)
+            lookahead = self._lookahead(request, request.num_computed_tokens + num_new, speculate)
             block_offset = len(self.kv.block_ids(request.request_id))
-            while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
+            while (allocated := self._allocate(request, num_new, lookahead)) is None:
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
                 if victim_index < i:  # scheduled earlier in this step: give its tokens back
@@ -209,7 +212,9 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                self._add_scheduled(step, request, num_new, block_offset, new_blocks, drafts)
+                new_blocks, lookahead = allocated
+                self._add_scheduled(step, request, num_new, block_offset, new_blocks, drafts,
+                                    lookahead)
                 budget -= num_new
                 i += 1
                 continue
@@ -217,6 +222,7 @@ class Scheduler:
         return budget, preempted_any
 
     def _schedule_waiting(self, step: _Step, budget: int) -> None:
+        speculate = self.spec.active(len(self.running))
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.num_output_placeholders:
@@ -230,9 +236,11 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            new_blocks = self.kv.allocate_slots(request, num_new, hits)
-            if new_blocks is None:
+            lookahead = self._lookahead(request, num_cached + num_new, speculate)
+            allocated = self._allocate(request, num_new, lookahead, hits)
+            if allocated is None:
                 break
+            new_blocks, lookahead = allocated
             self.waiting.pop()
             if request.num_cached_tokens < 0:  # first scheduled: the workers learn of it
                 request.num_cached_tokens = num_cached
@@ -242,7 +250,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._add_scheduled(step, request, num_new, 0, new_blocks)
+            self._add_scheduled(step, request, num_new, 0, new_blocks, (), lookahead)
             budget -= num_new
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
@@ -260,6 +268,31 @@ class Scheduler:
                    self.max_model_len - request.num_tokens) - 1
         k = min(request.spec_k, budget - 1, room)
         return self.spec.propose(request, k) if k > 0 else []
+
+    def _lookahead(self, request: Request, end: int, speculate: bool) -> int:
+        """Draft-model speculation: how many tokens the worker should draft after a step that
+        computes the request up to position `end` (exclusive). Only for a step that samples
+        (end reaches the sequence's end) with nothing else in flight; capped so that the drafts'
+        positions stay inside the context and the next step's verification can use them."""
+        if (not speculate or not self.spec.config.uses_draft_model or not request.can_speculate
+                or request.num_output_placeholders or end < request.num_tokens):
+            return 0
+        if request.spec_k == 0:
+            request.spec_k = self.spec.initial_k()
+        # Next step: at least one more output token, then drafts up to max_tokens - 1.
+        room = min(request.max_tokens - request.num_output_tokens - 2, self.max_model_len - end)
+        return max(0, min(request.spec_k, room))
+
+    def _allocate(self, request: Request, num_new: int, lookahead: int,
+                  hits: Sequence[int] = ()) -> Optional[tuple[list[int], int]]:
+        """KV slots for the step's num_new tokens and the drafts' lookahead positions, else for
+        the step's tokens alone (drafts never cost a preemption). Returns (new block ids, the
+        lookahead granted), or None."""
+        new_blocks = self.kv.allocate_slots(request, num_new + lookahead, hits)
+        if new_blocks is None and lookahead:
+            lookahead = 0
+            new_blocks = self.kv.allocate_slots(request, num_new, hits)
+        return None if new_blocks is None else (new_blocks, lookahead)
 
     def _last_token_in_flight(self, request: Request) -> bool:
         """The token in flight is the request's last (max_tokens or the context length): a
@@ -279,6 +312,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.draft_token_ids = []  # its resumption samples a new last token
         request.num_preemptions += 1
         self.num_preemptions += 1
         step.out.preempted_request_ids.append(request.request_id)
@@ -287,7 +321,8 @@ class Scheduler:
     # --- after the model ran --------------------------------------------------------------------
 
     def update(self, out: SchedulerOutput, sampled: SampledTokens,
-               prompt_logprobs: Optional[PromptLogprobs] = None) -> list[EngineCoreOutput]:
+               prompt_logprobs: Optional[PromptLogprobs] = None,
+               draft_token_ids: Optional[DraftTokens] = None) -> list[EngineCoreOutput]:
         """Take in a step's sampled tokens and collect what the frontend must hear.
 
         `sampled` maps request ids whose sequence was completed this step to the sampled token
@@ -295,9 +330,11 @@ class Scheduler:
         step computed to them: a prefill chunk that samples nothing reports those in an output
         without tokens. The step may have been scheduled before the previous one was processed:
         a request that has finished since gets nothing, and one preempted since still gets its
-        token (its KV was computed; it is recomputed with the rest).
+        token (its KV was computed; it is recomputed with the rest). `draft_token_ids` are the
+        draft model's proposals after the step's tokens (draft-model speculation).
         """
         prompt_logprobs = prompt_logprobs or {}
+        draft_token_ids = draft_token_ids or {}
         outputs = []
         step = self._steps.pop(out.step_id)
         for request, s in zip(step.requests, out.scheduled):
@@ -305,6 +342,8 @@ class Scheduler:
                                                  request.num_prompt_tokens - s.num_computed_tokens))
             if request.is_finished:
                 continue  # finished or aborted while this step was in flight: dropped
+            if s.completes_sequence:  # drafts are of its last token: replaced whenever it grows
+                request.draft_token_ids = draft_token_ids.get(request.request_id, [])
             if s.draft_token_ids:
                 outputs.append(self._update_verified(request, s, sampled[request.request_id][0]))
                 continue
@@ -328,6 +367,8 @@ class Scheduler:
             if reason is not None:
                 self._remove(request)
                 self._finish(request, reason)
+            elif s.num_lookahead_tokens:  # the drafts' slots: past the computed tokens
+                self.kv.trim(request)
             outputs.append(EngineCoreOutput(
                 request_id=request.request_id, new_token_ids=[token_id],
                 new_logprobs=[logprobs] if logprobs is not None else None,

@@ -2,7 +2,10 @@
 
 Torch-free like the rest of `engine/`. The n-gram (prompt lookup) proposer needs only token ids,
 so it runs at schedule time: the scheduler knows each request's draft before it allocates KV
-slots, and a request without a match costs nothing. The verification (target forward over the
+slots, and a request without a match costs nothing. A draft model needs the model, so the worker
+runs it after a step's sampling (`worker/draft_model.py`) for the requests the scheduler gave
+lookahead slots, and returns the drafts beside the sampled tokens; the request's next schedule
+takes them like an n-gram draft. The verification (target forward over the
 k + 1 positions, acceptance sampling) is the model runner's; the rollback of rejected tokens is
 `Scheduler.update`'s.
 """
@@ -128,8 +131,12 @@ class SpecDecodePolicy:
         return self.config.num_speculative_tokens
 
     def propose(self, request: Request, k: int) -> list[int]:
-        """Up to k draft tokens for the request (n-gram proposer)."""
-        return self.proposer.propose(_token_array(request), k) if self.proposer else []
+        """Up to k draft tokens for the request: the n-gram proposer's, or the draft model's
+        that the worker made after the step that sampled the request's last token (taken)."""
+        if self.proposer is not None:
+            return self.proposer.propose(_token_array(request), k)
+        drafts, request.draft_token_ids = request.draft_token_ids[:k], []
+        return drafts
 
     def next_k(self, k: int, num_draft_tokens: int, num_accepted: int) -> int:
         """A request's k for its next step after a verification of num_draft_tokens."""

@@ -25,6 +25,8 @@ from tinyvllm.ops._dispatch import configure, cuda_ops, device_support
 from tinyvllm.ops.quantized import configure_cpu_threads
 from tinyvllm.ops.kv_cache import FP8_DTYPE, PADDING_SLOT, resolve_kv_cache_dtype
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.worker.draft_model import (DraftModelProposer, draft_kv_bytes_per_block,
+                                         separate_draft, truncated_self_draft)
 from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_sizes,
                                         decode_seq_len_tiers)
 from tinyvllm.worker.input_buffers import InputBuffers
@@ -108,7 +110,8 @@ class ModelRunner:
     without a host sync; the step's one sync is `StepHandle.result()`.
     """
 
-    def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None):
+    def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None,
+                 draft_loaded: Optional[LoadedModel] = None):
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
@@ -129,6 +132,8 @@ class ModelRunner:
                                            quantization=config.model.quantization)
         self.model = self.loaded.model
         self.arch = self.loaded.arch
+        # A separate draft checkpoint (speculative_config.model; tests may pass one loaded).
+        self.draft_loaded = draft_loaded or self._load_draft()
         # This rank's shape: its KV heads are the ones its cache holds (tensor parallelism).
         self.rank_arch = getattr(self.model, "rank_arch", self.arch)
         self.tp = get_tp()
@@ -153,10 +158,32 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             self.arch.num_layers, self.num_blocks, self.block_size, self.rank_arch.num_kv_heads,
             self.arch.head_dim, self.kv_cache_dtype, self.device)
-        self.graphs = self._capture_graphs() if self.use_cuda_graphs else None
+        self.drafter = self._make_drafter()
+        # A separate draft runs every step's batch after the target (`catch_up`), which the
+        # decode graphs do not capture: its steps run eagerly.
+        self.graphs = (self._capture_graphs()
+                       if self.use_cuda_graphs and self.draft_loaded is None else None)
         logger.info("KV cache: %d blocks of %d tokens on %s (%s, %d bytes per block)",
                     self.num_blocks, self.block_size, self.device,
                     str(self.kv_cache_dtype).removeprefix("torch."), self.kv_bytes_per_block())
+
+    def _make_drafter(self) -> Optional[DraftModelProposer]:
+        """The draft-model proposer (`--speculative-config` method draft_model), else None."""
+        spec = self.config.speculative
+        if not spec.uses_draft_model:
+            return None
+        if spec.draft_num_layers is not None:
+            return truncated_self_draft(self.model, self.kv_caches, spec.draft_num_layers,
+                                        self.buffers, self.block_size)
+        return separate_draft(self.loaded, self.draft_loaded, self.num_blocks, self.block_size,
+                              self.kv_cache_dtype, self.buffers, self.device)
+
+    def _load_draft(self) -> Optional[LoadedModel]:
+        spec = self.config.speculative
+        if not spec.uses_draft_model or spec.model is None:
+            return None
+        return load_model(spec.model, self.dtype, self.device, seed=self.config.model.seed,
+                          packed=self.device.type == "cpu" and not self.config.model.dequantize)
 
     def _capture_graphs(self) -> DecodeGraphs:
         # A decode batch has at most max_num_seqs rows and max_num_batched_tokens tokens.
@@ -169,11 +196,14 @@ class ModelRunner:
     # --- sizing ---------------------------------------------------------------------------------
 
     def kv_bytes_per_block(self) -> int:
-        """K and V of every layer for one block on this rank; an FP8 cache has 1-byte elements
-        (half of bf16)."""
+        """K and V of every layer for one block on this rank (a separate draft model's layers
+        included: its cache has as many blocks); an FP8 cache has 1-byte elements (half of
+        bf16)."""
         a = self.rank_arch
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * elem
+        draft = (0 if self.draft_loaded is None else
+                 draft_kv_bytes_per_block(self.draft_loaded, self.block_size, self.kv_cache_dtype))
+        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * elem + draft
 
     def _determine_num_blocks(self, cache: CacheConfig) -> int:
         """Blocks of the KV cache; with tensor parallelism the smallest any rank can hold (one
@@ -253,9 +283,19 @@ class ModelRunner:
         """Run one step and wait for its sampled tokens."""
         return self.execute_async(out).result()
 
-    @torch.inference_mode()
     def execute_async(self, out: SchedulerOutput) -> StepHandle:
-        """Launch one step (inputs, forward, logits, sampling) without waiting for it."""
+        """Launch one step (inputs, forward, logits, sampling) without waiting for it; with
+        draft-model speculation, wait for it and draft (`StepHandle.draft_token_ids`) when the
+        scheduler gave lookahead slots: the drafts start from the step's tokens, and the
+        scheduler does not schedule ahead while a request could speculate."""
+        handle = self._launch(out)
+        if self.drafter is not None and any(s.num_lookahead_tokens for s in out.scheduled):
+            handle.result()  # the records now hold the step's tokens (cached for the engine)
+            handle.draft_token_ids = self.drafter.propose(out.scheduled, self.requests)
+        return handle
+
+    @torch.inference_mode()
+    def _launch(self, out: SchedulerOutput) -> StepHandle:
         rows = apply_scheduler_output(self.requests, out, self.device)
         if rows is None:
             return StepHandle.done()
@@ -350,8 +390,11 @@ class ModelRunner:
                 return logits[:num_sampled], logits
             return (logits[inputs.logits_indices] if num_sampled else None), logits
         b = self.buffers
-        hidden = self.model(b.input_ids_device(inputs.num_tokens),
-                            b.positions_device(inputs.num_tokens), self.kv_caches, inputs.meta)
+        input_ids = b.input_ids_device(inputs.num_tokens)
+        positions = b.positions_device(inputs.num_tokens)
+        hidden = self.model(input_ids, positions, self.kv_caches, inputs.meta)
+        if self.drafter is not None:
+            self.drafter.catch_up(input_ids, positions, inputs.meta)
         if not num_sampled:
             return None, hidden
         return self.model.compute_logits(hidden[inputs.logits_indices]), hidden

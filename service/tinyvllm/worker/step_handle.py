@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from tinyvllm.scheduling.output import PromptLogprobs, SampledTokens
+from tinyvllm.scheduling.output import DraftTokens, PromptLogprobs, SampledTokens
 from tinyvllm.worker.prompt_logprobs import StepPromptLogprobs
 from tinyvllm.worker.requests import CachedRequest
 from tinyvllm.worker.sampler import SampledTensors, SamplingState
@@ -34,6 +34,8 @@ class StepHandle:
         self._result: Optional[SampledTokens] = (
             None if sampled is not None or prompt is not None else {})
         self.prompt_logprobs: PromptLogprobs = {}
+        # Draft-model speculation: set by the runner, which drafts once the step's tokens are in.
+        self.draft_token_ids: DraftTokens = {}
 
     @classmethod
     def done(cls) -> "StepHandle":
