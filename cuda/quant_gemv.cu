@@ -81,8 +81,10 @@ void quant_gemv(ptr_t out, ptr_t x, ptr_t qweight, ptr_t scales, ptr_t zeros, pt
   require(method != 2 || mma_fits, where + "method=2 (tensor cores) needs bits=4 and k a "
                                            "multiple of 64, got bits=" + std::to_string(bits) +
                                            " k=" + std::to_string(k));
-  // Auto: tensor cores from 2 rows where they fit, else the SIMT kernel.
-  const bool use_mma = method == 2 || (method == 0 && mma_fits && m >= 2);
+  // Auto: tensor cores from 3 rows where they fit, else the SIMT kernel. On an H100 at 8B shapes
+  // (cuda/NOTES.md) the SIMT kernel is 1.3-1.6x faster at m = 1 and 2, the tensor-core one
+  // 1.0-1.25x faster at m = 4 and 1.7-2.0x at m = 8.
+  const bool use_mma = method == 2 || (method == 0 && mma_fits && m >= 3);
   const int max_m = use_mma ? kQuantMmaMaxM : kQuantGemvMaxM;
   require(m >= 0 && m <= max_m, where + "m=" + std::to_string(m) + " rows; at most " +
                                     std::to_string(max_m) + " are served here");

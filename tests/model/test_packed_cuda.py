@@ -20,8 +20,10 @@ PROMPT = "The capital of France is Paris and the capital of Italy is Rome"
 
 @pytest.fixture(scope="module", params=["Q4_0", "Q4_1", "Q8_0"])
 def quantized_gguf(request, tmp_path_factory):
-    arch = tiny_arch(vocab_size=len(TOKENS), tie_word_embeddings=True, num_heads=6,
-                     num_kv_heads=2, rope_theta=500000.0, rope_scaling=LLAMA3_SCALING,
+    # head_dim 64: the CUDA attention kernels serve 64 and 128.
+    arch = tiny_arch(vocab_size=len(TOKENS), tie_word_embeddings=True, hidden_size=128,
+                     num_heads=2, num_kv_heads=1, head_dim=64, intermediate_size=256,
+                     rope_theta=500000.0, rope_scaling=LLAMA3_SCALING,
                      max_position_embeddings=64)
     model = make_random_model(arch, 5, torch.float32, torch.device("cpu"))
     path = tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf"

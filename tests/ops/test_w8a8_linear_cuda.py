@@ -1,9 +1,10 @@
 """The CUDA path of ops/w8a8_linear.py (torch._int_mm / torch._scaled_mm through cuBLAS)
 against an exact float64 reference of the same quantized values, on awkward shapes.
 
-Both paths quantize x with the same torch ops (bit-identical on CPU and GPU: IEEE division,
-round half to even), so the reference is the exact product sum in float64, and the tolerance is
-what the GPU path may add to it, element by element:
+The reference takes x quantized on the GPU by the op's own torch ops (the same values the CPU
+gives: the scale is max|x| times the float32 reciprocal of QMAX, x / scale an IEEE division,
+round half to even) and forms the exact product sum in float64, so the tolerance is what the
+GEMM may add to it, element by element:
 
     |out - ref| <= 2 u (|ref| + |bias|) + a S + 1e-6 max|ref|
 
@@ -51,8 +52,11 @@ def make(m, n, k, wdtype, dtype, seed, static):
 
 
 def exact(x, qweight, weight_scale, input_scale, bias):
-    """(reference [m, n] float64, S the bound's absolute sum) on the CPU."""
-    qx, sx = w8.quantize_rows(x.cpu(), qweight.dtype, input_scale)
+    """(reference [m, n] float64, S the bound's absolute sum) on the CPU, from x quantized on
+    the GPU as the op quantizes it (the CPU gives the same values; the GEMM is what is checked)."""
+    qx, sx = w8.quantize_rows(x.cuda(), qweight.dtype,
+                              None if input_scale is None else input_scale.cuda())
+    qx, sx = qx.cpu(), sx.cpu()
     qx, qw = qx.double(), qweight.cpu().double()
     scale = sx.double() * weight_scale.cpu().double()
     ref = (qx @ qw.t()) * scale
@@ -148,3 +152,13 @@ def test_synthetic_model_runs_w8a8_on_the_gpu(method):
     assert isinstance(down, W8A8Linear) and down.qweight.is_cuda and down.qweight.dtype == wdtype
     x = torch.randn(5, down.in_features, device="cuda", dtype=torch.bfloat16)
     check(down(x), x.cpu(), down.qweight, down.weight_scale, None, None)
+
+
+@pytest.mark.parametrize("wdtype", [torch.int8, FP8], ids=["int8", "fp8"])
+def test_quantization_is_the_same_on_cpu_and_gpu(wdtype):
+    """Dynamic per-token scales and values: the CPU tests predict the GPU's quantization."""
+    x = (torch.randn(64, 576, generator=torch.Generator().manual_seed(11)) * 3).to(torch.bfloat16)
+    q_cpu, s_cpu = w8.quantize_rows(x, wdtype)
+    q_gpu, s_gpu = w8.quantize_rows(x.cuda(), wdtype)
+    assert torch.equal(s_gpu.cpu(), s_cpu)
+    assert torch.equal(q_gpu.cpu().float(), q_cpu.float())

@@ -315,7 +315,7 @@ def bench_quant_linear(m, name, n, k, bits, group_size, copy_gbps, gen) -> Row:
             baselines["torch_int4pack"] = time_graph_us(lambda i: int4(x), calls=1)
     if bits == 4 and m <= 8:  # the other GEMV kernel, to show the auto choice
         from tinyvllm.ops.quant_linear_cuda import quant_linear_cuda
-        other = "simt" if m >= 2 else "mma"
+        other = "simt" if m >= 3 else "mma"
         baselines[f"ours_{other}"] = time_graph_us(
             lambda i: quant_linear_cuda(cuda_ops_or_exit(), x, qweights[i % copies], scales,
                                         zeros, bits, group_size, method=other), calls=copies)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tinyvllm.ops._dispatch import dtype_code, stream_handle
 
 METHODS = {"auto": 0, "simt": 1, "mma": 2}
-"""cuda/quant_gemv.cu's `method`: auto takes tensor cores from two rows where they fit."""
+"""cuda/quant_gemv.cu's `method`: auto takes tensor cores from three rows where they fit."""
 
 
 def gemv_max_rows(bits: int, k: int) -> int:

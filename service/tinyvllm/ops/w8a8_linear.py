@@ -73,7 +73,10 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype,
     xf = x.float()
     if scale is None:
         absmax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_ABSMAX)
-        scales = absmax / QMAX[dtype]
+        # Times the float32 reciprocal, not "/ QMAX": CUDA divides a tensor by a Python scalar
+        # as a multiplication by its reciprocal and the CPU divides exactly, so only this form
+        # gives the same scales (and quantized values) on both devices.
+        scales = absmax * (1.0 / QMAX[dtype])
     else:
         scales = scale.reshape(1, 1).expand(x.shape[0], 1)
     q = (xf / scales).clamp(QMIN[dtype], QMAX[dtype])
