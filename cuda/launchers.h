@@ -92,7 +92,7 @@ void gemv_merge(ptr_t out, ptr_t split_out, ptr_t split_max, ptr_t split_sum, pt
 // quant_gemv.cu: weight-only quantized linear layers over the integer-group layout of
 // ops/quant_linear.py (qweight int32 [n, k / (32 / bits)], scales / zeros [n, k / group_size]).
 // quant_gemv: out[m, n] = x . w^T (+ bias), the weight dequantized in registers, for m <= 8 (SIMT
-// kernel) or m <= 16 (tensor cores: bits 4, k % 64 == 0). method: 0 auto (tensor cores from two
+// kernel) or m <= 16 (tensor cores: bits 4, k % 64 == 0). method: 0 auto (tensor cores from three
 // rows where they fit), 1 SIMT, 2 tensor cores.
 void quant_gemv(ptr_t out, ptr_t x, ptr_t qweight, ptr_t scales, ptr_t zeros, ptr_t bias,
                 int64_t m, int64_t n, int64_t k, int64_t x_stride, int64_t out_stride, int bits,
