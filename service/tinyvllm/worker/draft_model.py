@@ -36,6 +36,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from tinyvllm.config import SpeculativeConfig
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.model.loader import LoadedModel
 from tinyvllm.ops import AttentionMetadata, allocate_kv_caches
@@ -131,30 +132,34 @@ class DraftModelProposer:
         return self.model.compute_logits(hidden).argmax(dim=-1)
 
 
+def check_draft(spec: SpeculativeConfig, target: LoadedModel,
+                draft: Optional[LoadedModel]) -> None:
+    """At start, before the KV cache is sized: the draft fits the target.
+
+    Raises:
+        ValueError: draft_num_layers outside 1 .. the target's layers, or a draft checkpoint
+            whose vocabulary is not the target's (naming the key).
+    """
+    total = target.arch.num_layers
+    if spec.draft_num_layers is not None and not 1 <= spec.draft_num_layers <= total:
+        raise ValueError(f"speculative_config.draft_num_layers must be in [1, {total}] (the "
+                         f"target's layers), got {spec.draft_num_layers}")
+    if draft is not None:
+        check_same_vocabulary(target, draft)
+
+
 def truncated_self_draft(model: LlamaForCausalLM, kv_caches: list[torch.Tensor],
                          num_layers: int, buffers: InputBuffers,
                          block_size: int) -> DraftModelProposer:
-    """The target's first num_layers layers over their own cache tensors.
-
-    Raises:
-        ValueError: num_layers outside 1 .. the target's layers (naming the key).
-    """
-    total = len(model.model.layers)
-    if not 1 <= num_layers <= total:
-        raise ValueError(f"speculative_config.draft_num_layers must be in [1, {total}] (the "
-                         f"target's layers), got {num_layers}")
+    """The target's first num_layers layers (`check_draft`ed) over their own cache tensors."""
     return DraftModelProposer(model, kv_caches[:num_layers], num_layers, buffers, block_size)
 
 
-def separate_draft(target: LoadedModel, draft: LoadedModel, num_blocks: int, block_size: int,
+def separate_draft(draft: LoadedModel, num_blocks: int, block_size: int,
                    kv_cache_dtype: torch.dtype, buffers: InputBuffers,
                    device: torch.device) -> DraftModelProposer:
-    """A draft checkpoint with a cache of its own (`draft_kv_bytes_per_block` per block).
-
-    Raises:
-        ValueError: the draft's vocabulary is not the target's (naming the key).
-    """
-    check_same_vocabulary(target, draft)
+    """A draft checkpoint (`check_draft`ed) with a cache of its own (`draft_kv_bytes_per_block`
+    per block)."""
     rank_arch = getattr(draft.model, "rank_arch", draft.arch)
     caches = allocate_kv_caches(draft.arch.num_layers, num_blocks, block_size,
                                 rank_arch.num_kv_heads, draft.arch.head_dim, kv_cache_dtype,

@@ -25,8 +25,9 @@ from tinyvllm.ops._dispatch import configure, cuda_ops, device_support
 from tinyvllm.ops.quantized import configure_cpu_threads
 from tinyvllm.ops.kv_cache import FP8_DTYPE, PADDING_SLOT, resolve_kv_cache_dtype
 from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.worker.draft_model import (DraftModelProposer, draft_kv_bytes_per_block,
-                                         separate_draft, truncated_self_draft)
+from tinyvllm.worker.draft_model import (DraftModelProposer, check_draft,
+                                         draft_kv_bytes_per_block, separate_draft,
+                                         truncated_self_draft)
 from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_sizes,
                                         decode_seq_len_tiers)
 from tinyvllm.worker.input_buffers import InputBuffers
@@ -134,6 +135,7 @@ class ModelRunner:
         self.arch = self.loaded.arch
         # A separate draft checkpoint (speculative_config.model; tests may pass one loaded).
         self.draft_loaded = draft_loaded or self._load_draft()
+        check_draft(config.speculative, self.loaded, self.draft_loaded)
         # This rank's shape: its KV heads are the ones its cache holds (tensor parallelism).
         self.rank_arch = getattr(self.model, "rank_arch", self.arch)
         self.tp = get_tp()
@@ -175,7 +177,7 @@ class ModelRunner:
         if spec.draft_num_layers is not None:
             return truncated_self_draft(self.model, self.kv_caches, spec.draft_num_layers,
                                         self.buffers, self.block_size)
-        return separate_draft(self.loaded, self.draft_loaded, self.num_blocks, self.block_size,
+        return separate_draft(self.draft_loaded, self.num_blocks, self.block_size,
                               self.kv_cache_dtype, self.buffers, self.device)
 
     def _load_draft(self) -> Optional[LoadedModel]:
