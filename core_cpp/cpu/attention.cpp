@@ -17,55 +17,37 @@
 namespace tinyvllm::cpu {
 namespace {
 
-struct DecodeArgs {
-  float* out;
-  const float* q;
-  int64_t q_stride;
-  const float* cache;
-  int64_t num_blocks, block_size, hkv, d, h;
-  const int32_t* tables;
-  int64_t table_stride;
-  const int32_t* seq_lens;
-  float scale;
-};
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.0f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-// Address of token t's K (kv = 0) or V (kv = 1) for KV head `head` of sequence `seq`.
-inline const float* kv_row(const DecodeArgs& a, int64_t seq, int64_t t, int kv, int64_t head) {
-  const int64_t block = a.tables[seq * a.table_stride + t / a.block_size];
+// Address of token t's K (kv = 0) or V (kv = 1) for KV head `head` of query row `row`.
+inline const float* kv_row(const PagedRows& a, const int32_t* table, int64_t t, int kv,
+                           int64_t head) {
+  const int64_t block = table[t / a.block_size];
   const int64_t slot = (kv * a.num_blocks + block) * a.block_size + t % a.block_size;
   return a.cache + (slot * a.hkv + head) * a.d;
 }
 
-void attend_one(const DecodeArgs& a, int64_t seq, int64_t head, std::vector<float>& scores) {
-  const int64_t group = a.h / a.hkv, ctx = a.seq_lens[seq], d = a.d;
+void attend_one(const PagedRows& a, const Kernels& kern, int64_t row, int64_t head,
+                std::vector<float>& scores) {
+  const int64_t group = a.h / a.hkv, ctx = a.row_ctx[row], d = a.d;
+  const int32_t* table = a.tables + (a.row_table ? a.row_table[row] : row) * a.table_stride;
   scores.assign(group * ctx, 0.0f);
-  const float* q0 = a.q + seq * a.q_stride + head * group * d;
+  const float* q0 = a.q + row * a.q_stride + head * group * d;
   for (int64_t t = 0; t < ctx; ++t) {
-    const float* k = kv_row(a, seq, t, 0, head);
-    for (int64_t g = 0; g < group; ++g) scores[g * ctx + t] = dot(q0 + g * d, k, d) * a.scale;
+    const float* k = kv_row(a, table, t, 0, head);
+    for (int64_t g = 0; g < group; ++g) scores[g * ctx + t] = kern.dot(q0 + g * d, k, d) * a.scale;
   }
   for (int64_t g = 0; g < group; ++g) {  // softmax per query head
     float* s = scores.data() + g * ctx;
     const float mx = *std::max_element(s, s + ctx);
     float sum = 0.0f;
     for (int64_t t = 0; t < ctx; ++t) sum += (s[t] = std::exp(s[t] - mx));
-    for (int64_t t = 0; t < ctx; ++t) s[t] /= sum;
+    const float inv = 1.0f / sum;
+    for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
   }
-  float* o0 = a.out + (seq * a.h + head * group) * d;
+  float* o0 = a.out + (row * a.h + head * group) * d;
   std::fill(o0, o0 + group * d, 0.0f);
   for (int64_t t = 0; t < ctx; ++t) {
-    const float* v = kv_row(a, seq, t, 1, head);
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * ctx + t];
-      float* o = o0 + g * d;
-      for (int64_t i = 0; i < d; ++i) o[i] += p * v[i];
-    }
+    const float* v = kv_row(a, table, t, 1, head);
+    for (int64_t g = 0; g < group; ++g) kern.axpy(scores[g * ctx + t], v, o0 + g * d, d);
   }
 }
 
@@ -94,15 +76,19 @@ void paged_decode_attention(float* out, const float* q, int64_t q_stride, const 
       }
     }
   }
-  const DecodeArgs a{out, q, q_stride, cache, num_blocks, block_size, hkv, d, h,
-                     block_tables, table_stride, seq_lens, scale};
-  const int64_t items = b * hkv;
+  const PagedRows a{out, q, q_stride, cache, num_blocks, block_size, hkv, d, h, block_tables,
+                    table_stride, nullptr, seq_lens, b, scale};
+  const Kernels& kern = select_kernels("auto");
   std::lock_guard<std::mutex> lock(kernel_mutex());
-  ThreadPool& workers = pool();
+  attend_rows(a, kern, pool());
+}
+
+void attend_rows(const PagedRows& a, const Kernels& kern, ThreadPool& workers) {
+  const int64_t items = a.num_rows * a.hkv;
   auto work = [&](int t, int num_threads) {
     std::vector<float> scores;
     for (int64_t i = items * t / num_threads; i < items * (t + 1) / num_threads; ++i) {
-      attend_one(a, i / hkv, i % hkv, scores);
+      attend_one(a, kern, i / a.hkv, i % a.hkv, scores);
     }
   };
   if (items < 2) return work(0, 1);

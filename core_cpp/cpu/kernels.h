@@ -17,6 +17,7 @@ struct GemmArgs {
   int64_t m;
   int64_t nb;            // blocks per row: k / kBlock
   QType qtype;
+  bool accumulate = false;  // out += the product (a residual add) instead of out = it
 };
 
 struct Kernels {
@@ -25,6 +26,9 @@ struct Kernels {
   void (*quantize_row)(const float* x, int64_t nb, ActBlock* out);
   // out[j, r] = dot(x[j], w[r]) + bias[r] for every j < m and r in [row_begin, row_end).
   void (*gemm_rows)(const GemmArgs& args, int64_t row_begin, int64_t row_end);
+  // Float helpers of attention: dot(a, b) over n values, and y += a * x.
+  float (*dot)(const float* a, const float* b, int64_t n);
+  void (*axpy)(float a, const float* x, float* y, int64_t n);
 };
 
 const Kernels& scalar_kernels();

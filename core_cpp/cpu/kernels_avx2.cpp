@@ -144,8 +144,11 @@ void tile(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x0, int64_t 
   }
   for (int i = 0; i < R; ++i) {
     const float bias = g.bias ? g.bias[r + i] : 0.0f;
-    for (int c = 0; c < C; ++c) g.out[(j + c) * g.out_stride + r + i] = hsum(acc[i][c]) +
-                                                                         corr[i][c] + bias;
+    for (int c = 0; c < C; ++c) {
+      float& y = g.out[(j + c) * g.out_stride + r + i];
+      const float v = hsum(acc[i][c]) + corr[i][c] + bias;
+      y = g.accumulate ? y + v : v;
+    }
   }
 }
 
@@ -183,10 +186,34 @@ void gemm_rows(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
   }
 }
 
+float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  }
+  float s = hsum(_mm256_add_ps(acc0, acc1));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void axpy(float a, const float* x, float* y, int64_t n) {
+  const __m256 av = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  }
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
 }  // namespace
 
 const Kernels& avx2_kernels() {
-  static const Kernels k{"avx2", quantize_row, gemm_rows};
+  static const Kernels k{"avx2", quantize_row, gemm_rows, dot, axpy};
   return k;
 }
 

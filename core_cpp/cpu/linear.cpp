@@ -4,8 +4,6 @@
 #include <stdexcept>
 #include <vector>
 
-#include "thread_pool.h"
-
 namespace tinyvllm::cpu {
 namespace {
 
@@ -31,6 +29,14 @@ std::pair<int64_t, int64_t> row_range(int64_t n, int t, int num_threads) {
   return {begin < n ? begin : n, end < n ? end : n};
 }
 
+std::vector<ActBlock>& act_buffer(int64_t size) {
+  static std::vector<ActBlock> buffer;  // reused: guarded by kernel_mutex()
+  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+  return buffer;
+}
+
+}  // namespace
+
 void quantize_rows(const Kernels& kern, const float* x, int64_t x_stride, int64_t m, int64_t nb,
                    ActBlock* xq, ThreadPool& workers) {
   if (m < kParallelQuantizeRows || workers.num_threads() == 1) {
@@ -44,13 +50,15 @@ void quantize_rows(const Kernels& kern, const float* x, int64_t x_stride, int64_
   });
 }
 
-std::vector<ActBlock>& act_buffer(int64_t size) {
-  static std::vector<ActBlock> buffer;  // reused: guarded by kernel_mutex()
-  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
-  return buffer;
+void gemm_parallel(const Kernels& kern, const GemmArgs& args, int64_t n, ThreadPool& workers) {
+  if (n < 2 * kMinRowsPerThread || workers.num_threads() == 1) {
+    return kern.gemm_rows(args, 0, n);
+  }
+  workers.run([&](int t, int num_threads) {
+    const auto [begin, end] = row_range(n, t, num_threads);
+    if (begin < end) kern.gemm_rows(args, begin, end);
+  });
 }
-
-}  // namespace
 
 std::mutex& kernel_mutex() {
   static std::mutex m;
@@ -103,14 +111,7 @@ void quantized_linear(const float* x, int64_t x_stride, const uint8_t* w, int qt
   ThreadPool& workers = pool();
   ActBlock* xq = act_buffer(m * nb).data();
   quantize_rows(kern, x, x_stride, m, nb, xq, workers);
-  const GemmArgs args{xq, w, bias, out, out_stride, m, nb, type};
-  if (n < 2 * kMinRowsPerThread || workers.num_threads() == 1) {
-    return kern.gemm_rows(args, 0, n);
-  }
-  workers.run([&](int t, int num_threads) {
-    const auto [begin, end] = row_range(n, t, num_threads);
-    if (begin < end) kern.gemm_rows(args, begin, end);
-  });
+  gemm_parallel(kern, GemmArgs{xq, w, bias, out, out_stride, m, nb, type}, n, workers);
 }
 
 }  // namespace tinyvllm::cpu

@@ -184,6 +184,8 @@ def load_gguf_packed(path: Path, device: torch.device):
     missing = net.expected_weight_names() - loaded
     if missing:
         raise ValueError(f"{path.name}: missing weights {sorted(missing)[:8]}")
+    from tinyvllm.model.packed_decoder import PackedDecoder
+    net.packed_decoder = PackedDecoder.for_model(net)
     logger.info("%s: %d GGUF tensors kept packed for the CPU kernels, %d dequantized",
                 path.name, len(packed), len(rest))
     return loader.LoadedModel(model=net, arch=arch, tokenizer=tokenizer, name=model_name(path),
