@@ -5,6 +5,8 @@
 // weight unpack across C rows and each activation load across R rows.
 #include <immintrin.h>
 
+#include <cstring>
+
 #include "kernels.h"
 
 namespace tinyvllm::cpu {
@@ -152,6 +154,64 @@ void tile(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x0, int64_t 
   }
 }
 
+// The GEMV tile of the 4-bit types, four weight rows against one activation row, with the
+// per-block scalar work vectorised: the four rows' fp16 (d, m) pairs (Q4_0: (d, d)) convert in one
+// vcvtph2ps and multiply the activation block's (d, s) at once, giving each row's block scale
+// d * x.d (even lanes) and its correction term m * x.s (odd lanes, summed in a vector). Same
+// products and summation order as tile<T, 4, 1>, so the same results, with about half the
+// instructions per block.
+template <QType T>
+inline uint32_t scale_pair(const uint8_t* block) {
+  uint16_t d;
+  std::memcpy(&d, block, 2);
+  if constexpr (T == QType::Q4_0) return d | (static_cast<uint32_t>(d) << 16);
+  uint32_t dm;
+  std::memcpy(&dm, block, 4);
+  return dm;
+}
+
+template <QType T>
+void gemv4_4bit(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, int64_t nb,
+                const GemmArgs& g, int64_t r, int64_t j) {
+  constexpr int kQsOffset = T == QType::Q4_0 ? 2 : 4;  // the nibbles follow d (and m)
+  const int bb = block_bytes(T);
+  const __m256i mask = _mm256_set1_epi8(0x0f);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+  __m256 corr = _mm256_setzero_ps();
+  alignas(32) float scale[8];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = w_row0 + b * bb;
+    const ActBlock& xb = x[b];
+    const __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb.qs));
+    const __m128i dm16 = _mm_setr_epi32(
+        static_cast<int>(scale_pair<T>(p)), static_cast<int>(scale_pair<T>(p + row_bytes)),
+        static_cast<int>(scale_pair<T>(p + 2 * row_bytes)),
+        static_cast<int>(scale_pair<T>(p + 3 * row_bytes)));
+    const __m256 xds = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(&xb.d)));
+    const __m256 prod = _mm256_mul_ps(_mm256_cvtph_ps(dm16), xds);
+    corr = _mm256_add_ps(corr, prod);
+    _mm256_store_ps(scale, prod);
+    for (int i = 0; i < 4; ++i) {
+      const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i * row_bytes +
+                                                                          kQsOffset));
+      const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), mask);
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones));
+      acc[i] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(&scale[2 * i]), acc[i]);
+    }
+  }
+  alignas(32) float c[8];
+  _mm256_store_ps(c, corr);
+  for (int i = 0; i < 4; ++i) {
+    const float bias = g.bias ? g.bias[r + i] : 0.0f;
+    const float ci = T == QType::Q4_0 ? -8.0f * c[2 * i + 1] : c[2 * i + 1];
+    float& y = g.out[j * g.out_stride + r + i];
+    const float v = hsum(acc[i]) + ci + bias;
+    y = g.accumulate ? y + v : v;
+  }
+}
+
 // Every C-row group of activations in [j0, j1) against R weight rows from r.
 template <QType T, int R, int C>
 void tile_cols(const GemmArgs& g, int64_t r, int64_t j0, int64_t j1) {
@@ -169,7 +229,12 @@ void gemm_rows_t(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
   for (int64_t j0 = 0; j0 < g.m; j0 += kActRowsPerChunk) {
     const int64_t j1 = j0 + kActRowsPerChunk < g.m ? j0 + kActRowsPerChunk : g.m;
     int64_t r = row_begin;
-    if (j1 - j0 == 1) {  // GEMV: four independent weight rows keep the FMA pipes busy
+    if (j1 - j0 == 1 && T != QType::Q8_0) {  // GEMV of the 4-bit types
+      const int64_t row_bytes = g.nb * block_bytes(T);
+      for (; r + 4 <= row_end; r += 4) {
+        gemv4_4bit<T>(g.w + r * row_bytes, row_bytes, g.xq + j0 * g.nb, g.nb, g, r, j0);
+      }
+    } else if (j1 - j0 == 1) {  // GEMV: four independent weight rows keep the FMA pipes busy
       for (; r + 4 <= row_end; r += 4) tile_cols<T, 4, 1>(g, r, j0, j1);
     } else {  // two weight rows x four activation rows: 8 accumulators, each load used 2-4x
       for (; r + 2 <= row_end; r += 2) tile_cols<T, 2, 4>(g, r, j0, j1);
