@@ -17,6 +17,8 @@
 namespace tinyvllm::cpu {
 namespace {
 
+constexpr int64_t kItemsPerThread = 4;  // fewer (row, KV head) items: split by query head
+
 // Address of token t's K (kv = 0) or V (kv = 1) for KV head `head` of query row `row`.
 inline const float* kv_row(const PagedRows& a, const int32_t* table, int64_t t, int kv,
                            int64_t head) {
@@ -25,17 +27,18 @@ inline const float* kv_row(const PagedRows& a, const int32_t* table, int64_t t, 
   return a.cache + (slot * a.hkv + head) * a.d;
 }
 
-void attend_one(const PagedRows& a, const Kernels& kern, int64_t row, int64_t head,
-                std::vector<float>& scores) {
-  const int64_t group = a.h / a.hkv, ctx = a.row_ctx[row], d = a.d;
+// Query heads [g0, g1) of KV head `head`'s group, for query row `row`.
+void attend_one(const PagedRows& a, const Kernels& kern, int64_t row, int64_t head, int64_t g0,
+                int64_t g1, std::vector<float>& scores) {
+  const int64_t group = a.h / a.hkv, ctx = a.row_ctx[row], d = a.d, n = g1 - g0;
   const int32_t* table = a.tables + (a.row_table ? a.row_table[row] : row) * a.table_stride;
-  scores.assign(group * ctx, 0.0f);
-  const float* q0 = a.q + row * a.q_stride + head * group * d;
+  scores.assign(n * ctx, 0.0f);
+  const float* q0 = a.q + row * a.q_stride + (head * group + g0) * d;
   for (int64_t t = 0; t < ctx; ++t) {
     const float* k = kv_row(a, table, t, 0, head);
-    for (int64_t g = 0; g < group; ++g) scores[g * ctx + t] = kern.dot(q0 + g * d, k, d) * a.scale;
+    for (int64_t g = 0; g < n; ++g) scores[g * ctx + t] = kern.dot(q0 + g * d, k, d) * a.scale;
   }
-  for (int64_t g = 0; g < group; ++g) {  // softmax per query head
+  for (int64_t g = 0; g < n; ++g) {  // softmax per query head
     float* s = scores.data() + g * ctx;
     const float mx = *std::max_element(s, s + ctx);
     float sum = 0.0f;
@@ -43,11 +46,11 @@ void attend_one(const PagedRows& a, const Kernels& kern, int64_t row, int64_t he
     const float inv = 1.0f / sum;
     for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
   }
-  float* o0 = a.out + (row * a.h + head * group) * d;
-  std::fill(o0, o0 + group * d, 0.0f);
+  float* o0 = a.out + (row * a.h + head * group + g0) * d;
+  std::fill(o0, o0 + n * d, 0.0f);
   for (int64_t t = 0; t < ctx; ++t) {
     const float* v = kv_row(a, table, t, 1, head);
-    for (int64_t g = 0; g < group; ++g) kern.axpy(scores[g * ctx + t], v, o0 + g * d, d);
+    for (int64_t g = 0; g < n; ++g) kern.axpy(scores[g * ctx + t], v, o0 + g * d, d);
   }
 }
 
@@ -84,15 +87,18 @@ void paged_decode_attention(float* out, const float* q, int64_t q_stride, const 
 }
 
 void attend_rows(const PagedRows& a, const Kernels& kern, ThreadPool& workers) {
-  const int64_t items = a.num_rows * a.hkv;
-  auto work = [&](int t, int num_threads) {
+  // One item per (row, KV head), whose query heads share every K/V read; with few such items
+  // (a decode of one or two sequences) one per query head instead, so every thread has work.
+  const int64_t group = a.h / a.hkv;
+  const int64_t split = a.num_rows * a.hkv < kItemsPerThread * workers.num_threads() ? group : 1;
+  const int64_t items = a.num_rows * a.hkv * split;
+  workers.run(items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t i = items * t / num_threads; i < items * (t + 1) / num_threads; ++i) {
-      attend_one(a, kern, i / a.hkv, i % a.hkv, scores);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t pair = i / split, g0 = i % split * (group / split);
+      attend_one(a, kern, pair / a.hkv, pair % a.hkv, g0, g0 + group / split, scores);
     }
-  };
-  if (items < 2) return work(0, 1);
-  workers.run(work);
+  });
 }
 
 }  // namespace tinyvllm::cpu

@@ -17,6 +17,7 @@ namespace tinyvllm::cpu {
 namespace {
 
 constexpr int64_t kParallelRows = 4;  // elementwise phases with fewer rows stay on the caller
+constexpr int64_t kChunksPerThread = 4;
 
 // Buffers reused across steps (guarded by kernel_mutex()).
 struct Workspace {
@@ -30,13 +31,12 @@ Workspace& workspace() {
   return ws;
 }
 
-// Rows [begin, end) of `rows` for worker t, or all of them on the caller when rows are few.
+// fn(begin, end) over the rows, in chunks on the pool, or on the caller when rows are few.
 template <typename Fn>
 void for_rows(ThreadPool& workers, int64_t rows, Fn fn) {
   if (rows < kParallelRows || workers.num_threads() == 1) return fn(0, rows);
-  workers.run([&](int t, int num_threads) {
-    fn(rows * t / num_threads, rows * (t + 1) / num_threads);
-  });
+  workers.run(rows, (rows + kChunksPerThread * workers.num_threads() - 1) /
+                       (kChunksPerThread * workers.num_threads()), fn);
 }
 
 // x * rsqrt(mean(x^2) + eps) * w, as ops.rms_norm_ref in float32.

@@ -1,5 +1,6 @@
 #include "linear.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <stdexcept>
 #include <vector>
@@ -10,6 +11,8 @@ namespace {
 constexpr int64_t kRowAlign = 4;            // the GEMV tile: 4 weight rows
 constexpr int64_t kMinRowsPerThread = 32;   // below this a wake-up costs more than it saves
 constexpr int64_t kParallelQuantizeRows = 16;
+constexpr int64_t kQuantizeGrain = 4;
+constexpr int64_t kChunksPerThread = 8;
 
 bool cpu_has_avx2() {
 #if defined(TINYVLLM_HAVE_AVX2)
@@ -19,14 +22,6 @@ bool cpu_has_avx2() {
 #else
   return false;
 #endif
-}
-
-// Rows [begin, end) of n for worker t of T, split on kRowAlign boundaries.
-std::pair<int64_t, int64_t> row_range(int64_t n, int t, int num_threads) {
-  const int64_t tiles = (n + kRowAlign - 1) / kRowAlign;
-  const int64_t begin = tiles * t / num_threads * kRowAlign;
-  const int64_t end = tiles * (t + 1) / num_threads * kRowAlign;
-  return {begin < n ? begin : n, end < n ? end : n};
 }
 
 std::vector<ActBlock>& act_buffer(int64_t size) {
@@ -43,10 +38,8 @@ void quantize_rows(const Kernels& kern, const float* x, int64_t x_stride, int64_
     for (int64_t j = 0; j < m; ++j) kern.quantize_row(x + j * x_stride, nb, xq + j * nb);
     return;
   }
-  workers.run([&](int t, int num_threads) {
-    for (int64_t j = m * t / num_threads; j < m * (t + 1) / num_threads; ++j) {
-      kern.quantize_row(x + j * x_stride, nb, xq + j * nb);
-    }
+  workers.run(m, kQuantizeGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) kern.quantize_row(x + j * x_stride, nb, xq + j * nb);
   });
 }
 
@@ -54,9 +47,12 @@ void gemm_parallel(const Kernels& kern, const GemmArgs& args, int64_t n, ThreadP
   if (n < 2 * kMinRowsPerThread || workers.num_threads() == 1) {
     return kern.gemm_rows(args, 0, n);
   }
-  workers.run([&](int t, int num_threads) {
-    const auto [begin, end] = row_range(n, t, num_threads);
-    if (begin < end) kern.gemm_rows(args, begin, end);
+  // Chunks of whole tiles, a few per thread, so a late worker's share goes to the others.
+  const int64_t tiles = (n + kRowAlign - 1) / kRowAlign;
+  const int64_t grain = std::max<int64_t>(kMinRowsPerThread / kRowAlign,
+                                          tiles / (kChunksPerThread * workers.num_threads()));
+  workers.run(tiles, grain, [&](int64_t begin, int64_t end) {
+    kern.gemm_rows(args, begin * kRowAlign, std::min(end * kRowAlign, n));
   });
 }
 
