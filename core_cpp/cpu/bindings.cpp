@@ -60,9 +60,9 @@ std::vector<cpu::LayerParams> layer_params(const std::vector<uintptr_t>& f) {
       return cpu::PackedWeight{ptr<const uint8_t>(f[i + j]),
                                cpu::check_qtype(static_cast<int>(f[i + j + 1]))};
     };
-    out.push_back({ptr<const float>(f[i]), packed(1), f[i + 3] ? ptr<const float>(f[i + 3]) : nullptr,
-                   packed(4), ptr<const float>(f[i + 6]), packed(7), packed(9),
-                   ptr<float>(f[i + 11])});
+    const float* qkv_bias = f[i + 3] ? ptr<const float>(f[i + 3]) : nullptr;
+    out.push_back({ptr<const float>(f[i]), packed(1), qkv_bias, packed(4),
+                   ptr<const float>(f[i + 6]), packed(7), packed(9), ptr<float>(f[i + 11])});
   }
   return out;
 }

@@ -189,7 +189,9 @@ void gemv4_4bit(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, int
         static_cast<int>(scale_pair<T>(p)), static_cast<int>(scale_pair<T>(p + row_bytes)),
         static_cast<int>(scale_pair<T>(p + 2 * row_bytes)),
         static_cast<int>(scale_pair<T>(p + 3 * row_bytes)));
-    const __m256 xds = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(&xb.d)));
+    // (d, s) of the activation block in every lane pair (the two floats are adjacent).
+    const __m256 xds =
+        _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(&xb.d)));
     const __m256 prod = _mm256_mul_ps(_mm256_cvtph_ps(dm16), xds);
     corr = _mm256_add_ps(corr, prod);
     _mm256_store_ps(scale, prod);

@@ -78,7 +78,8 @@ float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
     for (int l = 0; l < 8; ++l) lane[l] += a[i + l] * b[i + l];
-  float s = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+  float s = ((lane[0] + lane[4]) + (lane[1] + lane[5])) +
+            ((lane[2] + lane[6]) + (lane[3] + lane[7]));
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }

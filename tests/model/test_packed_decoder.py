@@ -6,8 +6,9 @@ bias), each instruction set this machine runs and 1-3 threads.
 Both paths quantize the same activations to int8 per 32 values; they differ only in float
 summation order (RMSNorm, attention), which now and then moves a value across an int8 rounding
 boundary. A crossing moves a projection's output by at most one quantization step of one input,
-so the bound is relative: ATOL_OF_MAX of the largest logit (seen: 1.6e-3 where a crossing happens, a
-Q4_0 case; under 1e-6 elsewhere). Most values agree far closer, which the median check states."""
+so the bound is relative: ATOL_OF_MAX of the largest logit (seen: 1.6e-3 where a crossing
+happens, a Q4_0 case; under 1e-6 elsewhere). Most values agree far closer, which the median
+check states."""
 
 from __future__ import annotations
 

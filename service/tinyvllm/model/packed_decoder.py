@@ -1,4 +1,4 @@
-"""The whole decoder stack of a packed model in one C++ call per step (`tinyvllm._cpu.decoder_layers`).
+"""The decoder stack of a packed model in one C++ call per step (`_cpu.decoder_layers`).
 
 At batch 1 the op-by-op module path spends more time in Python and torch per op (about 25 ops per
 layer) than in the projections themselves. `PackedDecoder` hands the kernels every layer's
@@ -96,8 +96,9 @@ class PackedDecoder:
         layers = self.net.model.layers
         if len(kv_caches) != len(layers):
             raise ValueError(f"expected {len(layers)} KV caches, got {len(kv_caches)}")
-        key = (tuple(c.data_ptr() for c in kv_caches), layers[0].self_attn.qkv_proj.qweight.data_ptr(),
-               layers[0].input_layernorm.data_ptr())
+        first = layers[0]
+        key = (tuple(c.data_ptr() for c in kv_caches),
+               first.self_attn.qkv_proj.qweight.data_ptr(), first.input_layernorm.data_ptr())
         if key != self._table_key:
             self._table = [v for layer, cache in zip(layers, kv_caches)
                            for v in _layer_fields(layer, cache)]
