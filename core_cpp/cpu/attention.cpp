@@ -19,12 +19,18 @@ namespace {
 
 constexpr int64_t kItemsPerThread = 4;  // fewer (row, KV head) items: split by query head
 
-// Address of token t's K (kv = 0) or V (kv = 1) for KV head `head` of query row `row`.
-inline const float* kv_row(const PagedRows& a, const int32_t* table, int64_t t, int kv,
-                           int64_t head) {
-  const int64_t block = table[t / a.block_size];
-  const int64_t slot = (kv * a.num_blocks + block) * a.block_size + t % a.block_size;
-  return a.cache + (slot * a.hkv + head) * a.d;
+// Calls fn(t, k_or_v) for tokens t < ctx of KV head `head`, block by block (kv = 0: keys, 1:
+// values): no division per token.
+template <typename Fn>
+inline void for_each_token(const PagedRows& a, const int32_t* table, int64_t ctx, int kv,
+                           int64_t head, Fn fn) {
+  const int64_t token_stride = a.hkv * a.d;
+  for (int64_t t0 = 0, i = 0; t0 < ctx; t0 += a.block_size, ++i) {
+    const int64_t first_slot = (kv * a.num_blocks + table[i]) * a.block_size;
+    const float* x = a.cache + first_slot * token_stride + head * a.d;
+    const int64_t end = std::min(a.block_size, ctx - t0);
+    for (int64_t off = 0; off < end; ++off) fn(t0 + off, x + off * token_stride);
+  }
 }
 
 // Query heads [g0, g1) of KV head `head`'s group, for query row `row`.
@@ -32,26 +38,21 @@ void attend_one(const PagedRows& a, const Kernels& kern, int64_t row, int64_t he
                 int64_t g1, std::vector<float>& scores) {
   const int64_t group = a.h / a.hkv, ctx = a.row_ctx[row], d = a.d, n = g1 - g0;
   const int32_t* table = a.tables + (a.row_table ? a.row_table[row] : row) * a.table_stride;
-  scores.assign(n * ctx, 0.0f);
+  scores.resize(n * ctx);
   const float* q0 = a.q + row * a.q_stride + (head * group + g0) * d;
-  for (int64_t t = 0; t < ctx; ++t) {
-    const float* k = kv_row(a, table, t, 0, head);
+  for_each_token(a, table, ctx, 0, head, [&](int64_t t, const float* k) {
     for (int64_t g = 0; g < n; ++g) scores[g * ctx + t] = kern.dot(q0 + g * d, k, d) * a.scale;
-  }
+  });
   for (int64_t g = 0; g < n; ++g) {  // softmax per query head
     float* s = scores.data() + g * ctx;
-    const float mx = *std::max_element(s, s + ctx);
-    float sum = 0.0f;
-    for (int64_t t = 0; t < ctx; ++t) sum += (s[t] = std::exp(s[t] - mx));
-    const float inv = 1.0f / sum;
+    const float inv = 1.0f / kern.exp_sum(s, ctx, *std::max_element(s, s + ctx));
     for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
   }
   float* o0 = a.out + (row * a.h + head * group + g0) * d;
   std::fill(o0, o0 + n * d, 0.0f);
-  for (int64_t t = 0; t < ctx; ++t) {
-    const float* v = kv_row(a, table, t, 1, head);
+  for_each_token(a, table, ctx, 1, head, [&](int64_t t, const float* v) {
     for (int64_t g = 0; g < n; ++g) kern.axpy(scores[g * ctx + t], v, o0 + g * d, d);
-  }
+  });
 }
 
 }  // namespace

@@ -96,14 +96,12 @@ void rotary_and_cache(const DecoderShape& s, const StepInputs& step, float* qkv,
   }
 }
 
-void silu_and_mul(ThreadPool& workers, const float* gate_up, float* act, int64_t rows,
-                  int64_t inter) {
+void silu_and_mul(const Kernels& kern, ThreadPool& workers, const float* gate_up, float* act,
+                  int64_t rows, int64_t inter) {
   for_rows(workers, rows, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       const float* g = gate_up + j * 2 * inter;
-      const float* u = g + inter;
-      float* y = act + j * inter;
-      for (int64_t i = 0; i < inter; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+      kern.silu_mul(g, g + inter, act + j * inter, inter);
     }
   });
 }
@@ -191,7 +189,7 @@ void layer_forward(const Kernels& kern, ThreadPool& workers, Workspace& ws, floa
   rms_norm(workers, residual, l.post_norm, ws.normed.data(), T, H, s.eps);
   project(kern, workers, ws, ws.normed.data(), H, l.gate_up, nullptr, ws.gate_up.data(), 2 * I,
           T, false);
-  silu_and_mul(workers, ws.gate_up.data(), ws.act.data(), T, I);
+  silu_and_mul(kern, workers, ws.gate_up.data(), ws.act.data(), T, I);
   project(kern, workers, ws, ws.act.data(), I, l.down, nullptr, residual, H, T, true);
 }
 

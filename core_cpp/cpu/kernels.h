@@ -29,6 +29,10 @@ struct Kernels {
   // Float helpers of attention: dot(a, b) over n values, and y += a * x.
   float (*dot)(const float* a, const float* b, int64_t n);
   void (*axpy)(float a, const float* x, float* y, int64_t n);
+  // x[i] = exp(x[i] - shift) for i < n; returns their sum (a softmax's numerators).
+  float (*exp_sum)(float* x, int64_t n, float shift);
+  // y[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i].
+  void (*silu_mul)(const float* gate, const float* up, float* y, int64_t n);
 };
 
 const Kernels& scalar_kernels();

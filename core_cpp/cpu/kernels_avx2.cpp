@@ -5,6 +5,7 @@
 // weight unpack across C rows and each activation load across R rows.
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "kernels.h"
@@ -277,10 +278,65 @@ void axpy(float a, const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
+// exp(x) for float lanes, Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-6
+// polynomial for exp(r), 2^n through the exponent bits. About 2 ulp; inputs clamped to the range
+// whose result is a normal float (below it: the smallest normal instead of 0, which a softmax
+// or a SiLU cannot tell from 0).
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                       _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+float exp_sum(float* x, int64_t n, float shift) {
+  const __m256 sv = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), sv));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  if (i < n) {  // the tail through the same lanes, padded with -inf's exp (0, not stored)
+    alignas(32) float tail[8];
+    for (int l = 0; l < 8; ++l) tail[l] = i + l < n ? x[i + l] - shift : -1e30f;
+    __m256 e = exp256(_mm256_load_ps(tail));
+    e = _mm256_and_ps(e, _mm256_cmp_ps(_mm256_load_ps(tail), _mm256_set1_ps(-1e29f),
+                                       _CMP_GT_OQ));
+    _mm256_store_ps(tail, e);
+    for (int l = 0; i + l < n; ++l) x[i + l] = tail[l];
+    acc = _mm256_add_ps(acc, e);
+  }
+  return hsum(acc);
+}
+
+void silu_mul(const float* gate, const float* up, float* y, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 den = _mm256_add_ps(one, exp256(_mm256_xor_ps(g, sign)));
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(g, den), _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) y[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
 }  // namespace
 
 const Kernels& avx2_kernels() {
-  static const Kernels k{"avx2", quantize_row, gemm_rows, dot, axpy};
+  static const Kernels k{"avx2", quantize_row, gemm_rows, dot, axpy, exp_sum, silu_mul};
   return k;
 }
 

@@ -88,10 +88,20 @@ void axpy(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+float exp_sum(float* x, int64_t n, float shift) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += (x[i] = std::exp(x[i] - shift));
+  return sum;
+}
+
+void silu_mul(const float* gate, const float* up, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
 }  // namespace
 
 const Kernels& scalar_kernels() {
-  static const Kernels k{"scalar", quantize_row, gemm_rows, dot, axpy};
+  static const Kernels k{"scalar", quantize_row, gemm_rows, dot, axpy, exp_sum, silu_mul};
   return k;
 }
 
