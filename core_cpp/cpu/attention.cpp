@@ -19,17 +19,15 @@ namespace {
 
 constexpr int64_t kItemsPerThread = 4;  // fewer (row, KV head) items: split by query head
 
-// Calls fn(t, k_or_v) for tokens t < ctx of KV head `head`, block by block (kv = 0: keys, 1:
-// values): no division per token.
+// Calls fn(t0, x, num_tokens) for each cache block of KV head `head` holding tokens < ctx:
+// x is token t0's key (kv = 0) or value (kv = 1), the next ones a token stride (hkv * d) apart.
 template <typename Fn>
-inline void for_each_token(const PagedRows& a, const int32_t* table, int64_t ctx, int kv,
+inline void for_each_block(const PagedRows& a, const int32_t* table, int64_t ctx, int kv,
                            int64_t head, Fn fn) {
   const int64_t token_stride = a.hkv * a.d;
   for (int64_t t0 = 0, i = 0; t0 < ctx; t0 += a.block_size, ++i) {
     const int64_t first_slot = (kv * a.num_blocks + table[i]) * a.block_size;
-    const float* x = a.cache + first_slot * token_stride + head * a.d;
-    const int64_t end = std::min(a.block_size, ctx - t0);
-    for (int64_t off = 0; off < end; ++off) fn(t0 + off, x + off * token_stride);
+    fn(t0, a.cache + first_slot * token_stride + head * a.d, std::min(a.block_size, ctx - t0));
   }
 }
 
@@ -37,11 +35,14 @@ inline void for_each_token(const PagedRows& a, const int32_t* table, int64_t ctx
 void attend_one(const PagedRows& a, const Kernels& kern, int64_t row, int64_t head, int64_t g0,
                 int64_t g1, std::vector<float>& scores) {
   const int64_t group = a.h / a.hkv, ctx = a.row_ctx[row], d = a.d, n = g1 - g0;
+  const int64_t stride = a.hkv * d;
   const int32_t* table = a.tables + (a.row_table ? a.row_table[row] : row) * a.table_stride;
   scores.resize(n * ctx);
   const float* q0 = a.q + row * a.q_stride + (head * group + g0) * d;
-  for_each_token(a, table, ctx, 0, head, [&](int64_t t, const float* k) {
-    for (int64_t g = 0; g < n; ++g) scores[g * ctx + t] = kern.dot(q0 + g * d, k, d) * a.scale;
+  for_each_block(a, table, ctx, 0, head, [&](int64_t t0, const float* k, int64_t num) {
+    for (int64_t g = 0; g < n; ++g) {
+      kern.dot_tokens(q0 + g * d, k, stride, num, d, a.scale, scores.data() + g * ctx + t0);
+    }
   });
   for (int64_t g = 0; g < n; ++g) {  // softmax per query head
     float* s = scores.data() + g * ctx;
@@ -50,8 +51,10 @@ void attend_one(const PagedRows& a, const Kernels& kern, int64_t row, int64_t he
   }
   float* o0 = a.out + (row * a.h + head * group + g0) * d;
   std::fill(o0, o0 + n * d, 0.0f);
-  for_each_token(a, table, ctx, 1, head, [&](int64_t t, const float* v) {
-    for (int64_t g = 0; g < n; ++g) kern.axpy(scores[g * ctx + t], v, o0 + g * d, d);
+  for_each_block(a, table, ctx, 1, head, [&](int64_t t0, const float* v, int64_t num) {
+    for (int64_t g = 0; g < n; ++g) {
+      kern.sum_tokens(scores.data() + g * ctx + t0, v, stride, num, d, o0 + g * d);
+    }
   });
 }
 

@@ -269,13 +269,57 @@ float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-void axpy(float a, const float* x, float* y, int64_t n) {
-  const __m256 av = _mm256_set1_ps(a);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+// Eight tokens at a time: eight accumulators, each q load shared, and one transposing reduction
+// (hadd) for all eight sums instead of a horizontal sum per token.
+void dot_tokens(const float* q, const float* k, int64_t stride, int64_t num_tokens, int64_t d,
+                float scale, float* scores) {
+  int64_t t = 0;
+  if (d % 8 == 0) {
+    for (; t + 8 <= num_tokens; t += 8) {
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < d; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; ++j) {
+          acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (t + j) * stride + i), acc[j]);
+        }
+      }
+      const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]),
+                                       _mm256_hadd_ps(acc[2], acc[3]));
+      const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]),
+                                       _mm256_hadd_ps(acc[6], acc[7]));
+      const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
+                                        _mm256_permute2f128_ps(h0, h1, 0x31));
+      _mm256_storeu_ps(scores + t, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+    }
   }
-  for (; i < n; ++i) y[i] += a * x[i];
+  for (; t < num_tokens; ++t) scores[t] = dot(q, k + t * stride, d) * scale;
+}
+
+// out += sum_t p[t] * v[t]: 64 output values at a time stay in registers across the tokens.
+void sum_tokens(const float* p, const float* v, int64_t stride, int64_t num_tokens, int64_t d,
+                float* out) {
+  constexpr int kRegs = 8;
+  int64_t i = 0;
+  for (; i + 8 * kRegs <= d; i += 8 * kRegs) {
+    __m256 acc[kRegs];
+    for (int r = 0; r < kRegs; ++r) acc[r] = _mm256_loadu_ps(out + i + 8 * r);
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const __m256 pt = _mm256_broadcast_ss(p + t);
+      const float* vt = v + t * stride + i;
+      for (int r = 0; r < kRegs; ++r) acc[r] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * r), acc[r]);
+    }
+    for (int r = 0; r < kRegs; ++r) _mm256_storeu_ps(out + i + 8 * r, acc[r]);
+  }
+  for (; i + 8 <= d; i += 8) {
+    __m256 acc = _mm256_loadu_ps(out + i);
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      acc = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_loadu_ps(v + t * stride + i), acc);
+    }
+    _mm256_storeu_ps(out + i, acc);
+  }
+  for (; i < d; ++i)
+    for (int64_t t = 0; t < num_tokens; ++t) out[i] += p[t] * v[t * stride + i];
 }
 
 // exp(x) for float lanes, Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-6
@@ -336,7 +380,7 @@ void silu_mul(const float* gate, const float* up, float* y, int64_t n) {
 }  // namespace
 
 const Kernels& avx2_kernels() {
-  static const Kernels k{"avx2", quantize_row, gemm_rows, dot, axpy, exp_sum, silu_mul};
+  static const Kernels k{"avx2", quantize_row, gemm_rows, dot_tokens, sum_tokens, exp_sum, silu_mul};
   return k;
 }
 

@@ -84,8 +84,15 @@ float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-void axpy(float a, const float* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+void dot_tokens(const float* q, const float* k, int64_t stride, int64_t num_tokens, int64_t d,
+                float scale, float* scores) {
+  for (int64_t t = 0; t < num_tokens; ++t) scores[t] = dot(q, k + t * stride, d) * scale;
+}
+
+void sum_tokens(const float* p, const float* v, int64_t stride, int64_t num_tokens, int64_t d,
+                float* out) {
+  for (int64_t t = 0; t < num_tokens; ++t)
+    for (int64_t i = 0; i < d; ++i) out[i] += p[t] * v[t * stride + i];
 }
 
 float exp_sum(float* x, int64_t n, float shift) {
@@ -101,7 +108,7 @@ void silu_mul(const float* gate, const float* up, float* y, int64_t n) {
 }  // namespace
 
 const Kernels& scalar_kernels() {
-  static const Kernels k{"scalar", quantize_row, gemm_rows, dot, axpy, exp_sum, silu_mul};
+  static const Kernels k{"scalar", quantize_row, gemm_rows, dot_tokens, sum_tokens, exp_sum, silu_mul};
   return k;
 }
 
