@@ -17,56 +17,45 @@
 namespace tinyvllm::cpu {
 namespace {
 
-struct DecodeArgs {
-  float* out;
-  const float* q;
-  int64_t q_stride;
-  const float* cache;
-  int64_t num_blocks, block_size, hkv, d, h;
-  const int32_t* tables;
-  int64_t table_stride;
-  const int32_t* seq_lens;
-  float scale;
-};
+constexpr int64_t kItemsPerThread = 4;  // fewer (row, KV head) items: split by query head
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.0f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
+// Calls fn(t0, x, num_tokens) for each cache block of KV head `head` holding tokens < ctx:
+// x is token t0's key (kv = 0) or value (kv = 1), the next ones a token stride (hkv * d) apart.
+template <typename Fn>
+inline void for_each_block(const PagedRows& a, const int32_t* table, int64_t ctx, int kv,
+                           int64_t head, Fn fn) {
+  const int64_t token_stride = a.hkv * a.d;
+  for (int64_t t0 = 0, i = 0; t0 < ctx; t0 += a.block_size, ++i) {
+    const int64_t first_slot = (kv * a.num_blocks + table[i]) * a.block_size;
+    fn(t0, a.cache + first_slot * token_stride + head * a.d, std::min(a.block_size, ctx - t0));
+  }
 }
 
-// Address of token t's K (kv = 0) or V (kv = 1) for KV head `head` of sequence `seq`.
-inline const float* kv_row(const DecodeArgs& a, int64_t seq, int64_t t, int kv, int64_t head) {
-  const int64_t block = a.tables[seq * a.table_stride + t / a.block_size];
-  const int64_t slot = (kv * a.num_blocks + block) * a.block_size + t % a.block_size;
-  return a.cache + (slot * a.hkv + head) * a.d;
-}
-
-void attend_one(const DecodeArgs& a, int64_t seq, int64_t head, std::vector<float>& scores) {
-  const int64_t group = a.h / a.hkv, ctx = a.seq_lens[seq], d = a.d;
-  scores.assign(group * ctx, 0.0f);
-  const float* q0 = a.q + seq * a.q_stride + head * group * d;
-  for (int64_t t = 0; t < ctx; ++t) {
-    const float* k = kv_row(a, seq, t, 0, head);
-    for (int64_t g = 0; g < group; ++g) scores[g * ctx + t] = dot(q0 + g * d, k, d) * a.scale;
-  }
-  for (int64_t g = 0; g < group; ++g) {  // softmax per query head
-    float* s = scores.data() + g * ctx;
-    const float mx = *std::max_element(s, s + ctx);
-    float sum = 0.0f;
-    for (int64_t t = 0; t < ctx; ++t) sum += (s[t] = std::exp(s[t] - mx));
-    for (int64_t t = 0; t < ctx; ++t) s[t] /= sum;
-  }
-  float* o0 = a.out + (seq * a.h + head * group) * d;
-  std::fill(o0, o0 + group * d, 0.0f);
-  for (int64_t t = 0; t < ctx; ++t) {
-    const float* v = kv_row(a, seq, t, 1, head);
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * ctx + t];
-      float* o = o0 + g * d;
-      for (int64_t i = 0; i < d; ++i) o[i] += p * v[i];
+// Query heads [g0, g1) of KV head `head`'s group, for query row `row`.
+void attend_one(const PagedRows& a, const Kernels& kern, int64_t row, int64_t head, int64_t g0,
+                int64_t g1, std::vector<float>& scores) {
+  const int64_t group = a.h / a.hkv, ctx = a.row_ctx[row], d = a.d, n = g1 - g0;
+  const int64_t stride = a.hkv * d;
+  const int32_t* table = a.tables + (a.row_table ? a.row_table[row] : row) * a.table_stride;
+  scores.resize(n * ctx);
+  const float* q0 = a.q + row * a.q_stride + (head * group + g0) * d;
+  for_each_block(a, table, ctx, 0, head, [&](int64_t t0, const float* k, int64_t num) {
+    for (int64_t g = 0; g < n; ++g) {
+      kern.dot_tokens(q0 + g * d, k, stride, num, d, a.scale, scores.data() + g * ctx + t0);
     }
+  });
+  for (int64_t g = 0; g < n; ++g) {  // softmax per query head
+    float* s = scores.data() + g * ctx;
+    const float inv = 1.0f / kern.exp_sum(s, ctx, *std::max_element(s, s + ctx));
+    for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
   }
+  float* o0 = a.out + (row * a.h + head * group + g0) * d;
+  std::fill(o0, o0 + n * d, 0.0f);
+  for_each_block(a, table, ctx, 1, head, [&](int64_t t0, const float* v, int64_t num) {
+    for (int64_t g = 0; g < n; ++g) {
+      kern.sum_tokens(scores.data() + g * ctx + t0, v, stride, num, d, o0 + g * d);
+    }
+  });
 }
 
 }  // namespace
@@ -94,19 +83,26 @@ void paged_decode_attention(float* out, const float* q, int64_t q_stride, const 
       }
     }
   }
-  const DecodeArgs a{out, q, q_stride, cache, num_blocks, block_size, hkv, d, h,
-                     block_tables, table_stride, seq_lens, scale};
-  const int64_t items = b * hkv;
+  const PagedRows a{out, q, q_stride, cache, num_blocks, block_size, hkv, d, h, block_tables,
+                    table_stride, nullptr, seq_lens, b, scale};
+  const Kernels& kern = select_kernels("auto");
   std::lock_guard<std::mutex> lock(kernel_mutex());
-  ThreadPool& workers = pool();
-  auto work = [&](int t, int num_threads) {
+  attend_rows(a, kern, pool());
+}
+
+void attend_rows(const PagedRows& a, const Kernels& kern, ThreadPool& workers) {
+  // One item per (row, KV head), whose query heads share every K/V read; with few such items
+  // (a decode of one or two sequences) one per query head instead, so every thread has work.
+  const int64_t group = a.h / a.hkv;
+  const int64_t split = a.num_rows * a.hkv < kItemsPerThread * workers.num_threads() ? group : 1;
+  const int64_t items = a.num_rows * a.hkv * split;
+  workers.run(items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t i = items * t / num_threads; i < items * (t + 1) / num_threads; ++i) {
-      attend_one(a, i / hkv, i % hkv, scores);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t pair = i / split, g0 = i % split * (group / split);
+      attend_one(a, kern, pair / a.hkv, pair % a.hkv, g0, g0 + group / split, scores);
     }
-  };
-  if (items < 2) return work(0, 1);
-  workers.run(work);
+  });
 }
 
 }  // namespace tinyvllm::cpu

@@ -2,11 +2,13 @@
 // passes tensor.data_ptr()); sizes are checked in linear.cpp. The GIL is released while a kernel
 // runs. Docstrings live in service/tinyvllm/_cpu.pyi.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <mutex>
 
 #include "attention.h"
+#include "decoder.h"
 #include "linear.h"
 #include "thread_pool.h"
 
@@ -43,6 +45,50 @@ void decode_attention(uintptr_t out, uintptr_t q, int64_t q_stride, uintptr_t ca
                               ptr<const int32_t>(seq_lens), b, scale);
 }
 
+// Per layer, kLayerFields integers: input_norm, qkv_w, qkv_qtype, qkv_bias (0: none), o_w,
+// o_qtype, post_norm, gate_up_w, gate_up_qtype, down_w, down_qtype, kv_cache.
+constexpr size_t kLayerFields = 12;
+
+std::vector<cpu::LayerParams> layer_params(const std::vector<uintptr_t>& f) {
+  if (f.size() % kLayerFields) {
+    throw std::invalid_argument("decoder_layers: layers must hold 12 integers per layer, got " +
+                                std::to_string(f.size()));
+  }
+  std::vector<cpu::LayerParams> out;
+  for (size_t i = 0; i < f.size(); i += kLayerFields) {
+    auto packed = [&](size_t j) {
+      return cpu::PackedWeight{ptr<const uint8_t>(f[i + j]),
+                               cpu::check_qtype(static_cast<int>(f[i + j + 1]))};
+    };
+    const float* qkv_bias = f[i + 3] ? ptr<const float>(f[i + 3]) : nullptr;
+    out.push_back({ptr<const float>(f[i]), packed(1), qkv_bias, packed(4),
+                   ptr<const float>(f[i + 6]), packed(7), packed(9), ptr<float>(f[i + 11])});
+  }
+  return out;
+}
+
+void decoder_layers(uintptr_t residual, uintptr_t out, const std::vector<uintptr_t>& layers,
+                    uintptr_t final_norm, const std::vector<int64_t>& dims, float eps,
+                    float scale, int64_t num_tokens, uintptr_t positions, uintptr_t slot_mapping,
+                    uintptr_t cos_sin, int64_t max_position, uintptr_t query_start_loc,
+                    uintptr_t seq_lens, int64_t num_seqs, uintptr_t block_tables,
+                    int64_t table_stride, int64_t num_blocks, int64_t block_size,
+                    const std::string& isa) {
+  if (dims.size() != 5) {
+    throw std::invalid_argument("decoder_layers: dims = (hidden, num_heads, num_kv_heads, "
+                                "head_dim, intermediate)");
+  }
+  const cpu::DecoderShape shape{dims[0], dims[1], dims[2], dims[3], dims[4], eps, scale};
+  const cpu::StepInputs step{num_tokens, ptr<const int64_t>(positions),
+                             ptr<const int64_t>(slot_mapping), ptr<const float>(cos_sin),
+                             max_position, ptr<const int32_t>(query_start_loc),
+                             ptr<const int32_t>(seq_lens), num_seqs,
+                             ptr<const int32_t>(block_tables), table_stride, num_blocks,
+                             block_size};
+  cpu::decoder_layers(ptr<float>(residual), ptr<float>(out), layer_params(layers),
+                      ptr<const float>(final_norm), shape, step, isa);
+}
+
 void set_num_threads(int n) {
   std::lock_guard<std::mutex> lock(cpu::kernel_mutex());
   cpu::set_num_threads(n);
@@ -62,6 +108,13 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("num_heads"),
         py::arg("block_tables"), py::arg("table_stride"), py::arg("seq_lens"),
         py::arg("num_seqs"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+  m.def("decoder_layers", &decoder_layers, py::arg("residual"), py::arg("out"),
+        py::arg("layers"), py::arg("final_norm"), py::arg("dims"), py::arg("eps"),
+        py::arg("scale"), py::arg("num_tokens"), py::arg("positions"), py::arg("slot_mapping"),
+        py::arg("cos_sin_cache"), py::arg("max_position"), py::arg("query_start_loc"),
+        py::arg("seq_lens"), py::arg("num_seqs"), py::arg("block_tables"),
+        py::arg("table_stride"), py::arg("num_blocks"), py::arg("block_size"),
+        py::arg("isa") = "auto", py::call_guard<py::gil_scoped_release>());
   m.def("set_num_threads", &set_num_threads, py::arg("num_threads"),
         py::call_guard<py::gil_scoped_release>());
   m.def("num_threads", [] { return cpu::pool().num_threads(); });

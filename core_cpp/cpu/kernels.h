@@ -17,6 +17,7 @@ struct GemmArgs {
   int64_t m;
   int64_t nb;            // blocks per row: k / kBlock
   QType qtype;
+  bool accumulate = false;  // out += the product (a residual add) instead of out = it
 };
 
 struct Kernels {
@@ -25,6 +26,17 @@ struct Kernels {
   void (*quantize_row)(const float* x, int64_t nb, ActBlock* out);
   // out[j, r] = dot(x[j], w[r]) + bias[r] for every j < m and r in [row_begin, row_end).
   void (*gemm_rows)(const GemmArgs& args, int64_t row_begin, int64_t row_end);
+  // Float helpers of attention over tokens at a stride (one cache block's keys or values):
+  // scores[t] = dot(q, k + t * stride) * scale, and out += sum_t p[t] * (v + t * stride), for
+  // t < num_tokens, vectors of d values.
+  void (*dot_tokens)(const float* q, const float* k, int64_t stride, int64_t num_tokens,
+                     int64_t d, float scale, float* scores);
+  void (*sum_tokens)(const float* p, const float* v, int64_t stride, int64_t num_tokens,
+                     int64_t d, float* out);
+  // x[i] = exp(x[i] - shift) for i < n; returns their sum (a softmax's numerators).
+  float (*exp_sum)(float* x, int64_t n, float shift);
+  // y[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i].
+  void (*silu_mul)(const float* gate, const float* up, float* y, int64_t n);
 };
 
 const Kernels& scalar_kernels();

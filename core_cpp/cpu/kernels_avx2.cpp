@@ -5,6 +5,9 @@
 // weight unpack across C rows and each activation load across R rows.
 #include <immintrin.h>
 
+#include <cmath>
+#include <cstring>
+
 #include "kernels.h"
 
 namespace tinyvllm::cpu {
@@ -144,8 +147,71 @@ void tile(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x0, int64_t 
   }
   for (int i = 0; i < R; ++i) {
     const float bias = g.bias ? g.bias[r + i] : 0.0f;
-    for (int c = 0; c < C; ++c) g.out[(j + c) * g.out_stride + r + i] = hsum(acc[i][c]) +
-                                                                         corr[i][c] + bias;
+    for (int c = 0; c < C; ++c) {
+      float& y = g.out[(j + c) * g.out_stride + r + i];
+      const float v = hsum(acc[i][c]) + corr[i][c] + bias;
+      y = g.accumulate ? y + v : v;
+    }
+  }
+}
+
+// The GEMV tile of the 4-bit types, four weight rows against one activation row, with the
+// per-block scalar work vectorised: the four rows' fp16 (d, m) pairs (Q4_0: (d, d)) convert in one
+// vcvtph2ps and multiply the activation block's (d, s) at once, giving each row's block scale
+// d * x.d (even lanes) and its correction term m * x.s (odd lanes, summed in a vector). Same
+// products and summation order as tile<T, 4, 1>, so the same results, with about half the
+// instructions per block.
+template <QType T>
+inline uint32_t scale_pair(const uint8_t* block) {
+  uint16_t d;
+  std::memcpy(&d, block, 2);
+  if constexpr (T == QType::Q4_0) return d | (static_cast<uint32_t>(d) << 16);
+  uint32_t dm;
+  std::memcpy(&dm, block, 4);
+  return dm;
+}
+
+template <QType T>
+void gemv4_4bit(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, int64_t nb,
+                const GemmArgs& g, int64_t r, int64_t j) {
+  constexpr int kQsOffset = T == QType::Q4_0 ? 2 : 4;  // the nibbles follow d (and m)
+  const int bb = block_bytes(T);
+  const __m256i mask = _mm256_set1_epi8(0x0f);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+  __m256 corr = _mm256_setzero_ps();
+  alignas(32) float scale[8];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = w_row0 + b * bb;
+    const ActBlock& xb = x[b];
+    const __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb.qs));
+    const __m128i dm16 = _mm_setr_epi32(
+        static_cast<int>(scale_pair<T>(p)), static_cast<int>(scale_pair<T>(p + row_bytes)),
+        static_cast<int>(scale_pair<T>(p + 2 * row_bytes)),
+        static_cast<int>(scale_pair<T>(p + 3 * row_bytes)));
+    // (d, s) of the activation block in every lane pair (the two floats are adjacent).
+    const __m256 xds =
+        _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(&xb.d)));
+    const __m256 prod = _mm256_mul_ps(_mm256_cvtph_ps(dm16), xds);
+    corr = _mm256_add_ps(corr, prod);
+    _mm256_store_ps(scale, prod);
+    for (int i = 0; i < 4; ++i) {
+      const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i * row_bytes +
+                                                                          kQsOffset));
+      const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), mask);
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones));
+      acc[i] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(&scale[2 * i]), acc[i]);
+    }
+  }
+  alignas(32) float c[8];
+  _mm256_store_ps(c, corr);
+  for (int i = 0; i < 4; ++i) {
+    const float bias = g.bias ? g.bias[r + i] : 0.0f;
+    const float ci = T == QType::Q4_0 ? -8.0f * c[2 * i + 1] : c[2 * i + 1];
+    float& y = g.out[j * g.out_stride + r + i];
+    const float v = hsum(acc[i]) + ci + bias;
+    y = g.accumulate ? y + v : v;
   }
 }
 
@@ -166,7 +232,12 @@ void gemm_rows_t(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
   for (int64_t j0 = 0; j0 < g.m; j0 += kActRowsPerChunk) {
     const int64_t j1 = j0 + kActRowsPerChunk < g.m ? j0 + kActRowsPerChunk : g.m;
     int64_t r = row_begin;
-    if (j1 - j0 == 1) {  // GEMV: four independent weight rows keep the FMA pipes busy
+    if (j1 - j0 == 1 && T != QType::Q8_0) {  // GEMV of the 4-bit types
+      const int64_t row_bytes = g.nb * block_bytes(T);
+      for (; r + 4 <= row_end; r += 4) {
+        gemv4_4bit<T>(g.w + r * row_bytes, row_bytes, g.xq + j0 * g.nb, g.nb, g, r, j0);
+      }
+    } else if (j1 - j0 == 1) {  // GEMV: four independent weight rows keep the FMA pipes busy
       for (; r + 4 <= row_end; r += 4) tile_cols<T, 4, 1>(g, r, j0, j1);
     } else {  // two weight rows x four activation rows: 8 accumulators, each load used 2-4x
       for (; r + 2 <= row_end; r += 2) tile_cols<T, 2, 4>(g, r, j0, j1);
@@ -183,10 +254,133 @@ void gemm_rows(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
   }
 }
 
+float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  }
+  float s = hsum(_mm256_add_ps(acc0, acc1));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Eight tokens at a time: eight accumulators, each q load shared, and one transposing reduction
+// (hadd) for all eight sums instead of a horizontal sum per token.
+void dot_tokens(const float* q, const float* k, int64_t stride, int64_t num_tokens, int64_t d,
+                float scale, float* scores) {
+  int64_t t = 0;
+  if (d % 8 == 0) {
+    for (; t + 8 <= num_tokens; t += 8) {
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < d; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; ++j) {
+          acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (t + j) * stride + i), acc[j]);
+        }
+      }
+      const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]),
+                                       _mm256_hadd_ps(acc[2], acc[3]));
+      const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]),
+                                       _mm256_hadd_ps(acc[6], acc[7]));
+      const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
+                                        _mm256_permute2f128_ps(h0, h1, 0x31));
+      _mm256_storeu_ps(scores + t, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+    }
+  }
+  for (; t < num_tokens; ++t) scores[t] = dot(q, k + t * stride, d) * scale;
+}
+
+// out += sum_t p[t] * v[t]: 64 output values at a time stay in registers across the tokens.
+void sum_tokens(const float* p, const float* v, int64_t stride, int64_t num_tokens, int64_t d,
+                float* out) {
+  constexpr int kRegs = 8;
+  int64_t i = 0;
+  for (; i + 8 * kRegs <= d; i += 8 * kRegs) {
+    __m256 acc[kRegs];
+    for (int r = 0; r < kRegs; ++r) acc[r] = _mm256_loadu_ps(out + i + 8 * r);
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const __m256 pt = _mm256_broadcast_ss(p + t);
+      const float* vt = v + t * stride + i;
+      for (int r = 0; r < kRegs; ++r) acc[r] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * r), acc[r]);
+    }
+    for (int r = 0; r < kRegs; ++r) _mm256_storeu_ps(out + i + 8 * r, acc[r]);
+  }
+  for (; i + 8 <= d; i += 8) {
+    __m256 acc = _mm256_loadu_ps(out + i);
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      acc = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_loadu_ps(v + t * stride + i), acc);
+    }
+    _mm256_storeu_ps(out + i, acc);
+  }
+  for (; i < d; ++i)
+    for (int64_t t = 0; t < num_tokens; ++t) out[i] += p[t] * v[t * stride + i];
+}
+
+// exp(x) for float lanes, Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-6
+// polynomial for exp(r), 2^n through the exponent bits. About 2 ulp; inputs clamped to the range
+// whose result is a normal float (below it: the smallest normal instead of 0, which a softmax
+// or a SiLU cannot tell from 0).
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                       _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+float exp_sum(float* x, int64_t n, float shift) {
+  const __m256 sv = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), sv));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  if (i < n) {  // the tail through the same lanes, padded with -inf's exp (0, not stored)
+    alignas(32) float tail[8];
+    for (int l = 0; l < 8; ++l) tail[l] = i + l < n ? x[i + l] - shift : -1e30f;
+    __m256 e = exp256(_mm256_load_ps(tail));
+    e = _mm256_and_ps(e, _mm256_cmp_ps(_mm256_load_ps(tail), _mm256_set1_ps(-1e29f),
+                                       _CMP_GT_OQ));
+    _mm256_store_ps(tail, e);
+    for (int l = 0; i + l < n; ++l) x[i + l] = tail[l];
+    acc = _mm256_add_ps(acc, e);
+  }
+  return hsum(acc);
+}
+
+void silu_mul(const float* gate, const float* up, float* y, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 den = _mm256_add_ps(one, exp256(_mm256_xor_ps(g, sign)));
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(g, den), _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) y[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
 }  // namespace
 
 const Kernels& avx2_kernels() {
-  static const Kernels k{"avx2", quantize_row, gemm_rows};
+  static const Kernels k{"avx2", quantize_row, gemm_rows, dot_tokens, sum_tokens, exp_sum, silu_mul};
   return k;
 }
 

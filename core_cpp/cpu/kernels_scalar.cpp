@@ -58,7 +58,8 @@ void gemm_rows_t(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
       const ActBlock* x = g.xq + j * g.nb;
       float acc = 0.0f;
       for (int64_t b = 0; b < g.nb; ++b) acc += block_dot(w[b], x[b]);
-      g.out[j * g.out_stride + r] = acc + bias;
+      float& y = g.out[j * g.out_stride + r];
+      y = g.accumulate ? y + (acc + bias) : acc + bias;
     }
   }
 }
@@ -71,10 +72,43 @@ void gemm_rows(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
   }
 }
 
+// Eight running sums (the AVX2 path's lanes), so the compiler may vectorise without reassociating.
+float dot(const float* a, const float* b, int64_t n) {
+  float lane[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) lane[l] += a[i + l] * b[i + l];
+  float s = ((lane[0] + lane[4]) + (lane[1] + lane[5])) +
+            ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void dot_tokens(const float* q, const float* k, int64_t stride, int64_t num_tokens, int64_t d,
+                float scale, float* scores) {
+  for (int64_t t = 0; t < num_tokens; ++t) scores[t] = dot(q, k + t * stride, d) * scale;
+}
+
+void sum_tokens(const float* p, const float* v, int64_t stride, int64_t num_tokens, int64_t d,
+                float* out) {
+  for (int64_t t = 0; t < num_tokens; ++t)
+    for (int64_t i = 0; i < d; ++i) out[i] += p[t] * v[t * stride + i];
+}
+
+float exp_sum(float* x, int64_t n, float shift) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += (x[i] = std::exp(x[i] - shift));
+  return sum;
+}
+
+void silu_mul(const float* gate, const float* up, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
 }  // namespace
 
 const Kernels& scalar_kernels() {
-  static const Kernels k{"scalar", quantize_row, gemm_rows};
+  static const Kernels k{"scalar", quantize_row, gemm_rows, dot_tokens, sum_tokens, exp_sum, silu_mul};
   return k;
 }
 

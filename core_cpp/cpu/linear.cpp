@@ -1,10 +1,9 @@
 #include "linear.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <stdexcept>
 #include <vector>
-
-#include "thread_pool.h"
 
 namespace tinyvllm::cpu {
 namespace {
@@ -12,6 +11,8 @@ namespace {
 constexpr int64_t kRowAlign = 4;            // the GEMV tile: 4 weight rows
 constexpr int64_t kMinRowsPerThread = 32;   // below this a wake-up costs more than it saves
 constexpr int64_t kParallelQuantizeRows = 16;
+constexpr int64_t kQuantizeGrain = 4;
+constexpr int64_t kChunksPerThread = 8;
 
 bool cpu_has_avx2() {
 #if defined(TINYVLLM_HAVE_AVX2)
@@ -23,27 +24,6 @@ bool cpu_has_avx2() {
 #endif
 }
 
-// Rows [begin, end) of n for worker t of T, split on kRowAlign boundaries.
-std::pair<int64_t, int64_t> row_range(int64_t n, int t, int num_threads) {
-  const int64_t tiles = (n + kRowAlign - 1) / kRowAlign;
-  const int64_t begin = tiles * t / num_threads * kRowAlign;
-  const int64_t end = tiles * (t + 1) / num_threads * kRowAlign;
-  return {begin < n ? begin : n, end < n ? end : n};
-}
-
-void quantize_rows(const Kernels& kern, const float* x, int64_t x_stride, int64_t m, int64_t nb,
-                   ActBlock* xq, ThreadPool& workers) {
-  if (m < kParallelQuantizeRows || workers.num_threads() == 1) {
-    for (int64_t j = 0; j < m; ++j) kern.quantize_row(x + j * x_stride, nb, xq + j * nb);
-    return;
-  }
-  workers.run([&](int t, int num_threads) {
-    for (int64_t j = m * t / num_threads; j < m * (t + 1) / num_threads; ++j) {
-      kern.quantize_row(x + j * x_stride, nb, xq + j * nb);
-    }
-  });
-}
-
 std::vector<ActBlock>& act_buffer(int64_t size) {
   static std::vector<ActBlock> buffer;  // reused: guarded by kernel_mutex()
   if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
@@ -51,6 +31,30 @@ std::vector<ActBlock>& act_buffer(int64_t size) {
 }
 
 }  // namespace
+
+void quantize_rows(const Kernels& kern, const float* x, int64_t x_stride, int64_t m, int64_t nb,
+                   ActBlock* xq, ThreadPool& workers) {
+  if (m < kParallelQuantizeRows || workers.num_threads() == 1) {
+    for (int64_t j = 0; j < m; ++j) kern.quantize_row(x + j * x_stride, nb, xq + j * nb);
+    return;
+  }
+  workers.run(m, kQuantizeGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) kern.quantize_row(x + j * x_stride, nb, xq + j * nb);
+  });
+}
+
+void gemm_parallel(const Kernels& kern, const GemmArgs& args, int64_t n, ThreadPool& workers) {
+  if (n < 2 * kMinRowsPerThread || workers.num_threads() == 1) {
+    return kern.gemm_rows(args, 0, n);
+  }
+  // Chunks of whole tiles, a few per thread, so a late worker's share goes to the others.
+  const int64_t tiles = (n + kRowAlign - 1) / kRowAlign;
+  const int64_t grain = std::max<int64_t>(kMinRowsPerThread / kRowAlign,
+                                          tiles / (kChunksPerThread * workers.num_threads()));
+  workers.run(tiles, grain, [&](int64_t begin, int64_t end) {
+    kern.gemm_rows(args, begin * kRowAlign, std::min(end * kRowAlign, n));
+  });
+}
 
 std::mutex& kernel_mutex() {
   static std::mutex m;
@@ -103,14 +107,7 @@ void quantized_linear(const float* x, int64_t x_stride, const uint8_t* w, int qt
   ThreadPool& workers = pool();
   ActBlock* xq = act_buffer(m * nb).data();
   quantize_rows(kern, x, x_stride, m, nb, xq, workers);
-  const GemmArgs args{xq, w, bias, out, out_stride, m, nb, type};
-  if (n < 2 * kMinRowsPerThread || workers.num_threads() == 1) {
-    return kern.gemm_rows(args, 0, n);
-  }
-  workers.run([&](int t, int num_threads) {
-    const auto [begin, end] = row_range(n, t, num_threads);
-    if (begin < end) kern.gemm_rows(args, begin, end);
-  });
+  gemm_parallel(kern, GemmArgs{xq, w, bias, out, out_stride, m, nb, type}, n, workers);
 }
 
 }  // namespace tinyvllm::cpu

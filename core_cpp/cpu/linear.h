@@ -6,6 +6,7 @@
 #include <string>
 
 #include "kernels.h"
+#include "thread_pool.h"
 
 namespace tinyvllm::cpu {
 
@@ -30,5 +31,11 @@ void dequantize_rows(const uint8_t* w, int qtype, int64_t num_rows, int64_t k,
                      const int64_t* row_ids, int64_t num_ids, float* out);
 
 QType check_qtype(int qtype);
+
+// The steps of quantized_linear, for callers that hold kernel_mutex() (the fused decoder):
+// x [m, x_stride] -> xq [m, nb] activation blocks; then args' n output rows split by worker.
+void quantize_rows(const Kernels& kern, const float* x, int64_t x_stride, int64_t m, int64_t nb,
+                   ActBlock* xq, ThreadPool& workers);
+void gemm_parallel(const Kernels& kern, const GemmArgs& args, int64_t n, ThreadPool& workers);
 
 }  // namespace tinyvllm::cpu

@@ -26,7 +26,7 @@ std::unique_ptr<ThreadPool> g_pool;
 }  // namespace
 
 ThreadPool::ThreadPool(int num_threads) : num_threads_(num_threads < 1 ? 1 : num_threads) {
-  for (int w = 1; w < num_threads_; ++w) threads_.emplace_back([this, w] { worker_loop(w); });
+  for (int w = 1; w < num_threads_; ++w) threads_.emplace_back([this] { worker_loop(); });
 }
 
 ThreadPool::~ThreadPool() {
@@ -39,17 +39,33 @@ ThreadPool::~ThreadPool() {
   for (auto& t : threads_) t.join();
 }
 
-void ThreadPool::run(const std::function<void(int, int)>& fn) {
-  if (num_threads_ == 1) return fn(0, 1);
+void ThreadPool::work_chunks() {
+  const int64_t num_chunks = (num_items_ + grain_ - 1) / grain_;
+  for (int64_t c = next_chunk_.fetch_add(1, std::memory_order_relaxed); c < num_chunks;
+       c = next_chunk_.fetch_add(1, std::memory_order_relaxed)) {
+    const int64_t begin = c * grain_;
+    (*job_)(begin, begin + grain_ < num_items_ ? begin + grain_ : num_items_);
+  }
+}
+
+void ThreadPool::run(int64_t num_items, int64_t grain, const RangeFn& fn) {
+  if (num_items <= 0) return;
+  grain = grain < 1 ? 1 : grain;
+  if (num_threads_ == 1 || num_items <= grain) return fn(0, num_items);
   job_ = &fn;
-  pending_.store(num_threads_ - 1, std::memory_order_relaxed);
+  num_items_ = num_items;
+  grain_ = grain;
+  next_chunk_.store(0, std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lock(mutex_);  // pairs with the sleepers' predicate check
+    state_.store(kOpen, std::memory_order_release);
     generation_.fetch_add(1, std::memory_order_release);
   }
   wake_.notify_all();
-  fn(0, num_threads_);
-  wait([&] { return pending_.load(std::memory_order_acquire) == 0; }, done_);
+  work_chunks();
+  // Close the job: no worker joins from here on; wait for those inside to finish their chunk.
+  state_.fetch_and(~kOpen, std::memory_order_acq_rel);
+  wait([&] { return state_.load(std::memory_order_acquire) == 0; }, done_);
   job_ = nullptr;
 }
 
@@ -73,17 +89,20 @@ void ThreadPool::wait(Ready ready, std::condition_variable& cv) {
   }
 }
 
-bool ThreadPool::wait_for_job(uint64_t seen) {
-  wait([&] { return generation_.load(std::memory_order_acquire) != seen; }, wake_);
-  return !stop_.load();
-}
-
-void ThreadPool::worker_loop(int worker) {
+void ThreadPool::worker_loop() {
   uint64_t seen = 0;
-  while (wait_for_job(seen)) {
+  for (;;) {
+    wait([&] { return generation_.load(std::memory_order_acquire) != seen; }, wake_);
+    if (stop_.load()) return;
     seen = generation_.load(std::memory_order_acquire);
-    (*job_)(worker, num_threads_);
-    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    // Join only an open job: the job's fields are read after joining, and the caller changes
+    // them only once every joined worker has left.
+    uint32_t s = state_.load(std::memory_order_acquire);
+    while ((s & kOpen) && !state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) {
+    }
+    if (!(s & kOpen)) continue;
+    work_chunks();
+    if (state_.fetch_sub(1, std::memory_order_acq_rel) == 1) {  // closed and now empty
       std::lock_guard<std::mutex> lock(mutex_);  // the caller may be asleep in wait()
       done_.notify_one();
     }

@@ -23,6 +23,23 @@ def paged_decode_attention(out: int, q: int, q_stride: int, kv_cache: int, num_b
     """One query per sequence over the float32 paged cache [2, num_blocks, block_size,
     num_kv_heads, head_dim]; block_tables [num_seqs, table_stride] and seq_lens int32."""
 
+def decoder_layers(residual: int, out: int, layers: list[int], final_norm: int, dims: list[int],
+                   eps: float, scale: float, num_tokens: int, positions: int, slot_mapping: int,
+                   cos_sin_cache: int, max_position: int, query_start_loc: int, seq_lens: int,
+                   num_seqs: int, block_tables: int, table_stride: int, num_blocks: int,
+                   block_size: int, isa: str = "auto") -> None:
+    """Every Llama decoder layer of one step, then the final RMSNorm (core_cpp/cpu/decoder.h).
+
+    residual [num_tokens, hidden] float32: the embeddings on entry, the residual stream on return;
+    out [num_tokens, hidden]: its final norm. layers: 12 integers per layer (input_norm, qkv
+    weight, qkv qtype, qkv bias or 0, o weight, o qtype, post_attention_norm, gate_up weight,
+    gate_up qtype, down weight, down qtype, float32 KV cache). dims: (hidden, num_heads,
+    num_kv_heads, head_dim, intermediate). positions and slot_mapping int64 [num_tokens];
+    query_start_loc [num_seqs + 1], seq_lens [num_seqs], block_tables [num_seqs, table_stride]
+    int32, as ops.AttentionMetadata; cos_sin_cache [max_position, head_dim] float32.
+    Use it through `tinyvllm.model.packed_decoder.PackedDecoder`.
+    """
+
 def set_num_threads(num_threads: int) -> None:
     """Replace the thread pool (0: the physical cores)."""
 

@@ -23,6 +23,8 @@ pytest.importorskip("tinyvllm._cpu")
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
 NUM_TOKENS = 24
+MIN_AGREED_TOKENS = 4
+"""Every prompt's first tokens agree: a near-tie this early would be a coincidence."""
 NEAR_TIE_LOGPROB = 0.3
 """At a divergence, the two candidates' logprobs under the float path differ by less than this.
 The packed path quantizes activations to int8 per 32 values (as llama.cpp's Q8 activations do),
@@ -96,6 +98,8 @@ def test_greedy_output_equals_the_dequantized_path_apart_from_near_ties(smollm2_
         gap = their_lps[their_tok].logprob - their_lps[ours_tok].logprob
         near_ties.append((prompt, i, round(gap, 4)))
         assert gap < NEAR_TIE_LOGPROB, f"{prompt!r}: token {i} differs with gap {gap:.3f}"
-    # Seen: 'The capital of France is' at token 5 (gap 0.22), 'Once upon a time, a small robot'
-    # at token 12 (gap 0.006); 'def fibonacci(n):' stays identical.
-    assert len(near_ties) < len(PROMPTS), f"every prompt diverged: {near_ties}"
+    # Seen (the fused step, model/packed_decoder.py): 'The capital of France is' at token 5
+    # (gap 0.22), 'def fibonacci(n):' at token 13 (gap 0.14; the op-by-op modules kept it, their
+    # own gap there 0.24), 'Once upon a time, a small robot' at token 12 (gap 0.006). A broken
+    # kernel parts at the first tokens, with a gap far above the bound.
+    assert all(i >= MIN_AGREED_TOKENS for _, i, _ in near_ties), f"early divergence: {near_ties}"

@@ -196,6 +196,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (None if arch.tie_word_embeddings
                         else nn.Linear(arch.hidden_size, vocab_rows(arch.vocab_size, self.tp.size),
                                        bias=False))
+        # The fused CPU step over packed weights (model/packed_decoder.py), set by the packed
+        # loader; None: every step runs the modules below.
+        self.packed_decoder = None
         # float32 on purpose: rotary angles lose too much in bf16 (see _apply).
         self.register_buffer("cos_sin_cache", self._build_cos_sin_cache(None), persistent=False)
 
@@ -231,6 +234,9 @@ class LlamaForCausalLM(nn.Module):
             returns: [num_tokens, hidden_size] after the final norm
         """
         hidden = self.model.embed_tokens(input_ids)
+        if (num_layers is None and self.packed_decoder is not None
+                and self.packed_decoder.serves(hidden, kv_caches)):
+            return self.packed_decoder(hidden, positions, kv_caches, meta)
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
         if self._use_fused_decode(hidden):
             for layer, kv_cache in zip(layers, kv_caches, strict=True):

@@ -196,6 +196,9 @@ def load_gguf_packed(path: Path, device: torch.device, dtype: torch.dtype = torc
     missing = net.expected_weight_names() - loaded
     if missing:
         raise ValueError(f"{path.name}: missing weights {sorted(missing)[:8]}")
+    if device.type == "cpu":  # the fused C++ decoder step (model/packed_decoder.py)
+        from tinyvllm.model.packed_decoder import PackedDecoder
+        net.packed_decoder = PackedDecoder.for_model(net)
     logger.info("%s: %d GGUF tensors kept packed for the %s kernels, %d dequantized",
                 path.name, len(packed), device.type.upper(), len(rest))
     return loader.LoadedModel(model=net, arch=arch, tokenizer=tokenizer, name=model_name(path),

@@ -1,0 +1,121 @@
+"""The fused CPU step (model/packed_decoder.py, core_cpp/cpu/decoder.cpp) against the module path
+over the same packed weights: several sequences, prefill, chunked prefill and decode rows mixed in
+one step, awkward shapes (blocks per row not a multiple of the GEMV tile, GQA and MHA, a qkv
+bias), each instruction set this machine runs and 1-3 threads.
+
+Both paths quantize the same activations to int8 per 32 values; they differ only in float
+summation order (RMSNorm, attention), which now and then moves a value across an int8 rounding
+boundary. A crossing moves a projection's output by at most one quantization step of one input,
+so the bound is relative: ATOL_OF_MAX of the largest logit (seen: 1.6e-3 where a crossing
+happens, a Q4_0 case; under 1e-6 elsewhere). Most values agree far closer, which the median
+check states."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from tinyvllm.model.packed import PackedLinear
+from tinyvllm.model.packed_decoder import PackedDecoder
+from tinyvllm.model.synthetic import make_random_model, tiny_arch
+from tinyvllm.ops import quantized as q
+from tests.model.conftest import PagedRun
+
+_cpu = pytest.importorskip("tinyvllm._cpu")
+
+ISAS = ["scalar"] + (["avx2"] if _cpu.best_isa() == "avx2" else [])
+ATOL_OF_MAX = 5e-3
+MEDIAN_OF_MAX = 1e-6
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+ARCHS = {
+    # hidden 96 = 3 blocks: every GEMV ends in a partial 4-row tile of blocks; GQA 6:2; qkv bias
+    "gqa-bias": tiny_arch(hidden_size=96, num_layers=3, num_heads=6, num_kv_heads=2,
+                          head_dim=16, intermediate_size=160, attention_bias=True),
+    # MHA, head_dim 32, one KV head per query head; 130 qkv rows: not a multiple of 4
+    "mha": tiny_arch(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+                     intermediate_size=96),
+}
+
+
+def _packed_model(arch, qtype: int, seed: int):
+    """A random Llama whose four projections per layer are PackedLinear over gguf's quantization
+    of the random weights (embedding and head stay float)."""
+    net = make_random_model(arch, seed, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(seed)
+    for layer in net.model.layers:
+        for path in PROJECTIONS:
+            parent, name = path.rsplit(".", 1)
+            old = layer.get_submodule(path)
+            w = old.weight.numpy()
+            qweight = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype)))
+            bias = None if old.bias is None else torch.randn(old.bias.shape, generator=gen) * 0.1
+            setattr(layer.get_submodule(parent), name,
+                    PackedLinear(qweight, qtype, old.in_features, bias=bias))
+    net.packed_decoder = PackedDecoder.for_model(net)
+    assert net.packed_decoder is not None
+    return net
+
+
+# Three sequences: two prompts, then a step mixing two decode rows with a third prompt's first
+# chunk, then its second chunk beside two more decode rows, then three decode rows.
+STEPS = [
+    [(list(range(3, 20)), 0), (list(range(40, 45)), 0)],
+    [([7], 17), ([8], 5), (list(range(60, 71)), 0)],
+    [([9], 18), ([10], 6), (list(range(71, 90)), 11)],
+    [([11], 19), ([12], 7), ([13], 30)],
+]
+
+
+def _run(net, fused: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    decoder = net.packed_decoder
+    net.packed_decoder = decoder if fused else None
+    try:
+        run = PagedRun(net, 48, num_seqs=3)
+        logits = [run.step(chunks[:3]) for chunks in STEPS]
+    finally:
+        net.packed_decoder = decoder
+    return logits, run.kv_caches
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    scale = want.abs().max().item()
+    err = (got - want).abs()
+    assert err.max().item() <= ATOL_OF_MAX * scale, f"max err {err.max().item():.3g} of {scale:.3g}"
+    assert err.median().item() <= MEDIAN_OF_MAX * scale
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("arch_name", sorted(ARCHS))
+def test_fused_step_matches_the_module_path(arch_name, type_name, isa, threads, monkeypatch):
+    monkeypatch.setenv("TINYVLLM_CPU_ISA", isa)
+    net = _packed_model(ARCHS[arch_name], q.KERNEL_TYPES[type_name], seed=len(arch_name))
+    q.set_num_threads(threads)
+    try:
+        fused, fused_caches = _run(net, fused=True)
+    finally:
+        q.set_num_threads(None)
+    ref, ref_caches = _run(net, fused=False)
+    for got, want in zip(fused, ref):
+        assert got.shape == want.shape and not bool(got.isnan().any())
+        _assert_close(got, want)
+    for got, want in zip(fused_caches, ref_caches):  # the same slots written, and only those
+        assert torch.equal(got == 0, want == 0)
+        _assert_close(got, want)
+
+
+def test_the_dequantized_model_has_no_fused_step(tiny_model):
+    assert PackedDecoder.for_model(tiny_model.model) is None  # nn.Linear projections
+
+
+def test_bad_block_ids_raise_before_anything_is_written():
+    net = _packed_model(ARCHS["mha"], q.KERNEL_TYPES["Q4_1"], seed=1)
+    run = PagedRun(net, 32)
+    run.block_tables[0, 0] = 10_000
+    before = [c.clone() for c in run.kv_caches]
+    with pytest.raises(IndexError, match="block id 10000 outside the cache's"):
+        run.step([([1, 2, 3], 0)])
+    assert all(torch.equal(a, b) for a, b in zip(before, run.kv_caches))
