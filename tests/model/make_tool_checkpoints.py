@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -137,6 +138,7 @@ def autoround_checkpoints(float_dir: Path, outs: dict[str, str], sym: bool, iter
         (config,) = [c for c in staging.rglob("config.json")
                      if len(outs) == 1 or c.parent.name == fmt.replace("_", "-")]
         made[name] = config.parent.rename(float_dir.parent / name)
+    shutil.rmtree(staging)
     return made
 
 
