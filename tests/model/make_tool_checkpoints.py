@@ -97,10 +97,11 @@ def _tokenizer(float_dir: Path):
 
 
 def llmcompressor_checkpoint(float_dir: Path, out: Path, scheme: str, group_size: int = 128,
-                             num_samples: int = 8, seq_len: int = 64) -> Path:
-    """llm-compressor `oneshot` with a preset scheme on every Linear but lm_head: GPTQ for the
-    int schemes (calibrated on the README), plain round-to-nearest for FP8_DYNAMIC. W4A16 with
-    another group size than the preset's 128 is written out as its config group."""
+                             rtn: bool = False, num_samples: int = 8, seq_len: int = 64) -> Path:
+    """llm-compressor `oneshot` with a preset scheme on every Linear but lm_head: GPTQ
+    calibrated on the README for the int schemes, round-to-nearest (QuantizationModifier) for
+    FP8_DYNAMIC or where `rtn`. W4A16 with another group size than the preset's 128 is written
+    out as its config group."""
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
@@ -108,17 +109,17 @@ def llmcompressor_checkpoint(float_dir: Path, out: Path, scheme: str, group_size
 
     model = AutoModelForCausalLM.from_pretrained(str(float_dir), dtype=torch.float32)
     tokenizer = _tokenizer(float_dir)
-    if scheme == "FP8_DYNAMIC":  # weights per channel, activations per token at run time
-        recipe, dataset = QuantizationModifier(targets="Linear", scheme=scheme,
-                                               ignore=["lm_head"]), None
+    if scheme == "W4A16" and group_size != 128:
+        weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                   "group_size": group_size}
+        preset = {"config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
     else:
-        if scheme == "W4A16" and group_size != 128:
-            weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                       "group_size": group_size}
-            recipe = GPTQModifier(ignore=["lm_head"], config_groups={
-                "group_0": {"targets": ["Linear"], "weights": weights}})
-        else:
-            recipe = GPTQModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+        preset = {"targets": "Linear", "scheme": scheme}
+    dataset = None
+    if rtn or scheme == "FP8_DYNAMIC":  # weights per channel, activations per token at run time
+        recipe = QuantizationModifier(ignore=["lm_head"], **preset)
+    else:
+        recipe = GPTQModifier(ignore=["lm_head"], **preset)
         dataset = Dataset.from_dict(dict(tokenizer(
             calibration_texts(num_samples, 4 * seq_len), max_length=seq_len, truncation=True)))
     oneshot(model=model, processor=tokenizer, dataset=dataset, recipe=recipe,
@@ -129,7 +130,8 @@ def llmcompressor_checkpoint(float_dir: Path, out: Path, scheme: str, group_size
 def autoround_checkpoints(float_dir: Path, outs: dict[str, str], sym: bool,
                           group_size: int = 128, iters: int = 2, num_samples: int = 8,
                           seq_len: int = 64) -> dict[str, Path]:
-    """One AutoRound run (int4; `iters` SignSGD steps per block) exported in each
+    """One AutoRound run (int4; `iters` SignSGD steps per block, 0: its round-to-nearest mode)
+    exported in each
     format of `outs` ({directory name: auto-round format}), beside float_dir; returns
     {directory name: path}.
 
@@ -168,7 +170,9 @@ def _float_copy(path: Path, weights: dict[str, torch.Tensor], out: Path) -> Path
     state = {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()
              if k.rsplit(".", 1)[1] in ("weight", "bias")}
     state.update({f"{module}.weight": w for module, w in weights.items()})
-    model.load_state_dict(state, strict=True)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    assert not unexpected and set(missing) <= tied, (missing, unexpected)
     model.save_pretrained(str(out))
     for f in path.iterdir():
         if f.name.startswith("tokenizer") or f.suffix == ".jinja":
@@ -213,10 +217,11 @@ def autoround_reference(path: Path, out: Path) -> Path:
     return _float_copy(path, weights, out)
 
 
-def make(out: Path, model: str = "tiny", tools: tuple[str, ...] = TOOLS,
+def make(out: Path, model: str = "tiny", tools: tuple[str, ...] = TOOLS, rtn: bool = False,
          log: Callable[[str], None] = print) -> dict[str, Path]:
     """The float model under out/float (made unless there) and each checkpoint in `tools`
-    beside it, with the references of the auto-round ones."""
+    beside it, with the references of the auto-round ones; `rtn`: round-to-nearest instead of
+    GPTQ / SignSGD (the same formats, in seconds on a CPU for SmolLM2)."""
     float_dir = out / "float"
     if not float_dir.exists():
         (tiny_float_model if model == "tiny" else smollm2_float_model)(float_dir)
@@ -226,13 +231,14 @@ def make(out: Path, model: str = "tiny", tools: tuple[str, ...] = TOOLS,
         if name in LLMCOMPRESSOR_SCHEMES:
             start = time.perf_counter()
             made[name] = llmcompressor_checkpoint(float_dir, out / name,
-                                                  LLMCOMPRESSOR_SCHEMES[name], group_size)
+                                                  LLMCOMPRESSOR_SCHEMES[name], group_size, rtn)
             log(f"{name}: {time.perf_counter() - start:.1f} s")
     exports = {n: f for n, f in AUTOROUND_EXPORTS.items() if n in tools}
     for outs, sym in ((exports, False), ({AUTOROUND_NATIVE: "auto_round"}, True)):
         if set(outs) & set(tools):
             start = time.perf_counter()
-            for name, path in autoround_checkpoints(float_dir, outs, sym, group_size).items():
+            for name, path in autoround_checkpoints(float_dir, outs, sym, group_size,
+                                                     iters=0 if rtn else 2).items():
                 made[name] = path
                 made[f"{name}.reference"] = autoround_reference(path, out / f"{name}.reference")
             log(f"{', '.join(outs)}: {time.perf_counter() - start:.1f} s")
@@ -244,8 +250,10 @@ def main() -> None:
     parser.add_argument("out", type=Path, help="a new directory")
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
     parser.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
+    parser.add_argument("--rtn", action="store_true",
+                        help="round-to-nearest instead of GPTQ / SignSGD calibration")
     args = parser.parse_args()
-    made = make(args.out, args.model, tuple(args.tools))
+    made = make(args.out, args.model, tuple(args.tools), args.rtn)
     for name, path in made.items():
         quant = json.loads((path / "config.json").read_text()).get("quantization_config", {})
         print(f"{name:22s} {path}  {quant.get('quant_method', 'float')}")
