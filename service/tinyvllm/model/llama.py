@@ -234,10 +234,10 @@ class LlamaForCausalLM(nn.Module):
             returns: [num_tokens, hidden_size] after the final norm
         """
         hidden = self.model.embed_tokens(input_ids)
-        if (num_layers is None and self.packed_decoder is not None
-                and self.packed_decoder.serves(hidden, kv_caches)):
-            return self.packed_decoder(hidden, positions, kv_caches, meta)
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
+        if self.packed_decoder is not None and self.packed_decoder.serves(hidden, kv_caches):
+            # the first len(kv_caches) layers: all, or a truncated self-draft's
+            return self.packed_decoder(hidden, positions, kv_caches[:len(layers)], meta)
         if self._use_fused_decode(hidden):
             for layer, kv_cache in zip(layers, kv_caches, strict=True):
                 layer.forward_fused(positions, hidden, kv_cache, meta, self.cos_sin_cache)

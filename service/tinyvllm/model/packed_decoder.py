@@ -69,7 +69,8 @@ class PackedDecoder:
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta: ops.AttentionMetadata) -> torch.Tensor:
         """hidden: [num_tokens, hidden_size] embeddings (overwritten: the residual stream) ->
-        [num_tokens, hidden_size] after the final norm, as `LlamaForCausalLM.forward`."""
+        [num_tokens, hidden_size] after the final norm, as `LlamaForCausalLM.forward`; runs the
+        first len(kv_caches) layers (a layer-truncated self-draft passes its own few)."""
         net = self.net
         residual = hidden if hidden.is_contiguous() else hidden.contiguous()
         out = torch.empty_like(residual)
@@ -92,10 +93,12 @@ class PackedDecoder:
         return out
 
     def _layer_table(self, kv_caches: list[torch.Tensor]) -> list[int]:
-        """The kernel's per-layer pointers; rebuilt when a cache or weight moved."""
+        """The kernel's per-layer pointers for the first len(kv_caches) layers (all of them, or a
+        layer-truncated self-draft's); rebuilt when a cache or weight moved."""
         layers = self.net.model.layers
-        if len(kv_caches) != len(layers):
-            raise ValueError(f"expected {len(layers)} KV caches, got {len(kv_caches)}")
+        if not 1 <= len(kv_caches) <= len(layers):
+            raise ValueError(f"expected 1 to {len(layers)} KV caches, got {len(kv_caches)}")
+        layers = layers[:len(kv_caches)]
         first = layers[0]
         key = (tuple(c.data_ptr() for c in kv_caches),
                first.self_attn.qkv_proj.qweight.data_ptr(), first.input_layernorm.data_ptr())
