@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinyvllm.ops import (_dispatch, attention_cuda, kv_cache, layers_cuda, linear, sampling_cuda,
-                          spec_decode_cuda)
+from tinyvllm.ops import (_dispatch, attention_cuda, gguf_cuda, kv_cache, layers_cuda, linear,
+                          quant_linear_cuda, sampling_cuda, spec_decode_cuda)
 from tinyvllm.ops._dispatch import (CUDA_ABI_VERSION, KERNEL_FUNCTIONS, KERNEL_MIN_CAPABILITY,
                                     KernelSupport, module_problem)
 from tinyvllm.ops.attention import AttentionMetadata, DecodePartitions
@@ -62,7 +62,7 @@ def launches(monkeypatch) -> Launches:
     monkeypatch.setattr(_dispatch, "_cuda_module", lambda: kernels)
     monkeypatch.setattr(_dispatch, "device_support", lambda: support)
     for wrapper in (kv_cache, attention_cuda, layers_cuda, linear, sampling_cuda,
-                    spec_decode_cuda):
+                    spec_decode_cuda, quant_linear_cuda, gguf_cuda):
         monkeypatch.setattr(wrapper, "stream_handle", lambda device: STREAM)
     monkeypatch.setattr(attention_cuda, "_sm_count", lambda device: 132)
     record.kernels = kernels
@@ -212,6 +212,44 @@ def test_sampling(launches):
     args = launches.only("rejection_sample")
     assert (args["out_stride"], args["draft_token_ids"], args["draft_probs"], args["num_reqs"],
             args["vocab_size"]) == (4, ptr(drafts), 0, 1, 100)
+
+
+def test_quantized_linear(launches):
+    x = torch.randn(3, 128).bfloat16()
+    qweight = torch.zeros(48, 16, dtype=torch.int32)  # n = 48, k = 128 at 4 bits
+    scales, bias = torch.ones(48, 1).bfloat16(), torch.zeros(48).bfloat16()
+    zeros = scales.clone()
+    out = quant_linear_cuda.quant_linear_cuda(launches.kernels, x, qweight, scales, zeros, 4, 128,
+                                              bias=bias, method="mma")
+    args = launches.only("quant_gemv")
+    assert (args["out"], args["x"], args["qweight"], args["scales"], args["zeros"],
+            args["bias"]) == (ptr(out), ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias))
+    assert (args["m"], args["n"], args["k"], args["x_stride"], args["out_stride"], args["bits"],
+            args["group_size"], args["method"], args["dtype"]) == (3, 48, 128, 128, 48, 4, 128, 2,
+                                                                   2)
+    launches.clear()
+    weight = quant_linear_cuda.quant_dequantize_cuda(launches.kernels, qweight, scales, zeros, 4,
+                                                     128)
+    args = launches.only("quant_dequantize")
+    assert (args["out"], args["qweight"], args["n"], args["k"], args["bits"]) == (
+        ptr(weight), ptr(qweight), 48, 128, 4)
+
+
+def test_gguf_linear(launches):
+    x = torch.randn(2, 64).half()
+    qweight = torch.zeros(8, 36, dtype=torch.uint8)  # Q4_0: two 18-byte blocks per row
+    out = gguf_cuda.gguf_linear_cuda(launches.kernels, x, qweight, 2, 64)
+    args = launches.only("gguf_gemv")
+    assert (args["out"], args["x"], args["qweight"], args["bias"]) == (ptr(out), ptr(x),
+                                                                       ptr(qweight), 0)
+    assert (args["m"], args["n"], args["k"], args["x_stride"], args["qtype"], args["dtype"]) == (
+        2, 8, 64, 64, 2, 1)
+    launches.clear()
+    rows = gguf_cuda.gguf_dequantize_cuda(launches.kernels, qweight, 2, 64, torch.bfloat16,
+                                          torch.tensor([3, 1]))
+    args = launches.only("gguf_dequantize")
+    assert (args["out"], args["num_rows"], args["k"], args["qtype"], args["dtype"]) == (
+        ptr(rows), 2, 64, 2, 2)
 
 
 def test_every_launcher_is_exercised_above():

@@ -17,7 +17,7 @@ from .conftest import start_server
 pytestmark = pytest.mark.slow
 
 MAX_WAITING = 2
-LONG_TOKENS = 24
+LONG_TOKENS = 256  # outlasts the 0.5 s window below even at 15 ms a token (fused CPU step)
 
 
 @pytest.fixture(scope="module")
