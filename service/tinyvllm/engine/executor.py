@@ -335,7 +335,8 @@ def _start_runner(config: EngineConfig, rank: int, world_size: int, dist_init: s
 
 class _WorkerLoop:
     """Main thread: receive a step, launch it, queue its handle. Result thread: wait for each
-    handle in order (appending the sampled tokens to the records) and, on rank 0, send it."""
+    handle in order (appending the sampled tokens to the records) and, on rank 0, send it. A
+    step that verifies drafts first waits until every earlier handle is done."""
 
     def __init__(self, runner: Any, rank: int, steps: zmq.Socket, send, encoder):
         self.runner = runner
@@ -359,6 +360,11 @@ class _WorkerLoop:
                     self.send(_ACK, str(self.rank).encode())
                     continue
                 out = self.decoder.decode(payload)
+                if any(s.draft_token_ids for s in out.scheduled):
+                    # A verification row reads its last sampled token from the records, which the
+                    # result thread fills: on ranks other than 0 the previous step's result may
+                    # still be pending when this step arrives (rank 0 sent it first).
+                    self.handles.join()
                 handle = self.runner.execute_async(out)
                 if not out.is_empty:
                     self.handles.put((out.step_id, handle))
@@ -375,6 +381,7 @@ class _WorkerLoop:
                     self.send(_OUTPUT, self.encoder.encode(
                         _Output(step_id, sampled, handle.prompt_logprobs,
                                 handle.draft_token_ids)))
+                self.handles.task_done()
         except BaseException as e:  # noqa: BLE001 - the main thread may be blocked in recv
             detail = "".join(traceback.format_exception(e))
             print(f"tinyvllm worker rank {self.rank} failed:\n{detail}", file=sys.stderr,
