@@ -76,8 +76,11 @@ def test_spec_writes_a_record(tmp_path, smollm2_path, capsys):
     assert result["identical_outputs"] is True
     assert result["off"]["num_output_tokens"] == result["on"]["num_output_tokens"] == 6
     assert result["off"]["num_drafts"] == 0 and result["on"]["num_drafts"] > 0
+    # Steps after the first token: 5 one-token steps off, fewer than 5 with drafts accepted.
+    assert result["off"]["decode_steps"] == 5
+    assert 0 < result["on"]["decode_steps"] <= 5 and result["step_cost_ratio"] > 0
     assert record["workload"]["speculative_config"]["method"] == "ngram"
-    assert "accept rate" in capsys.readouterr().out
+    assert "step ms on" in capsys.readouterr().out
 
 
 @pytest.mark.slow

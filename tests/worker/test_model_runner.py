@@ -154,6 +154,57 @@ def test_decode_padded_to_graph_bucket(loaded):
     assert inputs.logits_indices.tolist() == [0, 1, 2]
 
 
+def test_verification_laid_out_as_decode_rows(loaded):
+    """With verification graphs, a step of decodes and verifications becomes one decode row per
+    token: row j of a request verifying k drafts has the request's block table and a context
+    ending at its own position; the rest pads up to the bucket."""
+    runner = make_runner(loaded)
+    runner.verify_graphs = DecodeGraphs(None, [], runner.buffers, [1, 2, 8], [16, 32],
+                                        BLOCK_SIZE, verify=True)
+    new_a, out_a, share_a = scheduled("a", PROMPTS[0], [42], 11, [3, 9, 5, 8], 3)
+    share_a.draft_token_ids = [7, 8]  # a verifies two drafts after its last token, 42
+    inputs = prepare(runner, (new_a, out_a, share_a),
+                     scheduled("b", PROMPTS[1], [1], 5, [7, 2], 1))
+    buf = runner.buffers
+    assert inputs.graph == GraphKey(8, 16, 4, verify=True) and inputs.meta is None
+    assert buf.input_ids.np[:5].tolist() == [42, 7, 8, 1, 0]
+    assert buf.positions.np[:5].tolist() == [11, 12, 13, 5, 0]
+    assert buf.slot_mapping.np[:5].tolist() == [5 * 4 + 3, 8 * 4 + 0, 8 * 4 + 1, 2 * 4 + 1, -1]
+    assert buf.query_start_loc.np[:9].tolist() == list(range(9))
+    assert buf.seq_lens.np[:8].tolist() == [12, 13, 14, 6, 1, 1, 1, 1]
+    assert buf.block_tables.np[:32].reshape(8, 4).tolist() == (
+        [[3, 9, 5, 8]] * 3 + [[7, 2, 0, 0]] + [[0, 0, 0, 0]] * 4)
+    assert inputs.logits_indices.tolist() == [0, 1, 2, 3]
+    assert inputs.draft_token_ids == [[7, 8], []]
+
+
+def test_decode_rows_compute_the_verification_logits(loaded):
+    """The decode-row layout of a verification (each row attends up to its own position, all
+    new keys written first) gives the logits of the usual layout (k + 1 queries of one
+    sequence), here with the torch reference attention."""
+    def verification_step(runner):
+        new_a, out_a, share_a = scheduled("a", PROMPTS[0], [42], 11, [3, 9, 5, 8], 3)
+        share_a.draft_token_ids = [7, 8]
+        return prepare(runner, (new_a, out_a, share_a),
+                       scheduled("b", PROMPTS[1], [1], 5, [7, 2], 1))
+
+    eager = make_runner(loaded)
+    inputs = verification_step(eager)
+    assert inputs.graph is None and inputs.meta.max_query_len == 3
+    expected, _ = eager._forward(inputs)
+
+    rows = make_runner(loaded)
+    rows.verify_graphs = DecodeGraphs(None, [], rows.buffers, [4], [16], BLOCK_SIZE, verify=True)
+    inputs = verification_step(rows)
+    key, buf = inputs.graph, rows.buffers
+    meta = buf.metadata(key.batch_size, key.batch_size, key.block_table_width, 1,
+                        key.max_seq_len)
+    meta.fuse_new_token = False
+    hidden = rows.model(buf.input_ids_device(4), buf.positions_device(4), rows.kv_caches, meta)
+    np.testing.assert_allclose(rows.model.compute_logits(hidden).numpy(), expected.numpy(),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_step_too_large_is_refused(loaded):
     runner = make_runner(loaded, max_num_batched_tokens=8)
     with pytest.raises(ValueError, match="max_num_batched_tokens=8"):

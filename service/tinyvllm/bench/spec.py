@@ -5,8 +5,10 @@ of tokens: `repetitive` (code editing: the model is asked to rewrite a function 
 changed and continues by quoting it, which prompt lookup predicts) and `open` (open questions
 whose answers quote little). Each workload runs at each batch size with speculation off, then on
 (the speculative config from `--speculative-config`, default n-gram with k = 4), on one loaded
-model (with a draft model, the runner holds it for both runs). Reports output and decode tokens/s, their on / off ratio, the acceptance rate, the mean
-accepted length (tokens per verification step) and whether the outputs are identical.
+model (with a draft model, the runner holds it for both runs). Reports output and decode
+tokens/s, their on / off ratio, the time of a decode step (once every request has its first
+token; with speculation a step verifies and, with a draft model, drafts), the acceptance rate,
+the mean accepted length (tokens per verification step) and whether the outputs are identical.
 """
 
 from __future__ import annotations
@@ -82,7 +84,9 @@ def run_once(engine: EngineCore, prompts: list[list[int]], output_len: int, sync
     for i, ids in enumerate(prompts):
         engine.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=ids,
                                              sampling_params=greedy(output_len)))
+    decode_steps = 0  # steps once every request has its first token
     while engine.has_unfinished_requests():
+        decode_steps += len(first_s) == len(prompts)
         outputs = engine.step()
         now = time.perf_counter() - start
         for out in outputs:
@@ -101,6 +105,8 @@ def run_once(engine: EngineCore, prompts: list[list[int]], output_len: int, sync
         "elapsed_s": elapsed, "num_output_tokens": num_out,
         "output_tokens_per_s": num_out / elapsed,
         "decode_tokens_per_s": (num_out - len(prompts)) / decode_s if decode_s > 0 else None,
+        "decode_steps": decode_steps,
+        "ms_per_decode_step": 1e3 * decode_s / decode_steps if decode_steps else None,
         "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
         "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
         "mean_accepted_length": 1 + accepted / drafts if drafts else None,
@@ -148,15 +154,17 @@ def _compare(workload: str, batch_size: int, off: dict, on: dict) -> dict[str, A
             "output_tokens_per_s_ratio": ratio(on["output_tokens_per_s"],
                                                off["output_tokens_per_s"]),
             "decode_tokens_per_s_ratio": ratio(on["decode_tokens_per_s"],
-                                               off["decode_tokens_per_s"])}
+                                               off["decode_tokens_per_s"]),
+            "step_cost_ratio": ratio(on["ms_per_decode_step"], off["ms_per_decode_step"])}
 
 
 def table(record: dict) -> None:
     header = ["workload", "batch", "off tok/s", "on tok/s", "ratio", "decode ratio",
-              "accept rate", "mean accepted len", "identical"]
+              "step ms off", "step ms on", "accept rate", "mean accepted len", "identical"]
     rows = [[r["workload"], r["batch_size"], r["off"]["output_tokens_per_s"],
              r["on"]["output_tokens_per_s"], r["output_tokens_per_s_ratio"],
-             r["decode_tokens_per_s_ratio"], r["on"]["acceptance_rate"],
+             r["decode_tokens_per_s_ratio"], r["off"]["ms_per_decode_step"],
+             r["on"]["ms_per_decode_step"], r["on"]["acceptance_rate"],
              r["on"]["mean_accepted_length"], r["identical_outputs"]]
             for r in record["results"]]
     print_table(f"spec: {record['model_name']} {record['dtype']} on {record['device']}, "

@@ -28,6 +28,11 @@ class AttentionMetadata:
         seq_lens: [num_seqs] int32 (context length including this step's new tokens)
         block_tables: [num_seqs, max_num_blocks_per_seq] int32 (padding entries are 0, the null block)
     Host copies (`*_cpu`) of query_start_loc and seq_lens let the reference loop without syncs.
+
+    fuse_new_token=False: the rows of a pure-decode batch may be consecutive positions of one
+    sequence (a verification step laid out as decode rows, `worker/cuda_graph.py`), so every new
+    key and value is written before any row attends: the CUDA decode launch that writes a row's
+    own token while attending does not run.
     """
 
     num_tokens: int
@@ -39,6 +44,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    fuse_new_token: bool = True
 
     @property
     def num_seqs(self) -> int:
@@ -166,7 +172,7 @@ def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: to
         returns: [num_tokens, num_heads, head_dim]
     """
     kernel = use_kernel("paged_attention", query, kv_cache)
-    if kernel is not None and meta.is_pure_decode:
+    if kernel is not None and meta.is_pure_decode and meta.fuse_new_token:
         from tinyvllm.ops.attention_cuda import rotary_paged_attention_cuda
         return rotary_paged_attention_cuda(kernel, positions, query, key, value, cos_sin_cache,
                                            kv_cache, meta, scale, k_scale, v_scale, merge=merge)

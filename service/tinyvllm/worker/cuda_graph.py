@@ -14,6 +14,14 @@ metadata's max_seq_len (cuda/NOTES.md): capturing everything at max_model_len wo
 mostly-empty partitions for short contexts. Prefill and mixed steps, larger batches and longer
 contexts run eagerly.
 
+Verification steps (speculative decoding) are captured too, as decode rows: a request verifying k
+drafts becomes k + 1 rows, row j its query at position p + j with a context of p + j + 1 tokens
+over the request's block table, so a step of decodes and verifications is a pure-decode batch of
+sum(k_b + 1) rows, with the decode kernels and their numerics. Those graphs (`verify=True`) run
+with `AttentionMetadata.fuse_new_token` off: every new key is written before any row attends.
+The draft steps of a truncated self-draft replay graphs of their own over its first layers
+(`num_layers`).
+
 Graphs are captured largest first into one memory pool: a smaller graph's intermediates fit in
 what the larger ones freed. All graphs read the runner's persistent input buffers (the layout of
 (batch size, batch size, tier width): `InputBuffers.begin`) and write every row's logits (float32)
@@ -30,7 +38,6 @@ from typing import Optional
 import torch
 
 from tinyvllm.ops import AttentionMetadata
-from tinyvllm.ops.kv_cache import PADDING_SLOT
 from tinyvllm.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger(__name__)
@@ -50,6 +57,7 @@ class GraphKey:
     batch_size: int
     max_seq_len: int  # the tier: contexts up to this many tokens
     block_table_width: int  # ceil(max_seq_len / block_size)
+    verify: bool = False  # rows may be positions of one sequence (fuse_new_token off)
 
 
 def decode_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -69,8 +77,12 @@ class DecodeGraphs:
     """Captures and replays the decode graphs of one model over one set of input buffers."""
 
     def __init__(self, model, kv_caches: list[torch.Tensor], buffers: InputBuffers,
-                 batch_sizes: list[int], seq_len_tiers: list[int], block_size: int):
+                 batch_sizes: list[int], seq_len_tiers: list[int], block_size: int, *,
+                 verify: bool = False, num_layers: Optional[int] = None, name: str = "decode"):
         self.model = model
+        self.verify = verify
+        self.num_layers = num_layers  # run only the first layers (a truncated self-draft)
+        self.name = name
         self.kv_caches = kv_caches
         self.buffers = buffers
         self.batch_sizes = sorted(batch_sizes)
@@ -80,19 +92,20 @@ class DecodeGraphs:
         self.logits: Optional[torch.Tensor] = None  # [max_bs, vocab_size], written by every graph
 
     def key(self, batch_size: int, max_seq_len: int) -> GraphKey:
-        return GraphKey(batch_size, max_seq_len, -(-max_seq_len // self.block_size))
+        return GraphKey(batch_size, max_seq_len, -(-max_seq_len // self.block_size), self.verify)
 
-    def pick(self, num_seqs: int, max_seq_len: int) -> Optional[GraphKey]:
-        """The graph for a pure-decode step, or None when it must run eagerly."""
-        bs = next((b for b in self.batch_sizes if b >= num_seqs), None)
+    def pick(self, num_rows: int, max_seq_len: int) -> Optional[GraphKey]:
+        """The graph for a step of num_rows decode rows, or None when it must run eagerly."""
+        bs = next((b for b in self.batch_sizes if b >= num_rows), None)
         tier = next((t for t in self.seq_len_tiers if t >= max_seq_len), None)
         if bs is None or tier is None:
             return None
         return self.key(bs, tier)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every (batch size, tier), largest first, into one memory pool."""
+    def capture(self, pool=None):
+        """Capture every (batch size, tier), largest first, into one memory pool: `pool` (another
+        set's, whose graphs never run at the same time as these), else a new one. Returns it."""
         start = time.perf_counter()
         before = torch.cuda.memory_reserved()
         device = self.kv_caches[0].device
@@ -105,7 +118,6 @@ class DecodeGraphs:
             self._fill_padding(key)
             self._forward(key)
         torch.cuda.synchronize()
-        pool = None
         for key in keys:
             self._fill_padding(key)  # also points the buffers at this graph's layout
             graph = torch.cuda.CUDAGraph()
@@ -114,9 +126,10 @@ class DecodeGraphs:
             pool = graph.pool() if pool is None else pool
             self.graphs[key] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch sizes %s, context tiers %s) in %.1f s, "
-                    "%.0f MiB", len(keys), self.batch_sizes, self.seq_len_tiers,
+        logger.info("captured %d %s CUDA graphs (batch sizes %s, context tiers %s) in %.1f s, "
+                    "%.0f MiB", len(keys), self.name, self.batch_sizes, self.seq_len_tiers,
                     time.perf_counter() - start, (torch.cuda.memory_reserved() - before) / 2**20)
+        return pool
 
     def replay(self, key: GraphKey) -> torch.Tensor:
         """Run the graph on whatever the input buffers hold. Returns [batch_size, vocab_size]."""
@@ -126,8 +139,9 @@ class DecodeGraphs:
     def _forward(self, key: GraphKey) -> None:
         bs = key.batch_size
         b = self.buffers
+        layers = {} if self.num_layers is None else {"num_layers": self.num_layers}
         hidden = self.model(b.input_ids_device(bs), b.positions_device(bs), self.kv_caches,
-                            self._metadata(key))
+                            self._metadata(key), **layers)
         self.model.compute_logits(hidden, out=self.logits[:bs])
 
     def _metadata(self, key: GraphKey) -> AttentionMetadata:
@@ -139,20 +153,16 @@ class DecodeGraphs:
             query_start_loc=b.query_start_loc.device[:bs + 1], seq_lens=b.seq_lens.device[:bs],
             block_tables=b.block_tables.device[:bs * width].view(bs, width),
             max_query_len=1, max_seq_len=key.max_seq_len,
-            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[key.max_seq_len] * bs)
+            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[key.max_seq_len] * bs,
+            fuse_new_token=not key.verify)
 
     def _fill_padding(self, key: GraphKey) -> None:
         """Lay the buffers out for `key` and fill them with padding rows (warm-up and capture
-        write nothing to the KV cache): token 0 at position 0, no slot, a context of 1 token in
-        the null block."""
+        write nothing to the KV cache)."""
         bs, width = key.batch_size, key.block_table_width
         b = self.buffers
         b.wait_until_writable()
         b.begin(bs, bs, width)
-        b.input_ids.np[:bs] = 0
-        b.positions.np[:bs] = 0
-        b.slot_mapping.np[:bs] = PADDING_SLOT
-        b.query_start_loc.np[:bs + 1] = range(bs + 1)
-        b.seq_lens.np[:bs] = 1
         b.block_table_rows(bs, width)
+        b.pad_decode_rows(0, bs)
         b.upload()

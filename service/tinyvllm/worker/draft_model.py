@@ -41,6 +41,7 @@ from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.model.loader import LoadedModel
 from tinyvllm.ops import AttentionMetadata, allocate_kv_caches
 from tinyvllm.scheduling.output import DraftTokens, ScheduledRequest
+from tinyvllm.worker.cuda_graph import DecodeGraphs
 from tinyvllm.worker.input_buffers import InputBuffers
 from tinyvllm.worker.requests import CachedRequest
 
@@ -66,6 +67,7 @@ class DraftModelProposer:
         self.buffers = buffers
         self.block_size = block_size
         self.separate = separate
+        self.graphs: Optional[DecodeGraphs] = None  # the draft steps' (`capture_graphs`)
 
     def catch_up(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> None:
@@ -105,31 +107,49 @@ class DraftModelProposer:
     def _step(self, rows: list[CachedRequest], j: int,
               prev: Optional[torch.Tensor]) -> torch.Tensor:
         """Draft step j: row i's input is its last token (j = 0) or its previous draft (prev[i],
-        copied on the device), at position last + j. Returns the argmax [len(rows)] int64."""
+        copied on the device), at position last + j. Returns the argmax [len(rows)] int64. It
+        replays a draft graph when one fits (`capture_graphs`), else runs eagerly."""
         n, bs, b = len(rows), self.block_size, self.buffers
-        width = max(r.num_blocks for r in rows)
+        max_seq_len = max(r.num_tokens for r in rows) + j
+        graph = self.graphs.pick(n, max_seq_len) if self.graphs is not None else None
+        if graph is not None:
+            num_rows, width = graph.batch_size, graph.block_table_width
+        else:
+            num_rows, width = n, max(r.num_blocks for r in rows)
         b.wait_until_writable()
-        b.begin(n, n, width)
-        tables = b.block_table_rows(n, width)
+        b.begin(num_rows, num_rows, width)
+        tables = b.block_table_rows(num_rows, width)
         ids, positions, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
         for i, r in enumerate(rows):
             last = r.num_tokens - 1
             pos = last + j
             table = r.block_table
-            tables[i, :len(table)] = table
+            tables[i, :min(len(table), width)] = table[:width]  # blocks past pos are unread
             ids[i] = r.token_at(last) if prev is None else 0
             positions[i] = pos
             slots[i] = int(table[pos // bs]) * bs + pos % bs
             b.seq_lens.np[i] = pos + 1
         b.query_start_loc.np[:n + 1] = np.arange(n + 1)
+        if num_rows > n:
+            b.pad_decode_rows(n, num_rows)
         b.upload()
         if prev is not None:
             b.input_ids.device[:n].copy_(prev[:n])
-        max_seq_len = int(b.seq_lens.np[:n].max())
+        if graph is not None:
+            return self.graphs.replay(graph)[:n].argmax(dim=-1)
         meta = b.metadata(n, n, width, 1, max_seq_len)
         hidden = self.model(b.input_ids_device(n), b.positions_device(n), self.kv_caches, meta,
                             num_layers=self.num_layers)
         return self.model.compute_logits(hidden).argmax(dim=-1)
+
+    def capture_graphs(self, batch_sizes: list[int], seq_len_tiers: list[int],
+                       pool=None):
+        """CUDA graphs of the draft steps (a truncated self-draft: the target's first layers over
+        their caches). Returns the memory pool they were captured into."""
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.buffers, batch_sizes,
+                                   seq_len_tiers, self.block_size, num_layers=self.num_layers,
+                                   name="draft")
+        return self.graphs.capture(pool)
 
 
 def check_draft(spec: SpeculativeConfig, target: LoadedModel,

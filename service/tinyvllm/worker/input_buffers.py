@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from tinyvllm.ops import AttentionMetadata
+from tinyvllm.ops.kv_cache import PADDING_SLOT
 
 _ALIGN = 16  # bytes: every section starts 16-byte aligned (vector loads in the kernels)
 
@@ -134,6 +135,17 @@ class InputBuffers:
         rows = self.block_tables.np[:num_rows * width].reshape(num_rows, width)
         rows.fill(0)
         return rows
+
+    def pad_decode_rows(self, first: int, end: int) -> None:
+        """Rows [first, end) of a decode layout (row i is token i) as padding: token 0 at
+        position 0, no KV write, a context of 1 token in the null block (their block-table rows
+        must be zero, as `block_table_rows` leaves them)."""
+        self.input_ids.np[first:end] = 0
+        self.positions.np[first:end] = 0
+        self.slot_mapping.np[first:end] = PADDING_SLOT
+        self.query_start_loc.np[first + 1:end + 1] = np.arange(first + 1, end + 1)
+        self.query_start_loc.np[0] = 0
+        self.seq_lens.np[first:end] = 1
 
     def upload(self) -> None:
         """Queue the host-to-device copy of the current layout (non-blocking)."""

@@ -23,7 +23,7 @@ from tinyvllm.model.loader import LoadedModel, load_model
 from tinyvllm.ops import AttentionMetadata, allocate_kv_caches
 from tinyvllm.ops._dispatch import configure, cuda_ops, device_support
 from tinyvllm.ops.quantized import configure_cpu_threads
-from tinyvllm.ops.kv_cache import FP8_DTYPE, PADDING_SLOT, resolve_kv_cache_dtype
+from tinyvllm.ops.kv_cache import FP8_DTYPE, resolve_kv_cache_dtype
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.draft_model import (DraftModelProposer, check_draft,
                                          draft_kv_bytes_per_block, separate_draft,
@@ -163,8 +163,9 @@ class ModelRunner:
         self.drafter = self._make_drafter()
         # A separate draft runs every step's batch after the target (`catch_up`), which the
         # decode graphs do not capture: its steps run eagerly.
-        self.graphs = (self._capture_graphs()
-                       if self.use_cuda_graphs and self.draft_loaded is None else None)
+        self.graphs = self.verify_graphs = None
+        if self.use_cuda_graphs and self.draft_loaded is None:
+            self._capture_graphs()
         logger.info("KV cache: %d blocks of %d tokens on %s (%s, %d bytes per block)",
                     self.num_blocks, self.block_size, self.device,
                     str(self.kv_cache_dtype).removeprefix("torch."), self.kv_bytes_per_block())
@@ -187,13 +188,27 @@ class ModelRunner:
         return load_model(spec.model, self.dtype, self.device, seed=self.config.model.seed,
                           packed=self.device.type == "cpu" and not self.config.model.dequantize)
 
-    def _capture_graphs(self) -> DecodeGraphs:
+    def _capture_graphs(self) -> None:
+        """The decode graphs; with speculation, the verification graphs (decodes and
+        verifications as decode rows) up to the batch at which speculation steps aside, and the
+        truncated self-draft's own."""
         # A decode batch has at most max_num_seqs rows and max_num_batched_tokens tokens.
-        graphs = DecodeGraphs(self.model, self.kv_caches, self.buffers,
-                              decode_batch_sizes(min(self.max_num_seqs, self.max_num_tokens)),
-                              decode_seq_len_tiers(self.max_model_len), self.block_size)
-        graphs.capture()
-        return graphs
+        tiers = decode_seq_len_tiers(self.max_model_len)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.buffers,
+                                   decode_batch_sizes(min(self.max_num_seqs, self.max_num_tokens)),
+                                   tiers, self.block_size)
+        pool = self.graphs.capture()
+        spec = self.config.speculative
+        if not spec.enabled:
+            return
+        seqs = min(self.max_num_seqs, spec.disable_by_batch_size or self.max_num_seqs)
+        rows = min(seqs * (spec.num_speculative_tokens + 1), self.max_num_tokens)
+        self.verify_graphs = DecodeGraphs(self.model, self.kv_caches, self.buffers,
+                                          decode_batch_sizes(rows), tiers, self.block_size,
+                                          verify=True, name="verification")
+        pool = self.verify_graphs.capture(pool)
+        if self.drafter is not None:
+            self.drafter.capture_graphs(decode_batch_sizes(seqs), tiers, pool)
 
     # --- sizing ---------------------------------------------------------------------------------
 
@@ -386,10 +401,11 @@ class ModelRunner:
         eager step, the logits [num_rows, vocab_size] of a graph replay."""
         num_sampled = len(inputs.sampled_requests)
         if inputs.graph is not None:
-            logits = self.graphs.replay(inputs.graph)  # every row's, padding included
+            graphs = self.verify_graphs if inputs.graph.verify else self.graphs
+            logits = graphs.replay(inputs.graph)  # every row's, padding included
             # Decode row i samples at logits row i: when every row samples, a slice will do.
-            if num_sampled == inputs.num_tokens:
-                return logits[:num_sampled], logits
+            if inputs.logits_indices.shape[0] == inputs.num_tokens:
+                return logits[:inputs.num_tokens], logits
             return (logits[inputs.logits_indices] if num_sampled else None), logits
         b = self.buffers
         input_ids = b.input_ids_device(inputs.num_tokens)
@@ -424,6 +440,10 @@ class ModelRunner:
         graph = None
         if self.graphs is not None and num_tokens == num_seqs:  # one new token each: pure decode
             graph = self.graphs.pick(num_seqs, max_seq_len)
+        elif self.verify_graphs is not None and all(
+                s.completes_sequence and s.num_new_tokens == len(s.draft_token_ids) + 1
+                for s in scheduled):  # decodes and verifications: one decode row per token
+            graph = self.verify_graphs.pick(num_tokens, max_seq_len)
         if graph is not None:
             num_rows, width = graph.batch_size, graph.block_table_width
         else:
@@ -433,8 +453,10 @@ class ModelRunner:
         b.begin(max(num_tokens, num_rows), num_rows, width)
         sampled, num_prev, num_logit_rows, prompt_jobs = self._fill_host(
             scheduled, rows, b.block_table_rows(num_rows, width))
-        if num_rows > num_seqs:
-            self._fill_padding(num_seqs, num_rows)
+        if graph is not None and graph.verify and num_tokens > num_seqs:
+            self._spread_into_token_rows(scheduled, num_tokens, num_rows, width)
+        if num_rows > num_tokens:
+            b.pad_decode_rows(num_tokens, num_rows)
         b.upload()
         if num_prev:
             b.fill_prev_token_ids(num_prev, self._prev_sampled.token_ids)
@@ -449,6 +471,20 @@ class ModelRunner:
                                             if s.completes_sequence],
                            prompt_jobs=prompt_jobs)
 
+    def _spread_into_token_rows(self, scheduled: list[ScheduledRequest], num_tokens: int,
+                                num_rows: int, width: int) -> None:
+        """A step of decodes and verifications as decode rows (`cuda_graph.py`): token t of a
+        request becomes a row with the request's block table and a context ending at t's
+        position. `_fill_host` wrote one row per request; ids, positions and slots are per token
+        already."""
+        b = self.buffers
+        counts = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, len(scheduled))
+        owner = np.repeat(np.arange(len(scheduled)), counts)
+        tables = b.block_tables.np[:num_rows * width].reshape(num_rows, width)
+        tables[:num_tokens] = tables[owner]  # the right side is a copy
+        b.seq_lens.np[:num_tokens] = b.positions.np[:num_tokens] + 1
+        b.query_start_loc.np[:num_tokens + 1] = np.arange(num_tokens + 1)
+
     def _fill_host(self, scheduled: list[ScheduledRequest], records: list[CachedRequest],
                    tables: np.ndarray
                    ) -> tuple[list[CachedRequest], int, int, list[PromptLogprobsJob]]:
@@ -457,7 +493,7 @@ class ModelRunner:
         many input ids are left to fill from the previous step's samples (prev_token_*), the
         number of logits rows (a speculative request has one per position), and the prompt rows
         to score for prompt logprobs."""
-        bs = self.block_size
+        bs, width = self.block_size, tables.shape[1]
         b = self.buffers
         ids, positions, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
         qsl, seq_lens, logits_idx = b.query_start_loc.np, b.seq_lens.np, b.logits_indices.np
@@ -467,7 +503,8 @@ class ModelRunner:
         for i, (s, r) in enumerate(zip(scheduled, records)):
             n, start = s.num_new_tokens, s.num_computed_tokens
             table = r.block_table
-            tables[i, :len(table)] = table
+            # A graph's width covers the step's contexts; lookahead blocks past them are unread.
+            tables[i, :min(len(table), width)] = table[:width]
             if n == 1:  # decode: scalar writes, no numpy temporaries
                 if start < r.num_tokens:
                     ids[offset] = r.token_at(start)
@@ -513,13 +550,3 @@ class ModelRunner:
                                f"neither known ({request.num_tokens} are) nor sampled by the "
                                f"previous step")
         return prev.rows[request.request_id]
-
-    def _fill_padding(self, num_seqs: int, num_rows: int) -> None:
-        """Graph rows past the batch (pure decode: row i is token i): one token at position 0,
-        no KV write, a context of 1 token in the null block (block tables are already zero)."""
-        b = self.buffers
-        b.input_ids.np[num_seqs:num_rows] = 0
-        b.positions.np[num_seqs:num_rows] = 0
-        b.slot_mapping.np[num_seqs:num_rows] = PADDING_SLOT
-        b.query_start_loc.np[num_seqs + 1:num_rows + 1] = np.arange(num_seqs + 1, num_rows + 1)
-        b.seq_lens.np[num_seqs:num_rows] = 1
