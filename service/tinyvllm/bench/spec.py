@@ -120,10 +120,11 @@ def run(args: argparse.Namespace) -> int:
         spec = DEFAULT_SPEC
     config_off = engine_config(args, method=None)
     config_on = dataclasses.replace(config_off, speculative=type(config_off.speculative)(**spec))
-    # One model and KV cache, the engines take turns. A draft model lives in the runner: it
-    # drafts only for steps that ask (the "on" engine's), but a separate draft checkpoint
-    # catches up on every step and turns the decode graphs off, for the "off" engine too.
-    runner = ModelRunner(config_on if config_on.speculative.uses_draft_model else config_off)
+    # One model and KV cache, the engines take turns. The runner is built for speculation (its
+    # verification and draft graphs; a draft model drafts only for steps that ask, the "on"
+    # engine's), but a separate draft checkpoint catches up on every step and turns the decode
+    # graphs off, for the "off" engine too.
+    runner = ModelRunner(config_on)
     tokenizer = runner.loaded.tokenizer
     engines = {"off": build_engine(config_off, runner), "on": build_engine(config_on, runner)}
     warm = [tokenizer.encode(p) for p in prompts_for("repetitive", 2)]
