@@ -158,3 +158,28 @@ def test_speculation_steps_aside_while_it_does_not_pay_and_comes_back():
     for _ in range(5):
         policy.observe_step(0.2, 3, speculated=True)  # 15 tokens/s
     assert policy.active(1)
+
+
+def test_steps_are_scheduled_ahead_only_while_speculation_steps_aside():
+    """Active speculation needs each step's tokens before the next is scheduled; at a batch of
+    disable_by_batch_size or more, and during a pause (drafts that do not pay), steps are
+    scheduled ahead again, and the pause counts the steps that were only counted (duration 0).
+    Every sampled token is new, so no n-gram matches and every step is a plain one."""
+    s = make_scheduler(num_blocks=64, disable_by_batch_size=3)
+    for i in range(2):
+        s.add_request(make_request(str(i), [10 + i, 20 + i, 30 + i]))
+    s.update(s.schedule(), {"0": (100, None), "1": (101, None)})
+    assert not s.can_schedule_ahead()  # 2 running, speculation active
+    s.add_request(make_request("2", [40, 50, 60]))
+    s.update(s.schedule(), {str(i): (110 + i, None) for i in range(3)})
+    assert len(s.running) == 3 and s.can_schedule_ahead()  # 3 running: it steps aside
+
+    s = make_scheduler(num_blocks=64)
+    s.add_request(make_request("a", [10, 20, 30]))
+    s.update(s.schedule(), {"a": (100, None)})
+    s.spec.cost.off_steps_left = 2  # a pause, as after drafts that did not pay
+    assert s.can_schedule_ahead()
+    s.spec.observe_step(0.0, 1, speculated=False)
+    assert s.can_schedule_ahead()
+    s.spec.observe_step(0.0, 1, speculated=False)
+    assert not s.can_schedule_ahead()

@@ -18,6 +18,8 @@ import dataclasses
 import time
 from typing import Any
 
+import torch
+
 from tinyvllm.bench.common import (engine_config, environment, model_fields, prepare,
                                    print_table, ratio, write_record)
 from tinyvllm.bench.engine_runs import build_engine, greedy
@@ -130,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     warm = [tokenizer.encode(p) for p in prompts_for("repetitive", 2)]
     for engine in engines.values():  # first touch of the cache and allocator, both paths
         run_once(engine, warm, 8, sync)
+    graph_ms = graph_times(runner, config_on.speculative.num_speculative_tokens)
     results = []
     for workload in args.workloads:
         for batch_size in args.batch_sizes:
@@ -139,13 +142,40 @@ def run(args: argparse.Namespace) -> int:
             results.append(_compare(workload, batch_size, off, on))
     record = {**environment(args, device), **model_fields(engines["on"], config_on),
               "workload": {"output_len": args.output_len, "sampling": "greedy, ignore_eos",
-                           "speculative_config": spec}, "results": results}
+                           "speculative_config": spec}, "results": results,
+              "graph_ms": graph_ms}
     for engine in engines.values():
         engine.shutdown()
     path = write_record(NAME, record, args.out)
     print(f"wrote {path}")
     table(record)
     return 0
+
+
+def graph_times(runner: ModelRunner, k: int, iters: int = 20) -> dict[str, float]:
+    """GPU milliseconds of one replay of each graph a batch-1 request's step uses: a decode, a
+    verification of k drafts (k + 1 rows), and a draft step when the runner drafts. Rows are
+    padding (a context of one token), so this is the weights' and launches' cost, which the
+    contexts of short requests add little to. Empty without graphs."""
+    sets = {"decode": (runner.graphs, 1), "verification": (runner.verify_graphs, k + 1)}
+    drafter = runner.drafter
+    if drafter is not None and drafter.graphs is not None:
+        sets["draft_step"] = (drafter.graphs, 1)
+    out = {}
+    for name, (graphs, rows) in sets.items():
+        key = graphs.pick(rows, 1) if graphs is not None else None
+        if key is None:
+            continue
+        graphs.fill_padding(key)
+        graphs.replay(key)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            graphs.replay(key)
+        end.record()
+        end.synchronize()
+        out[name] = start.elapsed_time(end) / iters
+    return out
 
 
 def _compare(workload: str, batch_size: int, off: dict, on: dict) -> dict[str, Any]:
@@ -171,3 +201,9 @@ def table(record: dict) -> None:
     print_table(f"spec: {record['model_name']} {record['dtype']} on {record['device']}, "
                 f"{record['workload']['output_len']} out, {record['workload']['speculative_config']}",
                 header, rows)
+    graph_ms = record.get("graph_ms") or {}
+    if "decode" in graph_ms and "verification" in graph_ms:
+        parts = ", ".join(f"{name} {ms:.3f}" for name, ms in graph_ms.items())
+        k = record["workload"]["speculative_config"]["num_speculative_tokens"]
+        print(f"graph replays, ms (batch 1): {parts}; a verification of k = {k} costs "
+              f"{graph_ms['verification'] / graph_ms['decode']:.2f}x a decode step")

@@ -131,12 +131,15 @@ class Scheduler:
         """Whether the next step may be scheduled before the one in flight is processed: no
         running request with a token in flight needs its output ids on the host to sample.
 
-        Speculation turns scheduling ahead off while a request could speculate: its draft is
-        proposed from, and its verification's rollback decides, the tokens of the step before,
-        which a step scheduled ahead would not know yet (the simplest correct choice; on the CPU
-        async scheduling is off anyway). A draft model's drafts are made by the worker after the
-        step before, from its tokens, so they too exist only once that step is processed."""
-        if self.spec.config.enabled and any(r.can_speculate for r in self.running):
+        Active speculation turns scheduling ahead off while a request could speculate: its
+        draft is proposed from, and its verification's rollback decides, the tokens of the step
+        before, which a step scheduled ahead would not know yet (the simplest correct choice; on
+        the CPU async scheduling is off anyway). A draft model's drafts are made by the worker
+        after the step before, from its tokens, so they too exist only once that step is
+        processed. While speculation steps aside (a large batch, or drafts that do not pay),
+        steps are scheduled ahead again; a request with a token in flight gets no drafts."""
+        if (self.spec.active(len(self.running))
+                and any(r.can_speculate for r in self.running)):
             return False
         return not any(r.num_output_placeholders and r.sampling_reads_output_tokens
                        for r in self.running)

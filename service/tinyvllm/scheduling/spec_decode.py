@@ -124,7 +124,8 @@ class SpecDecodePolicy:
         return self.cost.active()
 
     def observe_step(self, duration_s: float, num_emitted: int, speculated: bool) -> None:
-        """A decode-only step's time and tokens (steps with prefill chunks are not comparable)."""
+        """A decode-only step's time and tokens; duration 0: a step that is only counted (one
+        with prefill chunks, or scheduled ahead, is not comparable)."""
         self.cost.observe(duration_s, num_emitted, speculated)
 
     def initial_k(self) -> int:

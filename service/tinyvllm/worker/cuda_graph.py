@@ -115,11 +115,11 @@ class DecodeGraphs:
                       reverse=True)
         for bs in reversed(self.batch_sizes):  # warm-up: cuBLAS handles, lazy module loads
             key = self.key(bs, self.seq_len_tiers[-1])
-            self._fill_padding(key)
+            self.fill_padding(key)
             self._forward(key)
         torch.cuda.synchronize()
         for key in keys:
-            self._fill_padding(key)  # also points the buffers at this graph's layout
+            self.fill_padding(key)  # also points the buffers at this graph's layout
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._forward(key)
@@ -156,7 +156,7 @@ class DecodeGraphs:
             query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[key.max_seq_len] * bs,
             fuse_new_token=not key.verify)
 
-    def _fill_padding(self, key: GraphKey) -> None:
+    def fill_padding(self, key: GraphKey) -> None:
         """Lay the buffers out for `key` and fill them with padding rows (warm-up and capture
         write nothing to the KV cache)."""
         bs, width = key.batch_size, key.block_table_width

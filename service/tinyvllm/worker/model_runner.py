@@ -359,8 +359,9 @@ class ModelRunner:
             out = self.sampler.sample(rows, states).to_output(states)
             plain_tokens, plain_logprobs = out.token_ids, out.logprobs
         states = [r.sampling for r, _ in spec]
-        kept = verify(logits[torch.tensor(spec_rows, device=logits.device)], states,
-                      [d for _, d in spec])
+        if plain:  # else every row is a speculative request's
+            logits = logits[torch.tensor(spec_rows, device=logits.device)]
+        kept = verify(logits, states, [d for _, d in spec])
         if self.tp.size > 1:  # every rank keeps rank 0's tokens (random rows may differ)
             plain_tokens, kept = self._broadcast_tokens(plain_tokens, kept, logits.device)
         result.update({r.request_id: (t, lp)
