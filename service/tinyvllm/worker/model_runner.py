@@ -35,7 +35,7 @@ from tinyvllm.worker.prompt_logprobs import (PromptLogprobsJob, StepPromptLogpro
                                              compute_prompt_logprobs, plan_job)
 from tinyvllm.worker.requests import CachedRequest, apply_scheduler_output
 from tinyvllm.worker.sampler import Sampler, SamplingState
-from tinyvllm.worker.spec_decode import verify
+from tinyvllm.worker.spec_decode import verify_step
 from tinyvllm.scheduling.output import SampledTokens
 from tinyvllm.worker.step_handle import StepHandle
 
@@ -327,7 +327,9 @@ class ModelRunner:
                 return StepHandle.done()
             return StepHandle.launch([], [], None, prompt=prompt, on_cuda=on_cuda)
         if inputs.has_drafts:
-            return StepHandle.finished(self._verify(logits, inputs), prompt)
+            return StepHandle.finished(
+                verify_step(logits, inputs.sampled_requests, inputs.draft_token_ids,
+                            self.sampler, self.tp), prompt)
         states = [r.sampling for r in requests]
         sampled = self.sampler.sample(logits, states)
         if self.tp.size > 1:  # every rank keeps rank 0's tokens (random rows may differ)
@@ -336,53 +338,6 @@ class ModelRunner:
                                           {r.request_id: i for i, r in enumerate(requests)})
         return StepHandle.launch(requests, states, sampled, self._next_ids_buffer(), prompt,
                                  on_cuda)
-
-    def _verify(self, logits: torch.Tensor, inputs: ModelInputs) -> SampledTokens:
-        """A step with speculative requests, waited for here: the scheduler needs the accepted
-        tokens before it can schedule the next step (async scheduling is off while requests
-        speculate). Plain rows go through the sampler, speculative ones through `verify`."""
-        plain_rows, spec_rows, row = [], [], 0
-        plain, spec = [], []
-        for r, drafts in zip(inputs.sampled_requests, inputs.draft_token_ids):
-            if drafts:
-                spec.append((r, drafts))
-                spec_rows.extend(range(row, row + len(drafts) + 1))
-            else:
-                plain.append(r)
-                plain_rows.append(row)
-            row += len(drafts) + 1
-        result: SampledTokens = {}
-        plain_tokens, plain_logprobs = [], []
-        if plain:
-            states = [r.sampling for r in plain]
-            rows = logits[torch.tensor(plain_rows, device=logits.device)]
-            out = self.sampler.sample(rows, states).to_output(states)
-            plain_tokens, plain_logprobs = out.token_ids, out.logprobs
-        states = [r.sampling for r, _ in spec]
-        if plain:  # else every row is a speculative request's
-            logits = logits[torch.tensor(spec_rows, device=logits.device)]
-        kept = verify(logits, states, [d for _, d in spec])
-        if self.tp.size > 1:  # every rank keeps rank 0's tokens (random rows may differ)
-            plain_tokens, kept = self._broadcast_tokens(plain_tokens, kept, logits.device)
-        result.update({r.request_id: (t, lp)
-                       for r, t, lp in zip(plain, plain_tokens, plain_logprobs)})
-        result.update({r.request_id: (tokens, None) for (r, _), tokens in zip(spec, kept)})
-        for r in inputs.sampled_requests:
-            r.append_sampled(result[r.request_id][0])
-        return result
-
-    def _broadcast_tokens(self, plain: list[int], kept: list[list[int]], device: torch.device
-                          ) -> tuple[list[int], list[list[int]]]:
-        """Rank 0's tokens of a verification step on every rank: one [rows, width] int64
-        broadcast, -1 past each row's end (plain rows first, one token each)."""
-        rows = [[t] for t in plain] + kept
-        width = max(len(r) for r in rows)
-        table = torch.full((len(rows), width), -1, dtype=torch.int64)
-        for i, r in enumerate(rows):
-            table[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
-        table = self.tp.broadcast(table.to(device), src=0).cpu()
-        rows = [[t for t in row if t >= 0] for row in table.tolist()]
-        return [r[0] for r in rows[:len(plain)]], rows[len(plain):]
 
     def _next_ids_buffer(self) -> Optional[torch.Tensor]:
         """Pinned host memory for a step's sampled ids, from a ring of _IDS_RING_SIZE: the engine

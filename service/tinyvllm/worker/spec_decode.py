@@ -15,7 +15,9 @@ import torch
 
 from tinyvllm.ops.sampling import apply_filters, as_int64, kernel_available
 from tinyvllm.ops.spec_decode import PLACEHOLDER_TOKEN_ID, rejection_sample
-from tinyvllm.worker.sampler import SamplingState, _to_device
+from tinyvllm.scheduling.output import SampledTokens
+from tinyvllm.worker.requests import CachedRequest
+from tinyvllm.worker.sampler import Sampler, SamplingState, _to_device
 
 
 def verify(logits: torch.Tensor, states: list[SamplingState],
@@ -117,3 +119,61 @@ def _keep_unused_noise(noise: torch.Tensor, states: list[SamplingState], num_row
 
 def _strip(rows: list[list[int]]) -> list[list[int]]:
     return [[t for t in r if t != PLACEHOLDER_TOKEN_ID] for r in rows]
+
+
+def verify_step(logits: torch.Tensor, requests: list[CachedRequest],
+            draft_token_ids: list[list[int]], sampler: Sampler, tp) -> SampledTokens:
+    """The tokens of a step with speculative requests, waited for here: the scheduler needs
+    the accepted tokens before it can schedule the next step (async scheduling is off while
+    requests speculate). Plain rows go through the sampler, speculative ones through `verify`;
+    the records get the tokens appended.
+
+    Args:
+        logits: [rows, vocab_size] float32, the sampled requests' rows in order (a request with
+            k drafts has k + 1).
+        requests, draft_token_ids: the step's sampled requests and their drafts (empty: plain).
+        tp: the tensor-parallel group; every rank keeps rank 0's tokens.
+    """
+    plain_rows, spec_rows, row = [], [], 0
+    plain, spec = [], []
+    for r, drafts in zip(requests, draft_token_ids):
+        if drafts:
+            spec.append((r, drafts))
+            spec_rows.extend(range(row, row + len(drafts) + 1))
+        else:
+            plain.append(r)
+            plain_rows.append(row)
+        row += len(drafts) + 1
+    result: SampledTokens = {}
+    plain_tokens, plain_logprobs = [], []
+    if plain:
+        states = [r.sampling for r in plain]
+        rows = logits[torch.tensor(plain_rows, device=logits.device)]
+        out = sampler.sample(rows, states).to_output(states)
+        plain_tokens, plain_logprobs = out.token_ids, out.logprobs
+    states = [r.sampling for r, _ in spec]
+    if plain:  # else every row is a speculative request's
+        logits = logits[torch.tensor(spec_rows, device=logits.device)]
+    kept = verify(logits, states, [d for _, d in spec])
+    if tp.size > 1:  # every rank keeps rank 0's tokens (random rows may differ)
+        plain_tokens, kept = _broadcast_tokens(tp, plain_tokens, kept, logits.device)
+    result.update({r.request_id: (t, lp)
+                   for r, t, lp in zip(plain, plain_tokens, plain_logprobs)})
+    result.update({r.request_id: (tokens, None) for (r, _), tokens in zip(spec, kept)})
+    for r in requests:
+        r.append_sampled(result[r.request_id][0])
+    return result
+
+
+def _broadcast_tokens(tp, plain: list[int], kept: list[list[int]], device: torch.device
+                      ) -> tuple[list[int], list[list[int]]]:
+    """Rank 0's tokens of a verification step on every rank: one [rows, width] int64
+    broadcast, -1 past each row's end (plain rows first, one token each)."""
+    rows = [[t] for t in plain] + kept
+    width = max(len(r) for r in rows)
+    table = torch.full((len(rows), width), -1, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        table[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
+    table = tp.broadcast(table.to(device), src=0).cpu()
+    rows = [[t for t in row if t >= 0] for row in table.tolist()]
+    return [r[0] for r in rows[:len(plain)]], rows[len(plain):]
