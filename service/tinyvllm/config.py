@@ -183,7 +183,7 @@ class ParallelConfig:
         return "uni" if self.tensor_parallel_size == 1 else "mp"
 
 
-GEMV_KERNEL_MAX_ROWS = 8
+GEMV_KERNEL_MAX_ROWS = 2
 """Most rows (tokens) one launch of the fused GEMV kernel serves (cuda/gemv.cu kGemvMaxM)."""
 
 
@@ -202,10 +202,8 @@ class KernelConfig:
         "and the residual add after o_proj / down_proj folded in, and the lm_head too. Off: "
         "cuBLAS plus the separate ops.")
     gemv_max_rows: int = _f(
-        GEMV_KERNEL_MAX_ROWS, "Largest batch (tokens) that runs the fused GEMV decoder layer "
-        "(decodes, and verifications laid out as decode rows); larger ones use cuBLAS. 1 to "
-        f"{GEMV_KERNEL_MAX_ROWS} (the kernel's limit); the kernel also needs rows x hidden "
-        "activations within 64 KiB (Llama-3-8B's down_proj: 2 rows).",
+        GEMV_KERNEL_MAX_ROWS, "Largest batch (tokens) that runs the fused GEMV decoder layer; "
+        f"larger ones use cuBLAS. 1 or {GEMV_KERNEL_MAX_ROWS} (the kernel's limit).",
         choices=tuple(range(1, GEMV_KERNEL_MAX_ROWS + 1)))
     fused_rotary_cache: bool = _f(
         True, "Rotary, the K/V cache write and attention as one op on views into the qkv "

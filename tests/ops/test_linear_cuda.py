@@ -28,7 +28,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("n,k", [(7, 8), (1001, 584), (576, 1536), (4104, 4096), (96, 14336)])
 @pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
 @pytest.mark.parametrize("epilogue", ["plain", "bias", "residual", "silu_mul_out"])
@@ -45,9 +45,6 @@ def test_fused_linear_matches_reference(dtype, m, n, k, prologue, epilogue):
     residual = rand(m, n, dtype=dtype, seed=seed + 4) if epilogue == "residual" else None
     kwargs = dict(norm_weight=norm_weight, eps=1e-5, silu_mul=prologue == "silu_mul",
                   silu_mul_out=swiglu)
-    if m * k * x.element_size() > 64 * 1024:  # the kernel stages m x k activations
-        assert not fused_linear_supported(x, weight)
-        pytest.skip("m x k beyond the GEMV's staging buffer: cuBLAS serves it")
     assert fused_linear_supported(x, weight)
 
     expected = fused_linear_ref(x, weight, bias,
@@ -117,14 +114,12 @@ def test_fused_linear_rejects_what_it_cannot_serve():
     x = rand(2, 12, dtype=torch.bfloat16, seed=7)
     weight = rand(5, 12, dtype=torch.bfloat16, seed=8)
     assert not fused_linear_supported(x, weight)  # k % 8 != 0: the caller keeps cuBLAS
-    assert not fused_linear_supported(rand(9, 16, dtype=torch.bfloat16, seed=9),
-                                      rand(5, 16, dtype=torch.bfloat16, seed=10))  # 9 rows
+    assert not fused_linear_supported(rand(3, 16, dtype=torch.bfloat16, seed=9),
+                                      rand(5, 16, dtype=torch.bfloat16, seed=10))
     with pytest.raises(ValueError, match="k=12"):
         cuda_ops().gemv(**gemv_args(x, weight))
-    with pytest.raises(ValueError, match="m=9"):
-        cuda_ops().gemv(**gemv_args(x, weight, m=9, k=16, x_stride=16))
-    with pytest.raises(ValueError, match="staging buffer"):  # 3 x 14336 activations: 84 KiB
-        cuda_ops().gemv(**gemv_args(x, weight, m=3, k=14336, x_stride=14336))
+    with pytest.raises(ValueError, match="m=3"):
+        cuda_ops().gemv(**gemv_args(x, weight, m=3, k=16, x_stride=16))
     x16, w16 = rand(2, 16, dtype=torch.bfloat16, seed=11), rand(5, 16, dtype=torch.bfloat16, seed=12)
     with pytest.raises(ValueError, match="norm_weight"):
         fused_linear(x16, w16, norm_weight=rand(8, dtype=torch.bfloat16, seed=13))
@@ -140,7 +135,7 @@ def test_fused_linear_rejects_what_it_cannot_serve():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("batch", [1, 2, 3, 8])
+@pytest.mark.parametrize("batch", [1, 2])
 def test_decoder_fused_path_matches_unfused(dtype, batch):
     """A decode step through the fused projections gives the logits of the cuBLAS + ops path."""
     from tinyvllm.model.synthetic import make_random_model, tiny_arch
@@ -242,7 +237,7 @@ def merge_ref(parts: DecodePartitions) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 5, 9])  # 9: more rows than the GEMV serves, merged first
+@pytest.mark.parametrize("m", [1, 2, 3])  # 3: more rows than the GEMV serves, merged first
 @pytest.mark.parametrize("num_heads,head_dim", [(9, 64), (8, 128), (32, 128)])
 def test_fused_linear_merges_decode_partitions(dtype, m, num_heads, head_dim):
     """o_proj straight from a split decode's partitions: the merge launch's result bit for bit
