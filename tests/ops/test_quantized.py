@@ -123,6 +123,19 @@ def test_a_rows_result_does_not_depend_on_its_batch(type_name, qtype, isa, threa
         q.set_num_threads(None)
 
 
+@pytest.mark.skipif("avx2" not in ISAS, reason="needs a CPU with AVX2")
+@pytest.mark.parametrize("type_name,qtype", TYPES)
+def test_scalar_and_avx2_paths_agree_bit_for_bit(type_name, qtype):
+    """Both follow one block dot contract (four lanes per block, kernels_avx2.cpp), so the scalar
+    path is an exact oracle for the SIMD tiles: GEMV (m = 1) and GEMM with tail rows."""
+    for n, k, m in [(37, 96, 1), (130, 576, 9), (5, 1536, 4)]:
+        qweight, _ = _packed(n, k, qtype, seed=n)
+        bias = torch.randn(n)
+        x = _activations(m, k, seed=k)
+        want = q.quantized_linear(x, qweight, qtype, k, bias, isa="scalar")
+        assert torch.equal(q.quantized_linear(x, qweight, qtype, k, bias, isa="avx2"), want)
+
+
 @pytest.mark.parametrize("type_name,qtype", TYPES)
 def test_embedding_rows_equal_the_gguf_dequantization(type_name, qtype):
     qweight, w = _packed(50, 96, qtype, seed=3)
