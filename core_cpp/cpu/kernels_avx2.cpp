@@ -151,8 +151,7 @@ constexpr int64_t kActRowsPerChunk = 16;  // activation rows kept hot in L1/L2 w
 // ([nb][kActRowsPerChunk]: one load gives a block's s for four activation rows).
 struct TileScales {
   const float* wd;
-  const float* wc;
-  const float* s_t;  // at the tile's first activation row
+  const float* corr;  // [R][kActRowsPerChunk] at the tile's first activation row
 };
 
 template <QType T>
@@ -167,24 +166,29 @@ void load_row_scales(const uint8_t* w_row0, int64_t row_bytes, int rows, int64_t
   }
 }
 
-// corr of the contract for R weight rows and C <= 4 activation rows, one lane per activation row
-// (each lane adds its products in block order, as a scalar sum would).
-template <QType T, int R, int C>
-inline void corrections(const TileScales& ts, int64_t nb, float (&corr)[R][C]) {
-  static_assert(C <= 4, "one lane per activation row");
-  __m128 sum[R];
-  for (int i = 0; i < R; ++i) sum[i] = _mm_setzero_ps();
+// corr of the contract for R weight rows and the chunk's activation rows, into
+// corr[i * kActRowsPerChunk + c]; one lane per activation row, each adding its products in block
+// order as a scalar sum would. The chunk's four vectors per weight row are independent chains.
+template <QType T, int R>
+inline void chunk_corrections(const float* wc, const float* s_t, int64_t nb, float* corr) {
+  constexpr int kVecs = kActRowsPerChunk / 4;
+  __m128 sum[R][kVecs];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < kVecs; ++v) sum[i][v] = _mm_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const __m128 sv = _mm_loadu_ps(ts.s_t + b * kActRowsPerChunk);
     for (int i = 0; i < R; ++i) {
-      sum[i] = _mm_add_ps(sum[i], _mm_mul_ps(_mm_broadcast_ss(ts.wc + i * nb + b), sv));
+      const __m128 cw = _mm_broadcast_ss(wc + i * nb + b);
+      for (int v = 0; v < kVecs; ++v) {
+        const __m128 sv = _mm_load_ps(s_t + b * kActRowsPerChunk + 4 * v);
+        sum[i][v] = _mm_add_ps(sum[i][v], _mm_mul_ps(cw, sv));
+      }
     }
   }
-  for (int i = 0; i < R; ++i) {
-    alignas(16) float lanes[4];
-    _mm_store_ps(lanes, sum[i]);
-    for (int c = 0; c < C; ++c) corr[i][c] = Unpacked<T>::kCorrScale * lanes[c];
-  }
+  const __m128 scale = _mm_set1_ps(Unpacked<T>::kCorrScale);
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < kVecs; ++v) {
+      _mm_storeu_ps(corr + i * kActRowsPerChunk + 4 * v, _mm_mul_ps(scale, sum[i][v]));
+    }
 }
 
 // out[j + c][r + i] for i < R, c < C: R weight rows from w_row0 (row_bytes apart), C activation
@@ -209,10 +213,12 @@ void tile(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x0, int64_t 
       }
     }
   }
-  float corr[R][C] = {};
-  if constexpr (Unpacked<T>::kCorrect) corrections<T, R, C>(ts, nb, corr);
-  for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) store(g, j + c, r + i, hsum4(acc[i][c]) + corr[i][c]);
+  for (int i = 0; i < R; ++i) {
+    for (int c = 0; c < C; ++c) {
+      const float corr = Unpacked<T>::kCorrect ? ts.corr[i * kActRowsPerChunk + c] : 0.0f;
+      store(g, j + c, r + i, hsum4(acc[i][c]) + corr);
+    }
+  }
 }
 
 // The GEMV tile of the 4-bit types, four weight rows against one activation row, with the
@@ -273,12 +279,14 @@ void tile_cols(const GemmArgs& g, int64_t r, int64_t j0, int64_t j1, const float
   const int64_t row_bytes = g.nb * block_bytes(T);
   const uint8_t* w = g.w + r * row_bytes;
   load_row_scales<T>(w, row_bytes, R, g.nb, wd, wc);
+  alignas(16) float corr[R * kActRowsPerChunk];
+  if constexpr (Unpacked<T>::kCorrect) chunk_corrections<T, R>(wc, s_t, g.nb, corr);
   int64_t j = j0;
   for (; j + C <= j1; j += C) {
-    tile<T, R, C>(w, row_bytes, g.xq + j * g.nb, g.nb, TileScales{wd, wc, s_t + j - j0}, g, r, j);
+    tile<T, R, C>(w, row_bytes, g.xq + j * g.nb, g.nb, TileScales{wd, corr + j - j0}, g, r, j);
   }
   for (; j < j1; ++j) {
-    tile<T, R, 1>(w, row_bytes, g.xq + j * g.nb, g.nb, TileScales{wd, wc, s_t + j - j0}, g, r, j);
+    tile<T, R, 1>(w, row_bytes, g.xq + j * g.nb, g.nb, TileScales{wd, corr + j - j0}, g, r, j);
   }
 }
 
@@ -291,7 +299,7 @@ constexpr int kGemvRows = 4;  // GEMV: four independent weight rows keep the FMA
 template <QType T>
 void gemm_rows_t(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
   const int64_t row_bytes = g.nb * block_bytes(T);
-  std::vector<float> s_t(g.nb * kActRowsPerChunk, 0.0f);
+  std::vector<float> s_t(g.nb * kActRowsPerChunk, 0.0f);  // lanes past a short chunk: unused
   std::vector<float> wd(kGemvRows * g.nb), wc(kGemvRows * g.nb);  // for the tallest tile
   for (int64_t j0 = 0; j0 < g.m; j0 += kActRowsPerChunk) {
     const int64_t j1 = j0 + kActRowsPerChunk < g.m ? j0 + kActRowsPerChunk : g.m;
