@@ -1,12 +1,13 @@
 // AVX2 + FMA + F16C kernels (this file alone is compiled with -mavx2 -mfma -mf16c; isa.cpp calls
 // it only after __builtin_cpu_supports says so). The dot products are llama.cpp's: unsigned 4-bit
 // (or |int8|) weights times signed int8 activations with vpmaddubsw, pairs summed with vpmaddwd,
-// one float FMA per 32-value block. A tile of R weight rows x C activation rows shares each
-// weight unpack across C rows and each activation load across R rows.
+// one float FMA per 32-value block and pair of rows. A tile of R weight rows x C activation rows
+// shares each weight unpack across C rows and each activation load across R rows.
 #include <immintrin.h>
 
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "kernels.h"
 
@@ -62,95 +63,160 @@ void quantize_row(const float* x, int64_t nb, ActBlock* out) {
   }
 }
 
-// One weight block unpacked for vpmaddubsw: unsigned bytes (4-bit types) or |w| with the sign
-// moved onto the activations (Q8_0), its scale, and its per-block correction factor:
-// Q4_0: -8 * d (times s of the activations), Q4_1: m, Q8_0: 0.
+// The block dot contract, shared by every tile (so a row's result does not depend on the tile or
+// batch that computed it) and mirrored by the scalar path: per (weight row, activation row), four
+// float lanes; lane l takes block b's integer products of values [4l, 4l + 4) and [16 + 4l,
+// 20 + 4l), converted to float and fused-multiply-added with the block's scale d_w * d_x; after
+// the last block y = ((l0 + l2) + (l1 + l3)) + corr + bias, where corr is the weight offsets'
+// term summed block by block in order: Q4_1 sum(m * s), Q4_0 -8 * sum(d * s), Q8_0 none.
+//
+// Four lanes (not eight) because the 4-bit types fold vpmaddubsw's two 128-bit halves with one
+// 16-bit add (two products of at most 15 * 127 each, four per sum: no overflow) before the
+// widening vpmaddwd, which then runs at half width. On Zen 1 both multiplies issue on one pipe
+// (FP0), one 128-bit half per cycle, so this is 3 FP0 cycles per block pair instead of 4.
+
+// One weight block ready for vpmaddubsw: unsigned nibbles (4-bit types) or |w| plus w for the
+// sign (Q8_0), its scale d, and c (Q4_0: d, Q4_1: m; the correction term's factor).
 template <QType T> struct Unpacked;
+
+inline __m256i nibbles(const uint8_t* qs) {
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0f));
+}
 
 template <> struct Unpacked<QType::Q4_0> {
   __m256i u;
-  float d, c;
-  static constexpr bool kSigned = false;
   static constexpr bool kCorrect = true;
+  static constexpr float kCorrScale = -8.0f;
+  static float d(const uint8_t* p) { return half(reinterpret_cast<const BlockQ4_0*>(p)->d); }
+  static float c(const uint8_t* p) { return d(p); }
   Unpacked() = default;  // for the array in tile(); every element is assigned before use
-  explicit Unpacked(const uint8_t* p) {
-    const auto* b = reinterpret_cast<const BlockQ4_0*>(p);
-    const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->qs));
-    u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0f));
-    d = half(b->d);
-    c = -8.0f * d;
-  }
+  explicit Unpacked(const uint8_t* p) : u(nibbles(reinterpret_cast<const BlockQ4_0*>(p)->qs)) {}
 };
 
 template <> struct Unpacked<QType::Q4_1> {
   __m256i u;
-  float d, c;
-  static constexpr bool kSigned = false;
   static constexpr bool kCorrect = true;
+  static constexpr float kCorrScale = 1.0f;
+  static float d(const uint8_t* p) { return half(reinterpret_cast<const BlockQ4_1*>(p)->d); }
+  static float c(const uint8_t* p) { return half(reinterpret_cast<const BlockQ4_1*>(p)->m); }
   Unpacked() = default;  // for the array in tile(); every element is assigned before use
-  explicit Unpacked(const uint8_t* p) {
-    const auto* b = reinterpret_cast<const BlockQ4_1*>(p);
-    const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->qs));
-    u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0f));
-    d = half(b->d);
-    c = half(b->m);
-  }
+  explicit Unpacked(const uint8_t* p) : u(nibbles(reinterpret_cast<const BlockQ4_1*>(p)->qs)) {}
 };
 
 template <> struct Unpacked<QType::Q8_0> {
-  __m256i u;  // the signed weights; |w| is taken per activation row (sign moves onto x)
-  float d, c;
-  static constexpr bool kSigned = true;
+  __m256i u, w;  // |w| for vpmaddubsw, w whose sign moves onto the activations
   static constexpr bool kCorrect = false;
+  static constexpr float kCorrScale = 0.0f;
+  static float d(const uint8_t* p) { return half(reinterpret_cast<const BlockQ8_0*>(p)->d); }
+  static float c(const uint8_t*) { return 0.0f; }
   Unpacked() = default;  // for the array in tile(); every element is assigned before use
   explicit Unpacked(const uint8_t* p) {
     const auto* b = reinterpret_cast<const BlockQ8_0*>(p);
-    u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs));
-    d = half(b->d);
-    c = 0.0f;
+    w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs));
+    u = _mm256_sign_epi8(w, w);
   }
 };
 
+// The four int32 lanes of the contract for one weight block and one activation block.
 template <QType T>
-inline __m256 block_dot_i32_as_float(const Unpacked<T>& w, __m256i x) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i p;
-  if constexpr (Unpacked<T>::kSigned) {
-    p = _mm256_maddubs_epi16(_mm256_sign_epi8(w.u, w.u), _mm256_sign_epi8(x, w.u));
+inline __m128i block_dot4(const Unpacked<T>& w, __m256i x) {
+  if constexpr (T == QType::Q8_0) {  // products up to 127 * 128: widen before folding
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w.u, _mm256_sign_epi8(x, w.w)),
+                                        _mm256_set1_epi16(1));
+    return _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
   } else {
-    p = _mm256_maddubs_epi16(w.u, x);
+    const __m256i p = _mm256_maddubs_epi16(w.u, x);
+    const __m128i s = _mm_add_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+    return _mm_madd_epi16(s, _mm_set1_epi16(1));
   }
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
 }
 
-// out[j][r + i] for i < R, j < C: R weight rows from w_row0 (stride row_bytes), C activation rows.
+inline float hsum4(__m128 v) {  // (l0 + l2) + (l1 + l3)
+  const __m128 s = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline void store(const GemmArgs& g, int64_t j, int64_t r, float v) {
+  const float bias = g.bias ? g.bias[r] : 0.0f;
+  float& y = g.out[j * g.out_stride + r];
+  y = g.accumulate ? y + (v + bias) : v + bias;
+}
+
+constexpr int64_t kActRowsPerChunk = 16;  // activation rows kept hot in L1/L2 while weights stream
+
+// What the tiles read besides the blocks, as floats laid out for broadcasts and lane loads:
+// R weight rows' block scales d and correction factors c ([R][nb] each, converted from fp16 once
+// per row tile and chunk of activations), and the chunk's activation sums s transposed
+// ([nb][kActRowsPerChunk]: one load gives a block's s for four activation rows).
+struct TileScales {
+  const float* wd;
+  const float* corr;  // [R][kActRowsPerChunk] at the tile's first activation row
+};
+
+template <QType T>
+void load_row_scales(const uint8_t* w_row0, int64_t row_bytes, int rows, int64_t nb, float* wd,
+                     float* wc) {
+  for (int i = 0; i < rows; ++i) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = w_row0 + i * row_bytes + b * block_bytes(T);
+      wd[i * nb + b] = Unpacked<T>::d(p);
+      wc[i * nb + b] = Unpacked<T>::c(p);
+    }
+  }
+}
+
+// corr of the contract for R weight rows and the chunk's activation rows, into
+// corr[i * kActRowsPerChunk + c]; one lane per activation row, each adding its products in block
+// order as a scalar sum would. The chunk's four vectors per weight row are independent chains.
+template <QType T, int R>
+inline void chunk_corrections(const float* wc, const float* s_t, int64_t nb, float* corr) {
+  constexpr int kVecs = kActRowsPerChunk / 4;
+  __m128 sum[R][kVecs];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < kVecs; ++v) sum[i][v] = _mm_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int i = 0; i < R; ++i) {
+      const __m128 cw = _mm_broadcast_ss(wc + i * nb + b);
+      for (int v = 0; v < kVecs; ++v) {
+        const __m128 sv = _mm_load_ps(s_t + b * kActRowsPerChunk + 4 * v);
+        sum[i][v] = _mm_add_ps(sum[i][v], _mm_mul_ps(cw, sv));
+      }
+    }
+  }
+  const __m128 scale = _mm_set1_ps(Unpacked<T>::kCorrScale);
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < kVecs; ++v) {
+      _mm_storeu_ps(corr + i * kActRowsPerChunk + 4 * v, _mm_mul_ps(scale, sum[i][v]));
+    }
+}
+
+// out[j + c][r + i] for i < R, c < C: R weight rows from w_row0 (row_bytes apart), C activation
+// rows from x0 (nb blocks apart). R * C accumulators of 4 lanes stay in registers.
 template <QType T, int R, int C>
 void tile(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x0, int64_t nb,
-          const GemmArgs& g, int64_t r, int64_t j) {
+          const TileScales& ts, const GemmArgs& g, int64_t r, int64_t j) {
   const int bb = block_bytes(T);
-  __m256 acc[R][C];
-  float corr[R][C];
+  __m128 acc[R][C];
   for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps(), corr[i][c] = 0.0f;
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     Unpacked<T> w[R];
     for (int i = 0; i < R; ++i) w[i] = Unpacked<T>(w_row0 + i * row_bytes + b * bb);
     for (int c = 0; c < C; ++c) {
       const ActBlock& xb = x0[c * nb + b];
       const __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb.qs));
+      const __m128 dx = _mm_broadcast_ss(&xb.d);
       for (int i = 0; i < R; ++i) {
-        const __m256 scale = _mm256_set1_ps(w[i].d * xb.d);
-        acc[i][c] = _mm256_fmadd_ps(block_dot_i32_as_float<T>(w[i], xv), scale, acc[i][c]);
-        if constexpr (Unpacked<T>::kCorrect) corr[i][c] += w[i].c * xb.s;
+        const __m128 scale = _mm_mul_ps(_mm_broadcast_ss(ts.wd + i * nb + b), dx);
+        acc[i][c] = _mm_fmadd_ps(_mm_cvtepi32_ps(block_dot4<T>(w[i], xv)), scale, acc[i][c]);
       }
     }
   }
   for (int i = 0; i < R; ++i) {
-    const float bias = g.bias ? g.bias[r + i] : 0.0f;
     for (int c = 0; c < C; ++c) {
-      float& y = g.out[(j + c) * g.out_stride + r + i];
-      const float v = hsum(acc[i][c]) + corr[i][c] + bias;
-      y = g.accumulate ? y + v : v;
+      const float corr = Unpacked<T>::kCorrect ? ts.corr[i * kActRowsPerChunk + c] : 0.0f;
+      store(g, j + c, r + i, hsum4(acc[i][c]) + corr);
     }
   }
 }
@@ -159,8 +225,7 @@ void tile(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x0, int64_t 
 // per-block scalar work vectorised: the four rows' fp16 (d, m) pairs (Q4_0: (d, d)) convert in one
 // vcvtph2ps and multiply the activation block's (d, s) at once, giving each row's block scale
 // d * x.d (even lanes) and its correction term m * x.s (odd lanes, summed in a vector). Same
-// products and summation order as tile<T, 4, 1>, so the same results, with about half the
-// instructions per block.
+// products and summation order as tile<T, 4, 1>, so the same results, with fewer instructions.
 template <QType T>
 inline uint32_t scale_pair(const uint8_t* block) {
   uint16_t d;
@@ -176,10 +241,7 @@ void gemv4_4bit(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, int
                 const GemmArgs& g, int64_t r, int64_t j) {
   constexpr int kQsOffset = T == QType::Q4_0 ? 2 : 4;  // the nibbles follow d (and m)
   const int bb = block_bytes(T);
-  const __m256i mask = _mm256_set1_epi8(0x0f);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                   _mm256_setzero_ps()};
+  __m128 acc[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
   __m256 corr = _mm256_setzero_ps();
   alignas(32) float scale[8];
   for (int64_t b = 0; b < nb; ++b) {
@@ -197,52 +259,72 @@ void gemv4_4bit(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, int
     corr = _mm256_add_ps(corr, prod);
     _mm256_store_ps(scale, prod);
     for (int i = 0; i < 4; ++i) {
-      const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i * row_bytes +
-                                                                          kQsOffset));
-      const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), mask);
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones));
-      acc[i] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(&scale[2 * i]), acc[i]);
+      Unpacked<T> w;
+      w.u = nibbles(p + i * row_bytes + kQsOffset);
+      const __m128 dot = _mm_cvtepi32_ps(block_dot4<T>(w, xv));
+      acc[i] = _mm_fmadd_ps(dot, _mm_broadcast_ss(&scale[2 * i]), acc[i]);
     }
   }
   alignas(32) float c[8];
   _mm256_store_ps(c, corr);
   for (int i = 0; i < 4; ++i) {
-    const float bias = g.bias ? g.bias[r + i] : 0.0f;
-    const float ci = T == QType::Q4_0 ? -8.0f * c[2 * i + 1] : c[2 * i + 1];
-    float& y = g.out[j * g.out_stride + r + i];
-    const float v = hsum(acc[i]) + ci + bias;
-    y = g.accumulate ? y + v : v;
+    store(g, j, r + i, hsum4(acc[i]) + Unpacked<T>::kCorrScale * c[2 * i + 1]);
   }
 }
 
 // Every C-row group of activations in [j0, j1) against R weight rows from r.
 template <QType T, int R, int C>
-void tile_cols(const GemmArgs& g, int64_t r, int64_t j0, int64_t j1) {
+void tile_cols(const GemmArgs& g, int64_t r, int64_t j0, int64_t j1, const float* s_t,
+               float* wd, float* wc) {
   const int64_t row_bytes = g.nb * block_bytes(T);
   const uint8_t* w = g.w + r * row_bytes;
+  load_row_scales<T>(w, row_bytes, R, g.nb, wd, wc);
+  alignas(16) float corr[R * kActRowsPerChunk];
+  if constexpr (Unpacked<T>::kCorrect) chunk_corrections<T, R>(wc, s_t, g.nb, corr);
   int64_t j = j0;
-  for (; j + C <= j1; j += C) tile<T, R, C>(w, row_bytes, g.xq + j * g.nb, g.nb, g, r, j);
-  for (; j < j1; ++j) tile<T, R, 1>(w, row_bytes, g.xq + j * g.nb, g.nb, g, r, j);
+  for (; j + C <= j1; j += C) {
+    tile<T, R, C>(w, row_bytes, g.xq + j * g.nb, g.nb, TileScales{wd, corr + j - j0}, g, r, j);
+  }
+  for (; j < j1; ++j) {
+    tile<T, R, 1>(w, row_bytes, g.xq + j * g.nb, g.nb, TileScales{wd, corr + j - j0}, g, r, j);
+  }
 }
 
-constexpr int64_t kActRowsPerChunk = 16;  // activation rows kept hot in L1/L2 while weights stream
+// GEMM: 2 weight rows x 4 activation rows, 8 accumulators; each weight unpack is used 4x and each
+// activation load 2x. Measured on Zen 1 against 1x8, 3x4, 4x4, 2x8 and 4x2: fastest (the larger
+// tiles spill).
+constexpr int kTileRows = 2, kTileCols = 4;
+constexpr int kGemvRows = 4;  // GEMV: four independent weight rows keep the FMA pipes busy
 
 template <QType T>
 void gemm_rows_t(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
+  const int64_t row_bytes = g.nb * block_bytes(T);
+  std::vector<float> s_t(g.nb * kActRowsPerChunk, 0.0f);  // lanes past a short chunk: unused
+  std::vector<float> wd(kGemvRows * g.nb), wc(kGemvRows * g.nb);  // for the tallest tile
   for (int64_t j0 = 0; j0 < g.m; j0 += kActRowsPerChunk) {
     const int64_t j1 = j0 + kActRowsPerChunk < g.m ? j0 + kActRowsPerChunk : g.m;
+    for (int64_t j = j0; j < j1; ++j) {
+      for (int64_t b = 0; b < g.nb; ++b) {
+        s_t[b * kActRowsPerChunk + j - j0] = g.xq[j * g.nb + b].s;
+      }
+    }
     int64_t r = row_begin;
     if (j1 - j0 == 1 && T != QType::Q8_0) {  // GEMV of the 4-bit types
-      const int64_t row_bytes = g.nb * block_bytes(T);
       for (; r + 4 <= row_end; r += 4) {
         gemv4_4bit<T>(g.w + r * row_bytes, row_bytes, g.xq + j0 * g.nb, g.nb, g, r, j0);
       }
-    } else if (j1 - j0 == 1) {  // GEMV: four independent weight rows keep the FMA pipes busy
-      for (; r + 4 <= row_end; r += 4) tile_cols<T, 4, 1>(g, r, j0, j1);
-    } else {  // two weight rows x four activation rows: 8 accumulators, each load used 2-4x
-      for (; r + 2 <= row_end; r += 2) tile_cols<T, 2, 4>(g, r, j0, j1);
+    } else if (j1 - j0 == 1) {
+      for (; r + kGemvRows <= row_end; r += kGemvRows) {
+        tile_cols<T, kGemvRows, 1>(g, r, j0, j1, s_t.data(), wd.data(), wc.data());
+      }
+    } else {
+      for (; r + kTileRows <= row_end; r += kTileRows) {
+        tile_cols<T, kTileRows, kTileCols>(g, r, j0, j1, s_t.data(), wd.data(), wc.data());
+      }
     }
-    for (; r < row_end; ++r) tile_cols<T, 1, 4>(g, r, j0, j1);
+    for (; r < row_end; ++r) {
+      tile_cols<T, 1, kTileCols>(g, r, j0, j1, s_t.data(), wd.data(), wc.data());
+    }
   }
 }
 

@@ -1,5 +1,6 @@
 // The portable path: plain C++ any compiler vectorises as it can. Always built; the oracle for the
-// SIMD paths (same quantization, same integer dot products; only float summation order differs).
+// SIMD paths: the same quantization and the same linear arithmetic (the block dot contract below,
+// bit for bit); the attention helpers differ from them in float summation order and exp.
 #include <algorithm>
 #include <cmath>
 
@@ -26,27 +27,47 @@ void quantize_row(const float* x, int64_t nb, ActBlock* out) {
   }
 }
 
-// Integer dot product of one weight block with one activation block, and the block's float value.
-inline float block_dot(const BlockQ4_0& w, const ActBlock& a) {
-  int sum = 0;
-  for (int i = 0; i < kBlock / 2; ++i) {
-    sum += (w.qs[i] & 0x0f) * a.qs[i] + (w.qs[i] >> 4) * a.qs[i + kBlock / 2];
-  }
-  return fp16_to_fp32(w.d) * (a.d * static_cast<float>(sum) - 8.0f * a.s);
-}
+// The block dot contract of kernels_avx2.cpp, so the two paths agree bit for bit: per (weight row,
+// activation row) four float lanes; lane l takes each block's integer products of values
+// [4l, 4l + 4) and [16 + 4l, 20 + 4l), fused-multiply-added with the block's scale d_w * d_x;
+// y = ((l0 + l2) + (l1 + l3)) + corr + bias, corr the weight offsets' term summed in block order
+// (Q4_1: sum(m * s), Q4_0: -8 * sum(d * s), Q8_0: none). The 4-bit weights are the unsigned
+// nibbles (Q4_0's -8 is in corr).
+constexpr int kLanes = 4;
 
-inline float block_dot(const BlockQ4_1& w, const ActBlock& a) {
-  int sum = 0;
-  for (int i = 0; i < kBlock / 2; ++i) {
-    sum += (w.qs[i] & 0x0f) * a.qs[i] + (w.qs[i] >> 4) * a.qs[i + kBlock / 2];
-  }
-  return fp16_to_fp32(w.d) * a.d * static_cast<float>(sum) + fp16_to_fp32(w.m) * a.s;
+inline int weight_value(const BlockQ4_0& w, int v) {  // low nibbles are values 0..15
+  return v < kBlock / 2 ? w.qs[v] & 0x0f : w.qs[v - kBlock / 2] >> 4;
 }
+inline int weight_value(const BlockQ4_1& w, int v) {
+  return v < kBlock / 2 ? w.qs[v] & 0x0f : w.qs[v - kBlock / 2] >> 4;
+}
+inline int weight_value(const BlockQ8_0& w, int v) { return w.qs[v]; }
 
-inline float block_dot(const BlockQ8_0& w, const ActBlock& a) {
-  int sum = 0;
-  for (int i = 0; i < kBlock; ++i) sum += w.qs[i] * a.qs[i];
-  return fp16_to_fp32(w.d) * a.d * static_cast<float>(sum);
+inline float correction_factor(const BlockQ4_0& w) { return fp16_to_fp32(w.d); }
+inline float correction_factor(const BlockQ4_1& w) { return fp16_to_fp32(w.m); }
+inline float correction_factor(const BlockQ8_0&) { return 0.0f; }
+inline float correction_scale(const BlockQ4_0&) { return -8.0f; }
+inline float correction_scale(const BlockQ4_1&) { return 1.0f; }
+inline float correction_scale(const BlockQ8_0&) { return 0.0f; }
+
+template <typename Block>
+float row_dot(const Block* w, const ActBlock* x, int64_t nb) {
+  float acc[kLanes] = {};
+  float corr = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float scale = fp16_to_fp32(w[b].d) * x[b].d;
+    for (int l = 0; l < kLanes; ++l) {
+      int sum = 0;
+      for (int half = 0; half < 2; ++half) {
+        for (int v = half * kBlock / 2 + 4 * l; v < half * kBlock / 2 + 4 * l + 4; ++v) {
+          sum += weight_value(w[b], v) * x[b].qs[v];
+        }
+      }
+      acc[l] = std::fma(static_cast<float>(sum), scale, acc[l]);
+    }
+    corr += correction_factor(w[b]) * x[b].s;
+  }
+  return ((acc[0] + acc[2]) + (acc[1] + acc[3])) + correction_scale(w[0]) * corr;
 }
 
 template <typename Block>
@@ -55,11 +76,9 @@ void gemm_rows_t(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
     const auto* w = reinterpret_cast<const Block*>(g.w + r * g.nb * sizeof(Block));
     const float bias = g.bias ? g.bias[r] : 0.0f;
     for (int64_t j = 0; j < g.m; ++j) {
-      const ActBlock* x = g.xq + j * g.nb;
-      float acc = 0.0f;
-      for (int64_t b = 0; b < g.nb; ++b) acc += block_dot(w[b], x[b]);
+      const float v = row_dot(w, g.xq + j * g.nb, g.nb);
       float& y = g.out[j * g.out_stride + r];
-      y = g.accumulate ? y + (acc + bias) : acc + bias;
+      y = g.accumulate ? y + (v + bias) : v + bias;
     }
   }
 }

@@ -102,6 +102,40 @@ def test_kernel_writes_every_output_and_nothing_else():
     _assert_sum_order_close(out[:, :n], x, w, None)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name,qtype", TYPES)
+def test_a_rows_result_does_not_depend_on_its_batch(type_name, qtype, isa, threads):
+    """Bit for bit: each row alone (the GEMV tiles) equals that row inside a batch of 37 (GEMM
+    tiles, the tail tiles of a chunk, any thread's share), so greedy output does not change with
+    batch composition."""
+    q.set_num_threads(threads)
+    try:
+        n, k = 131, 192  # n: a tail weight row after the 2- and 4-row tiles
+        qweight, _ = _packed(n, k, qtype, seed=11)
+        bias = torch.randn(n)
+        x = _activations(37, k, seed=12)
+        batch = q.quantized_linear(x, qweight, qtype, k, bias, isa=isa)
+        for j in range(x.shape[0]):
+            alone = q.quantized_linear(x[j:j + 1], qweight, qtype, k, bias, isa=isa)
+            assert torch.equal(alone[0], batch[j]), f"row {j}"
+    finally:
+        q.set_num_threads(None)
+
+
+@pytest.mark.skipif("avx2" not in ISAS, reason="needs a CPU with AVX2")
+@pytest.mark.parametrize("type_name,qtype", TYPES)
+def test_scalar_and_avx2_paths_agree_bit_for_bit(type_name, qtype):
+    """Both follow one block dot contract (four lanes per block, kernels_avx2.cpp), so the scalar
+    path is an exact oracle for the SIMD tiles: GEMV (m = 1) and GEMM with tail rows."""
+    for n, k, m in [(37, 96, 1), (130, 576, 9), (5, 1536, 4)]:
+        qweight, _ = _packed(n, k, qtype, seed=n)
+        bias = torch.randn(n)
+        x = _activations(m, k, seed=k)
+        want = q.quantized_linear(x, qweight, qtype, k, bias, isa="scalar")
+        assert torch.equal(q.quantized_linear(x, qweight, qtype, k, bias, isa="avx2"), want)
+
+
 @pytest.mark.parametrize("type_name,qtype", TYPES)
 def test_embedding_rows_equal_the_gguf_dequantization(type_name, qtype):
     qweight, w = _packed(50, 96, qtype, seed=3)
