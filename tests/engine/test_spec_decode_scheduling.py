@@ -142,22 +142,53 @@ def test_adaptive_k_shrinks_after_rejections_and_grows_back():
 
 def test_speculation_steps_aside_while_it_does_not_pay_and_comes_back():
     policy = SpecDecodePolicy(SpeculativeConfig(method="ngram"))
+    cost = policy.cost
     assert policy.active(1)
-    for _ in range(3):
+    for _ in range(cost.MIN_SAMPLES):
         policy.observe_step(0.1, 1, speculated=False)  # 10 tokens/s
-    for _ in range(2):
-        policy.observe_step(0.4, 2, speculated=True)  # 5 tokens/s: not decided on 2 samples
+    for _ in range(cost.MIN_SAMPLES - 1):
+        policy.observe_step(0.4, 2, speculated=True)  # 5 tokens/s: not decided yet
         assert policy.active(1)
     policy.observe_step(0.4, 2, speculated=True)
     assert not policy.active(1)
-    for _ in range(policy.cost.OFF_STEPS - 1):
+    for _ in range(cost.OFF_STEPS - 1):
         policy.observe_step(0.1, 1, speculated=False)
         assert not policy.active(1)
     policy.observe_step(0.1, 1, speculated=False)
     assert policy.active(1)  # tried again; now it pays
-    for _ in range(5):
+    for _ in range(2 * cost.WINDOW):
         policy.observe_step(0.2, 3, speculated=True)  # 15 tokens/s
     assert policy.active(1)
+
+
+def test_speculation_compares_window_totals_not_single_steps():
+    """Tokens over time of the window: rejections in a row (1 token a step) among accepted
+    steps do not stop speculation that pays overall."""
+    policy = SpecDecodePolicy(SpeculativeConfig(method="ngram"))
+    for _ in range(policy.cost.WINDOW):
+        policy.observe_step(0.1, 1, speculated=False)  # 10 tokens/s
+    for tokens in [1, 1, 1, 5, 5, 1, 1, 1, 5, 5, 1, 1, 1]:  # 2.5 a step on average
+        policy.observe_step(0.12, tokens, speculated=True)  # 1 token: 8.3 tokens/s
+        assert policy.active(1)
+    assert policy.cost.rate(True) > policy.cost.rate(False)
+
+
+def test_speculation_without_plain_steps_steps_aside_once_to_measure_them():
+    """A batch in which every step speculates: after a window of such steps, plain steps are
+    measured (a pause); speculation then stays only if it beats them."""
+    policy = SpecDecodePolicy(SpeculativeConfig(method="ngram"))
+    cost = policy.cost
+    for _ in range(cost.WINDOW - 1):
+        policy.observe_step(0.2, 2, speculated=True)  # 10 tokens/s
+        assert policy.active(8)
+    policy.observe_step(0.2, 2, speculated=True)
+    assert not policy.active(8)  # stepping aside to measure plain steps
+    for _ in range(cost.OFF_STEPS):
+        policy.observe_step(0.05, 1, speculated=False)  # 20 tokens/s
+    assert policy.active(8)
+    for _ in range(cost.MIN_SAMPLES):
+        policy.observe_step(0.2, 2, speculated=True)
+    assert not policy.active(8)  # slower than plain decoding: aside again
 
 
 def test_steps_are_scheduled_ahead_only_while_speculation_steps_aside():

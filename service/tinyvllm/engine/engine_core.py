@@ -139,16 +139,14 @@ class EngineCore:
                                         current.handle.draft_token_ids)
         self._count(current.out, outputs)
         if self.scheduler.spec.config.enabled:
-            # A step scheduled ahead is not timed alone; it still counts towards a pause's end.
-            duration_s = time.perf_counter() - start_s if self._in_flight is None else 0.0
-            self._observe_spec_cost(current.out, outputs, duration_s)
+            # With a step scheduled ahead, a call's time is one step of the pipeline.
+            self._observe_spec_cost(current.out, outputs, time.perf_counter() - start_s)
         return outputs
 
     def _observe_spec_cost(self, out: SchedulerOutput, outputs: list[EngineCoreOutput],
                            duration_s: float) -> None:
-        """Tell the speculation policy what a synchronous decode-only step cost (a step with a
-        prefill chunk, or scheduled ahead (duration 0), is not comparable: it is counted, not
-        timed)."""
+        """Tell the speculation policy what a decode-only step cost (a step with a prefill
+        chunk is not comparable: it is counted, not timed)."""
         if any(s.num_new_tokens != 1 + len(s.draft_token_ids) or not s.completes_sequence
                for s in out.scheduled):
             duration_s = 0.0

@@ -12,6 +12,7 @@ k + 1 positions, acceptance sampling) is the model runner's; the rollback of rej
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -125,7 +126,7 @@ class SpecDecodePolicy:
 
     def observe_step(self, duration_s: float, num_emitted: int, speculated: bool) -> None:
         """A decode-only step's time and tokens; duration 0: a step that is only counted (one
-        with prefill chunks, or scheduled ahead, is not comparable)."""
+        with prefill chunks is not comparable)."""
         self.cost.observe(duration_s, num_emitted, speculated)
 
     def initial_k(self) -> int:
@@ -173,35 +174,51 @@ def _token_array(request: Request) -> np.ndarray:
 
 
 class SpecCostMonitor:
-    """Whether speculation pays: tokens per second of decode steps that verified drafts against
-    those that did not (moving averages). When verifying is slower (drafts mostly rejected, or
-    hardware on which a step of k + 1 tokens costs much more than a step of one), speculation
-    steps aside for `OFF_STEPS` steps, then tries again, so it comes back when it pays again."""
+    """Whether speculation pays: tokens per second of the last `WINDOW` decode steps that
+    verified drafts against the last `WINDOW` that did not (total tokens over total time, so a
+    few rejections in a row do not swing it). Plain steps scheduled ahead count as they run
+    (async scheduling while speculation steps aside), which is what turning speculation off
+    gives. When verifying is slower (drafts mostly rejected, or hardware on which a step of k + 1
+    tokens costs much more than a step of one), speculation steps aside for `OFF_STEPS` steps,
+    then tries again, so it comes back when it pays again. A batch in which every step
+    speculates has no plain steps to compare with: after `WINDOW` such steps speculation steps
+    aside once to measure them."""
 
-    ALPHA = 0.25  # weight of the newest step in the moving averages
-    MIN_SAMPLES = 3  # of each kind before deciding
+    WINDOW = 16  # steps of each kind compared
+    MIN_SAMPLES = 4  # of each kind before deciding
     OFF_STEPS = 32
     MARGIN = 0.97  # speculative steps must reach 97% of plain steps' rate to stay on
 
     def __init__(self) -> None:
-        self.rate = {True: 0.0, False: 0.0}  # speculated -> tokens/s
-        self.samples = {True: 0, False: 0}
+        # speculated -> (duration_s, tokens) of its last WINDOW steps
+        self.steps: dict[bool, deque[tuple[float, int]]] = {
+            True: deque(maxlen=self.WINDOW), False: deque(maxlen=self.WINDOW)}
         self.off_steps_left = 0
 
     def active(self) -> bool:
         return self.off_steps_left == 0
+
+    def rate(self, speculated: bool) -> float:
+        """Tokens per second over the kind's window (0 before any step)."""
+        steps = self.steps[speculated]
+        seconds = sum(d for d, _ in steps)
+        return sum(n for _, n in steps) / seconds if seconds > 0 else 0.0
 
     def observe(self, duration_s: float, num_emitted: int, speculated: bool) -> None:
         if self.off_steps_left:
             self.off_steps_left -= 1
         if duration_s <= 0 or num_emitted == 0:
             return
-        rate = num_emitted / duration_s
-        n = self.samples[speculated]
-        self.rate[speculated] = rate if n == 0 else (
-            self.ALPHA * rate + (1 - self.ALPHA) * self.rate[speculated])
-        self.samples[speculated] = n + 1
-        if (speculated and min(self.samples.values()) >= self.MIN_SAMPLES
-                and self.rate[True] < self.MARGIN * self.rate[False]):
-            self.off_steps_left = self.OFF_STEPS
-            self.samples[True] = 0  # measured afresh when it comes back
+        self.steps[speculated].append((duration_s, num_emitted))
+        spec, plain = self.steps[True], self.steps[False]
+        if not speculated or len(spec) < self.MIN_SAMPLES:
+            return
+        if len(plain) < self.MIN_SAMPLES:
+            if len(spec) == self.WINDOW:  # plain steps never measured here: measure them
+                self._step_aside()
+        elif self.rate(True) < self.MARGIN * self.rate(False):
+            self._step_aside()
+
+    def _step_aside(self) -> None:
+        self.off_steps_left = self.OFF_STEPS
+        self.steps[True].clear()  # measured afresh when it comes back
