@@ -41,15 +41,8 @@ void for_rows(ThreadPool& workers, int64_t rows, Fn fn) {
 
 // x * rsqrt(mean(x^2) + eps) * w, as ops.rms_norm_ref in float32.
 void rms_norm_row(const float* x, const float* w, float* y, int64_t n, float eps) {
-  float lane[8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int l = 0; l < 8; ++l) lane[l] += x[i + l] * x[i + l];
-  float sum = ((lane[0] + lane[4]) + (lane[1] + lane[5])) +
-              ((lane[2] + lane[6]) + (lane[3] + lane[7]));
-  for (; i < n; ++i) sum += x[i] * x[i];
-  const float r = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
-  for (i = 0; i < n; ++i) y[i] = (x[i] * r) * w[i];
+  const float r = 1.0f / std::sqrt(dot_lanes(x, x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = (x[i] * r) * w[i];
 }
 
 void rms_norm(ThreadPool& workers, const float* x, const float* w, float* y, int64_t rows,

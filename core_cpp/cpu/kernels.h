@@ -39,6 +39,10 @@ struct Kernels {
   void (*silu_mul)(const float* gate, const float* up, float* y, int64_t n);
 };
 
+// sum_i a[i] * b[i] in eight running sums (the AVX2 path's lanes) added pairwise at the end, so
+// that the compiler may vectorise it without reassociating; the scalar dot of every float helper.
+float dot_lanes(const float* a, const float* b, int64_t n);
+
 const Kernels& scalar_kernels();
 #if defined(TINYVLLM_HAVE_AVX2)
 const Kernels& avx2_kernels();

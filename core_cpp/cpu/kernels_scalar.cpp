@@ -91,21 +91,10 @@ void gemm_rows(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
   }
 }
 
-// Eight running sums (the AVX2 path's lanes), so the compiler may vectorise without reassociating.
-float dot(const float* a, const float* b, int64_t n) {
-  float lane[8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int l = 0; l < 8; ++l) lane[l] += a[i + l] * b[i + l];
-  float s = ((lane[0] + lane[4]) + (lane[1] + lane[5])) +
-            ((lane[2] + lane[6]) + (lane[3] + lane[7]));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
 
 void dot_tokens(const float* q, const float* k, int64_t stride, int64_t num_tokens, int64_t d,
                 float scale, float* scores) {
-  for (int64_t t = 0; t < num_tokens; ++t) scores[t] = dot(q, k + t * stride, d) * scale;
+  for (int64_t t = 0; t < num_tokens; ++t) scores[t] = dot_lanes(q, k + t * stride, d) * scale;
 }
 
 void sum_tokens(const float* p, const float* v, int64_t stride, int64_t num_tokens, int64_t d,
@@ -129,6 +118,17 @@ void silu_mul(const float* gate, const float* up, float* y, int64_t n) {
 const Kernels& scalar_kernels() {
   static const Kernels k{"scalar", quantize_row, gemm_rows, dot_tokens, sum_tokens, exp_sum, silu_mul};
   return k;
+}
+
+float dot_lanes(const float* a, const float* b, int64_t n) {
+  float lane[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) lane[l] += a[i + l] * b[i + l];
+  float s = ((lane[0] + lane[4]) + (lane[1] + lane[5])) +
+            ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
 }
 
 }  // namespace tinyvllm::cpu

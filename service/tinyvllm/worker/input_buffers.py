@@ -143,8 +143,7 @@ class InputBuffers:
         self.input_ids.np[first:end] = 0
         self.positions.np[first:end] = 0
         self.slot_mapping.np[first:end] = PADDING_SLOT
-        self.query_start_loc.np[first + 1:end + 1] = np.arange(first + 1, end + 1)
-        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[first:end + 1] = np.arange(first, end + 1)
         self.seq_lens.np[first:end] = 1
 
     def upload(self) -> None:
