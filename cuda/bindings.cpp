@@ -65,6 +65,12 @@ PYBIND11_MODULE(_cuda, m) {
   def_launcher(m, "rms_norm", &tinyvllm::rms_norm, "out", "x", "residual", "weight", "num_tokens",
                "hidden", "x_stride", "residual_stride", "out_stride", "eps", "dtype", "stream");
 
+  def_launcher(m, "quantize_rows", &tinyvllm::quantize_rows, "out", "scales", "x", "static_scale",
+               "num_tokens", "k", "x_stride", "out_stride", "qmax", "min_absmax", "dtype", "qdtype",
+               "stream");
+  def_launcher(m, "rescale_int32", &tinyvllm::rescale_int32, "out", "acc", "x_scale", "w_scale",
+               "bias", "m", "n", "acc_stride", "out_stride", "dtype", "stream");
+
   def_launcher(m, "silu_and_mul", &tinyvllm::silu_and_mul, "out", "x", "num_tokens", "d",
                "x_stride", "out_stride", "dtype", "stream");
 

@@ -5,9 +5,9 @@
 
 namespace tinyvllm {
 
-enum DTypeCode : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat8E4M3 = 3 };
+enum DTypeCode : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat8E4M3 = 3, kInt8 = 4 };
 
-constexpr DTypeCode kAllDTypes[] = {kFloat32, kFloat16, kBFloat16, kFloat8E4M3};
+constexpr DTypeCode kAllDTypes[] = {kFloat32, kFloat16, kBFloat16, kFloat8E4M3, kInt8};
 
 // torch's name of a code (`torch.<name>`); "unknown" for any other integer.
 inline const char* dtype_name(int code) {
@@ -16,6 +16,7 @@ inline const char* dtype_name(int code) {
     case kFloat16: return "float16";
     case kBFloat16: return "bfloat16";
     case kFloat8E4M3: return "float8_e4m3fn";
+    case kInt8: return "int8";
     default: return "unknown";
   }
 }

@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from tinyvllm.ops import (_dispatch, attention_cuda, gguf_cuda, kv_cache, layers_cuda, linear,
-                          quant_linear_cuda, sampling_cuda, spec_decode_cuda)
+                          quant_linear_cuda, sampling_cuda, spec_decode_cuda, w8a8_linear)
 from tinyvllm.ops._dispatch import (CUDA_ABI_VERSION, KERNEL_FUNCTIONS, KERNEL_MIN_CAPABILITY,
                                     KernelSupport, module_problem)
 from tinyvllm.ops.attention import AttentionMetadata, DecodePartitions
 
 CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
 STREAM = 7  # the stream handle every launch must carry
-DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "float8_e4m3fn": 3}  # the stand-in's
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "float8_e4m3fn": 3, "int8": 4}  # the stand-in's
 
 
 def source_arg_names() -> dict[str, tuple[str, ...]]:
@@ -62,7 +62,7 @@ def launches(monkeypatch) -> Launches:
     monkeypatch.setattr(_dispatch, "_cuda_module", lambda: kernels)
     monkeypatch.setattr(_dispatch, "device_support", lambda: support)
     for wrapper in (kv_cache, attention_cuda, layers_cuda, linear, sampling_cuda,
-                    spec_decode_cuda, quant_linear_cuda, gguf_cuda):
+                    spec_decode_cuda, quant_linear_cuda, gguf_cuda, w8a8_linear):
         monkeypatch.setattr(wrapper, "stream_handle", lambda device: STREAM)
     monkeypatch.setattr(attention_cuda, "_sm_count", lambda device: 132)
     record.kernels = kernels
@@ -250,6 +250,32 @@ def test_gguf_linear(launches):
     args = launches.only("gguf_dequantize")
     assert (args["out"], args["num_rows"], args["k"], args["qtype"], args["dtype"]) == (
         ptr(rows), 2, 64, 2, 2)
+
+
+def test_w8a8_activation_quantization_and_int8_epilogue(launches):
+    x = torch.randn(40, 64).bfloat16()[3:6, :48]  # a row stride of 64
+    scale = torch.tensor(0.5)
+    q, scales = w8a8_linear._quantize_rows_cuda(launches.kernels, x, torch.float8_e4m3fn, scale)
+    args = launches.only("quantize_rows")
+    assert (args["out"], args["scales"], args["x"]) == (ptr(q), ptr(scales), ptr(x))
+    assert args["static_scale"] != 0 and q.dtype == torch.float8_e4m3fn and scales.shape == (3, 1)
+    assert (args["num_tokens"], args["k"], args["x_stride"], args["out_stride"], args["qmax"],
+            args["dtype"], args["qdtype"], args["stream"]) == (3, 48, 64, 48, 448.0, 2, 3, STREAM)
+    launches.clear()
+    w8a8_linear._quantize_rows_cuda(launches.kernels, x, torch.int8, None)
+    args = launches.only("quantize_rows")
+    assert (args["static_scale"], args["qmax"], args["min_absmax"], args["qdtype"]) == (
+        0, 127.0, w8a8_linear.MIN_ABSMAX, 4)
+    launches.clear()
+    acc = torch.zeros(20, 16, dtype=torch.int32)[:3]
+    x_scale, w_scale, bias = torch.ones(3, 1), torch.ones(16), torch.zeros(16).half()
+    out = w8a8_linear._rescale_int32_cuda(launches.kernels, acc, x_scale, w_scale, bias,
+                                          torch.float16)
+    args = launches.only("rescale_int32")
+    assert (args["out"], args["acc"], args["x_scale"], args["w_scale"], args["bias"]) == (
+        ptr(out), ptr(acc), ptr(x_scale), ptr(w_scale), ptr(bias))
+    assert (args["m"], args["n"], args["acc_stride"], args["out_stride"], args["dtype"]) == (
+        3, 16, 16, 16, 1)
 
 
 def test_every_launcher_is_exercised_above():

@@ -162,3 +162,58 @@ def test_quantization_is_the_same_on_cpu_and_gpu(wdtype):
     q_gpu, s_gpu = w8.quantize_rows(x.cuda(), wdtype)
     assert torch.equal(s_gpu.cpu(), s_cpu)
     assert torch.equal(q_gpu.cpu().float(), q_cpu.float())
+
+
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m, k, pad", [(1, 16, 0), (5, 40, 0), (33, 4096, 0), (3, 14336, 0),
+                                       (7, 576, 8), (2, 40, 3)])
+@pytest.mark.parametrize("static", [False, True])
+def test_quantize_rows_kernel_equals_reference(qdtype, dtype, m, k, pad, static):
+    """The one-pass kernel gives the reference's quantized values and scales bit for bit: wide
+    and single-element accesses (k = 40 and a row stride k + 3 are not 16-byte multiples), a
+    strided view, an all-zero row, static scales that clip."""
+    gen = torch.Generator().manual_seed(m * k + pad)
+    full = (torch.randn(m, k + pad, generator=gen) * 3).to(dtype).cuda()
+    x = full[:, :k]
+    scale = (x.float().abs().max() / w8.QMAX[qdtype] * 0.6).reshape(()) if static else None
+    x[m // 2] = 0
+    assert w8.use_kernel("quantize_rows", x) is not None
+    q, s = w8.quantize_rows(x, qdtype, scale)
+    q_ref, s_ref = w8.quantize_rows_ref(x, qdtype, scale)
+    assert q.dtype == qdtype and q.shape == (m, k) and s.shape == (m, 1)
+    assert torch.equal(s.float(), s_ref.float().expand(m, 1))
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_quantize_rows_kernel_refuses_bad_types():
+    x = torch.randn(2, 16, device="cuda", dtype=torch.bfloat16)
+    kernel = w8.use_kernel("quantize_rows", x)
+    with pytest.raises(ValueError, match="qdtype must be int8 or float8_e4m3fn"):
+        kernel.quantize_rows(out=x.data_ptr(), scales=x.data_ptr(), x=x.data_ptr(),
+                             static_scale=0, num_tokens=2, k=16, x_stride=16, out_stride=16,
+                             qmax=127.0, min_absmax=1e-10, dtype=w8.dtype_code(x.dtype),
+                             qdtype=w8.dtype_code(torch.float16), stream=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, n", [(1, 16), (17, 4096), (5, 1000)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_epilogue_kernel_equals_torch_ops(dtype, m, n, with_bias):
+    """The int8 GEMM's one-pass epilogue rounds as the torch ops it replaces, bit for bit: the
+    int32 sums (of a padded GEMM, so a row view) times the token's and the channel's scale, plus
+    the bias, in float32, rounded once to the output dtype."""
+    gen = torch.Generator().manual_seed(m + n)
+    acc = torch.randint(-2 ** 24, 2 ** 24, (m + 3, n), generator=gen, dtype=torch.int32).cuda()[:m]
+    x_scale = (torch.rand(m, 1, generator=gen) * 1e-2).cuda()
+    w_scale = (torch.rand(n, generator=gen) * 1e-3).cuda()
+    bias = (torch.randn(n, generator=gen)).to(dtype).cuda() if with_bias else None
+    expected = acc.float() * x_scale * w_scale
+    expected = (expected if bias is None else expected + bias.float()).to(dtype)
+    kernel = w8.use_kernel("quantize_rows", acc)
+    out = torch.empty(m, n, dtype=dtype, device="cuda")
+    kernel.rescale_int32(out=out.data_ptr(), acc=acc.data_ptr(), x_scale=x_scale.data_ptr(),
+                         w_scale=w_scale.data_ptr(), bias=0 if bias is None else bias.data_ptr(),
+                         m=m, n=n, acc_stride=acc.stride(0), out_stride=n,
+                         dtype=w8.dtype_code(dtype), stream=0)
+    assert torch.equal(out, expected)

@@ -49,6 +49,7 @@ KERNEL_MIN_CAPABILITY: dict[str, Capability] = {
     "rejection_sample": (8, 0),
     "quant_linear": (8, 0),
     "gguf_linear": (8, 0),
+    "quantize_rows": (8, 0),
 }
 
 KERNEL_FUNCTIONS: dict[str, tuple[str, ...]] = {
@@ -63,10 +64,11 @@ KERNEL_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "rejection_sample": ("rejection_sample",),
     "quant_linear": ("quant_gemv", "quant_dequantize"),
     "gguf_linear": ("gguf_gemv", "gguf_dequantize"),
+    "quantize_rows": ("quantize_rows", "rescale_int32"),
 }
 """Op -> the module's functions its CUDA path calls (same keys as KERNEL_MIN_CAPABILITY)."""
 
-CUDA_ABI_VERSION = 2
+CUDA_ABI_VERSION = 3
 """The launcher interface this package calls; a module must report it as its `abi_version`
 (cuda/launchers.h kAbiVersion: the two are bumped together)."""
 

@@ -29,6 +29,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from tinyvllm.ops._dispatch import dtype_code, stream_handle, use_kernel
+
 FP8_DTYPE = torch.float8_e4m3fn
 QMAX = {torch.int8: 127.0, FP8_DTYPE: float(torch.finfo(FP8_DTYPE).max)}
 """The largest magnitude a scale maps max|x| to, per quantized type (fp8 e4m3: 448)."""
@@ -69,7 +71,19 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype,
         scale: a static float32 scalar scale; None: per row, max|row| / QMAX[dtype].
     Returns:
         (q [m, k] in `dtype`, scales float32 [m, 1]) with x ~ q * scales.
+
+    On CUDA one kernel reads x once and writes q and the scales (cuda/quant_act.cuh), with the
+    same values as the torch ops below, which are the reference and the CPU path.
     """
+    kernel = use_kernel("quantize_rows", x)
+    if kernel is not None and x.dim() == 2 and x.stride(-1) == 1:
+        return _quantize_rows_cuda(kernel, x, dtype, scale)
+    return quantize_rows_ref(x, dtype, scale)
+
+
+def quantize_rows_ref(x: torch.Tensor, dtype: torch.dtype,
+                      scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference of `quantize_rows` (same arguments)."""
     xf = x.float()
     if scale is None:
         absmax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_ABSMAX)
@@ -83,6 +97,21 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype,
     if dtype == torch.int8:
         q = torch.round(q)  # half to even
     return q.to(dtype), scales
+
+
+def _quantize_rows_cuda(kernel, x: torch.Tensor, dtype: torch.dtype,
+                        scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=dtype, device=x.device)
+    scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if scale is not None:
+        scale = scale.to(device=x.device, dtype=torch.float32).reshape(1).contiguous()
+    kernel.quantize_rows(out=q.data_ptr(), scales=scales.data_ptr(), x=x.data_ptr(),
+                         static_scale=0 if scale is None else scale.data_ptr(), num_tokens=m,
+                         k=k, x_stride=x.stride(0), out_stride=k, qmax=QMAX[dtype],
+                         min_absmax=MIN_ABSMAX, dtype=dtype_code(x.dtype),
+                         qdtype=dtype_code(dtype), stream=stream_handle(x.device))
+    return q, scales
 
 
 def quantize_weight(weight: torch.Tensor, dtype: torch.dtype
@@ -158,8 +187,26 @@ def _int8_gemm(qx: torch.Tensor, qweight: torch.Tensor, x_scale: torch.Tensor,
     if m < INT_MM_MIN_ROWS:
         qx = F.pad(qx, (0, 0, 0, INT_MM_MIN_ROWS - m))
     acc = torch._int_mm(qx, qweight.t())[:m]  # [m, n] int32
+    kernel = use_kernel("quantize_rows", acc)
+    if kernel is not None:  # the lines below in one pass over acc
+        return _rescale_int32_cuda(kernel, acc, x_scale, weight_scale, bias, dtype)
     y = acc.float() * x_scale * weight_scale
     return (y if bias is None else y + bias.float()).to(dtype)
+
+
+def _rescale_int32_cuda(kernel, acc: torch.Tensor, x_scale: torch.Tensor,
+                        weight_scale: torch.Tensor, bias: Optional[torch.Tensor],
+                        dtype: torch.dtype) -> torch.Tensor:
+    m, n = acc.shape
+    out = torch.empty(m, n, dtype=dtype, device=acc.device)
+    # held in locals: a temporary's memory could be handed to the next one before the launch
+    xs, ws = x_scale.contiguous(), weight_scale.contiguous()
+    b = None if bias is None else bias.contiguous()
+    kernel.rescale_int32(out=out.data_ptr(), acc=acc.data_ptr(), x_scale=xs.data_ptr(),
+                         w_scale=ws.data_ptr(), bias=0 if b is None else b.data_ptr(), m=m, n=n,
+                         acc_stride=acc.stride(0), out_stride=n, dtype=dtype_code(dtype),
+                         stream=stream_handle(acc.device))
+    return out
 
 
 def cuda_supported(x: torch.Tensor, qweight: torch.Tensor) -> bool:

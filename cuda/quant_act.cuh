@@ -1,0 +1,113 @@
+// Per-token activation quantization for the W8A8 GEMMs (ops/w8a8_linear.py `quantize_rows`):
+// each row of x to int8 or fp8 e4m3 with one float32 scale, in one pass over x instead of the
+// reference's chain of torch ops (float copy, abs, amax, scale, divide, clamp, cast), each of
+// which reads and writes the whole activation in float32. Framework-free device code.
+//
+// The arithmetic is the reference's, so the quantized values and scales are bit-identical:
+//   dynamic: scale = max(max|x_row|, min_absmax) * inv_qmax  (float32, inv_qmax = float(1 / QMAX))
+//   static:  scale = *static_scale
+//   q = clamp(x / scale, qmin, qmax) (an IEEE division); int8: round half to even; fp8: the
+//   round-to-nearest-even conversion.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include "common.cuh"
+#include "layers.cuh"  // Pack, kRowThreads
+
+namespace tinyvllm {
+
+__device__ __forceinline__ float block_max(float x, float* scratch /* [32] */) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  const int num_warps = (blockDim.x + 31) / 32;
+  x = lane < num_warps ? scratch[lane] : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// A clamped value in the quantized type's storage byte.
+template <bool kInt8>
+__device__ __forceinline__ uint8_t quantize_value(float v) {
+  if constexpr (kInt8) {
+    return static_cast<uint8_t>(static_cast<int8_t>(rintf(v)));  // rintf: half to even
+  } else {
+    return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+  }
+}
+
+// One CTA per row; N elements per access (16 bytes of x when N = 16 / sizeof(T)).
+template <typename T, bool kInt8, int N>
+__global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(
+    uint8_t* __restrict__ out,                // [num_tokens, out_stride] int8 / e4m3 bytes
+    float* __restrict__ scales,               // [num_tokens]
+    const T* __restrict__ x,                  // [num_tokens, x_stride]
+    const float* __restrict__ static_scale,   // [1] or null (dynamic)
+    int k, int64_t x_stride, int64_t out_stride, float inv_qmax, float qmin, float qmax,
+    float min_absmax) {
+  using V = Pack<T, N>;
+  using Q = Pack<uint8_t, N>;
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  const V* xr = reinterpret_cast<const V*>(x + row * x_stride);
+  Q* orow = reinterpret_cast<Q*>(out + row * out_stride);
+  const int num_packs = k / N;
+  float scale;
+  if (static_scale != nullptr) {
+    scale = *static_scale;
+  } else {
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < num_packs; i += blockDim.x) {
+      const V a = xr[i];
+#pragma unroll
+      for (int j = 0; j < N; ++j) amax = fmaxf(amax, fabsf(to_float(a.v[j])));
+    }
+    scale = fmaxf(block_max(amax, scratch), min_absmax) * inv_qmax;
+  }
+  if (threadIdx.x == 0) scales[row] = scale;
+  for (int i = threadIdx.x; i < num_packs; i += blockDim.x) {
+    const V a = xr[i];
+    Q q;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      float v = __fdiv_rn(to_float(a.v[j]), scale);
+      v = v < qmin ? qmin : (v > qmax ? qmax : v);  // as torch.clamp: NaN stays NaN
+      q.v[j] = quantize_value<kInt8>(v);
+    }
+    orow[i] = q;
+  }
+}
+
+// The int8 GEMM's epilogue (ops/w8a8_linear.py `_int8_gemm`): out = dtype(float(acc) * x_scale
+// * weight_scale (+ bias)), each product and the sum rounded in float32 in that order (no FMA),
+// as the reference's torch ops round them, in one pass over the int32 sums. Grid (rows, column
+// blocks); 4 columns per thread.
+template <typename T>
+__global__ void __launch_bounds__(kRowThreads) rescale_int32_kernel(
+    T* __restrict__ out,                 // [m, out_stride]
+    const int32_t* __restrict__ acc,     // [m, acc_stride]
+    const float* __restrict__ x_scale,   // [m]
+    const float* __restrict__ w_scale,   // [n]
+    const T* __restrict__ bias,          // [n] or null
+    int n, int64_t acc_stride, int64_t out_stride) {
+  const int64_t row = blockIdx.x;
+  const float xs = x_scale[row];
+  const int32_t* a = acc + row * acc_stride;
+  T* o = out + row * out_stride;
+  for (int c = (blockIdx.y * blockDim.x + threadIdx.x) * 4; c < n;
+       c += gridDim.y * blockDim.x * 4) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (c + j >= n) break;
+      float v = __fmul_rn(__fmul_rn(__int2float_rn(a[c + j]), xs), w_scale[c + j]);
+      if (bias != nullptr) v = __fadd_rn(v, to_float(bias[c + j]));
+      o[c + j] = from_float<T>(v);
+    }
+  }
+}
+
+}  // namespace tinyvllm
