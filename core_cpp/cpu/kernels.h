@@ -46,6 +46,7 @@ float dot_lanes(const float* a, const float* b, int64_t n);
 const Kernels& scalar_kernels();
 #if defined(TINYVLLM_HAVE_AVX2)
 const Kernels& avx2_kernels();
+const Kernels& avx512vnni_kernels();
 #endif
 
 }  // namespace tinyvllm::cpu

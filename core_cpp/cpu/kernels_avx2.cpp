@@ -1,5 +1,7 @@
 // AVX2 + FMA + F16C kernels (this file alone is compiled with -mavx2 -mfma -mf16c; isa.cpp calls
-// it only after __builtin_cpu_supports says so). The dot products are llama.cpp's: unsigned 4-bit
+// it only after __builtin_cpu_supports says so). kernels_avx512vnni.cpp compiles it again with
+// TINYVLLM_KERNELS_VNNI and AVX-512 VL + VNNI enabled: the same kernels with each block dot's
+// vpmaddubsw + vpmaddwd as one vpdpbusd (same integer sums, so the same results). The dot products are llama.cpp's: unsigned 4-bit
 // (or |int8|) weights times signed int8 activations with vpmaddubsw, pairs summed with vpmaddwd,
 // one float FMA per 32-value block and pair of rows. A tile of R weight rows x C activation rows
 // shares each weight unpack across C rows and each activation load across R rows.
@@ -121,6 +123,14 @@ template <> struct Unpacked<QType::Q8_0> {
 // The four int32 lanes of the contract for one weight block and one activation block.
 template <QType T>
 inline __m128i block_dot4(const Unpacked<T>& w, __m256i x) {
+#if defined(TINYVLLM_KERNELS_VNNI)
+  // vpdpbusd sums four adjacent u8 x s8 products into each int32 lane (values [4i, 4i + 4));
+  // adding the halves gives the contract's lanes, the same integers as the path below.
+  __m256i s = x;
+  if constexpr (T == QType::Q8_0) s = _mm256_sign_epi8(x, w.w);
+  const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w.u, s);
+  return _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+#else
   if constexpr (T == QType::Q8_0) {  // products up to 127 * 128: widen before folding
     const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w.u, _mm256_sign_epi8(x, w.w)),
                                         _mm256_set1_epi16(1));
@@ -130,6 +140,7 @@ inline __m128i block_dot4(const Unpacked<T>& w, __m256i x) {
     const __m128i s = _mm_add_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
     return _mm_madd_epi16(s, _mm_set1_epi16(1));
   }
+#endif
 }
 
 inline float hsum4(__m128 v) {  // (l0 + l2) + (l1 + l3)
@@ -276,6 +287,7 @@ void gemv4_4bit(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, int
 template <QType T, int R, int C>
 void tile_cols(const GemmArgs& g, int64_t r, int64_t j0, int64_t j1, const float* s_t,
                float* wd, float* wc) {
+  static_assert(C >= 1 && C <= 4, "the remainder below is one tile of 1 to 3 rows");
   const int64_t row_bytes = g.nb * block_bytes(T);
   const uint8_t* w = g.w + r * row_bytes;
   load_row_scales<T>(w, row_bytes, R, g.nb, wd, wc);
@@ -285,8 +297,15 @@ void tile_cols(const GemmArgs& g, int64_t r, int64_t j0, int64_t j1, const float
   for (; j + C <= j1; j += C) {
     tile<T, R, C>(w, row_bytes, g.xq + j * g.nb, g.nb, TileScales{wd, corr + j - j0}, g, r, j);
   }
-  for (; j < j1; ++j) {
-    tile<T, R, 1>(w, row_bytes, g.xq + j * g.nb, g.nb, TileScales{wd, corr + j - j0}, g, r, j);
+  // The last j1 - j < C rows in one narrower tile, so each weight unpack still serves them all
+  // (a verification step's 2-5 rows, a small batch).
+  const TileScales rest{wd, corr + j - j0};
+  const ActBlock* x = g.xq + j * g.nb;
+  switch (j1 - j) {
+    case 0: break;
+    case 1: tile<T, R, 1>(w, row_bytes, x, g.nb, rest, g, r, j); break;
+    case 2: if constexpr (C > 2) { tile<T, R, 2>(w, row_bytes, x, g.nb, rest, g, r, j); } break;
+    default: if constexpr (C > 3) { tile<T, R, 3>(w, row_bytes, x, g.nb, rest, g, r, j); } break;
   }
 }
 
@@ -461,9 +480,17 @@ void silu_mul(const float* gate, const float* up, float* y, int64_t n) {
 
 }  // namespace
 
+#if defined(TINYVLLM_KERNELS_VNNI)
+const Kernels& avx512vnni_kernels() {
+  static const Kernels k{"avx512vnni", quantize_row, gemm_rows, dot_tokens, sum_tokens, exp_sum,
+                         silu_mul};
+  return k;
+}
+#else
 const Kernels& avx2_kernels() {
   static const Kernels k{"avx2", quantize_row, gemm_rows, dot_tokens, sum_tokens, exp_sum, silu_mul};
   return k;
 }
+#endif
 
 }  // namespace tinyvllm::cpu

@@ -61,7 +61,19 @@ std::mutex& kernel_mutex() {
   return m;
 }
 
-std::string best_isa() { return cpu_has_avx2() ? "avx2" : "scalar"; }
+bool cpu_has_avx512vnni() {
+#if defined(TINYVLLM_HAVE_AVX2)
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+std::string best_isa() {
+  return cpu_has_avx512vnni() ? "avx512vnni" : cpu_has_avx2() ? "avx2" : "scalar";
+}
 
 const Kernels& select_kernels(const std::string& isa_arg) {
   std::string isa = isa_arg;
@@ -77,7 +89,14 @@ const Kernels& select_kernels(const std::string& isa_arg) {
     throw std::invalid_argument("isa: avx2 needs a CPU with AVX2, FMA and F16C and a build "
                                 "for x86-64; this one offers " + best_isa());
   }
-  throw std::invalid_argument("isa: expected auto, avx2 or scalar, got '" + isa + "'");
+  if (isa == "avx512vnni") {
+#if defined(TINYVLLM_HAVE_AVX2)
+    if (cpu_has_avx512vnni()) return avx512vnni_kernels();
+#endif
+    throw std::invalid_argument("isa: avx512vnni needs a CPU with AVX-512 F, VL, BW and VNNI "
+                                "and a build for x86-64; this one offers " + best_isa());
+  }
+  throw std::invalid_argument("isa: expected auto, avx512vnni, avx2 or scalar, got '" + isa + "'");
 }
 
 QType check_qtype(int qtype) {

@@ -8,7 +8,7 @@ def linear(out: int, x: int, w: int, bias: int, qtype: int, m: int, n: int, k: i
     """out[m, n] = x[m, k] @ dequantize(w).T + bias (bias 0: none).
 
     w: [n, k / 32 * block_bytes] GGUF blocks of ggml type `qtype` (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8);
-    x and out float32 with row strides x_stride and out_stride. isa: auto, avx2 or scalar
+    x and out float32 with row strides x_stride and out_stride. isa: auto, avx512vnni, avx2 or scalar
     (TINYVLLM_CPU_ISA replaces auto).
     """
 
@@ -46,6 +46,6 @@ def set_num_threads(num_threads: int) -> None:
 def num_threads() -> int: ...
 def physical_cores() -> int: ...
 def best_isa() -> str:
-    """The best instruction set this CPU and build run: avx2 or scalar."""
+    """The best instruction set this CPU and build run: avx512vnni, avx2 or scalar."""
 def isa_name(isa: str = "auto") -> str:
     """The kernels `isa` selects; raises ValueError for an unknown or unavailable one."""

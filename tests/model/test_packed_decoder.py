@@ -24,7 +24,7 @@ from tests.model.conftest import PagedRun
 
 _cpu = pytest.importorskip("tinyvllm._cpu")
 
-ISAS = ["scalar"] + (["avx2"] if _cpu.best_isa() == "avx2" else [])
+ISAS = ["scalar"] + [isa for isa in ("avx2", "avx512vnni") if q.isa_available(isa)]
 ATOL_OF_MAX = 5e-3
 MEDIAN_OF_MAX = 1e-6
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")

@@ -20,7 +20,7 @@ from tinyvllm.ops import quantized as q
 
 _cpu = pytest.importorskip("tinyvllm._cpu")
 
-ISAS = ["scalar"] + (["avx2"] if _cpu.best_isa() == "avx2" else [])
+ISAS = ["scalar"] + [isa for isa in ("avx2", "avx512vnni") if q.isa_available(isa)]
 TYPES = sorted(q.KERNEL_TYPES.items())
 SUM_ORDER_RTOL = 1e-5
 
@@ -123,17 +123,20 @@ def test_a_rows_result_does_not_depend_on_its_batch(type_name, qtype, isa, threa
         q.set_num_threads(None)
 
 
-@pytest.mark.skipif("avx2" not in ISAS, reason="needs a CPU with AVX2")
+@pytest.mark.skipif(len(ISAS) == 1, reason="needs a CPU with AVX2")
 @pytest.mark.parametrize("type_name,qtype", TYPES)
-def test_scalar_and_avx2_paths_agree_bit_for_bit(type_name, qtype):
-    """Both follow one block dot contract (four lanes per block, kernels_avx2.cpp), so the scalar
-    path is an exact oracle for the SIMD tiles: GEMV (m = 1) and GEMM with tail rows."""
-    for n, k, m in [(37, 96, 1), (130, 576, 9), (5, 1536, 4)]:
+@pytest.mark.parametrize("isa", ISAS[1:])
+def test_scalar_and_simd_paths_agree_bit_for_bit(type_name, qtype, isa):
+    """All follow one block dot contract (four lanes per block, kernels_avx2.cpp), so the scalar
+    path is an exact oracle for the SIMD tiles (AVX2, and AVX-512 VNNI where the CPU has it):
+    GEMV (m = 1), GEMM with tail rows, and 2 and 3 activation rows (the narrow tiles)."""
+    for n, k, m in [(37, 96, 1), (130, 576, 9), (5, 1536, 4), (66, 576, 2), (9, 64, 3),
+                    (40, 576, 19)]:
         qweight, _ = _packed(n, k, qtype, seed=n)
         bias = torch.randn(n)
         x = _activations(m, k, seed=k)
         want = q.quantized_linear(x, qweight, qtype, k, bias, isa="scalar")
-        assert torch.equal(q.quantized_linear(x, qweight, qtype, k, bias, isa="avx2"), want)
+        assert torch.equal(q.quantized_linear(x, qweight, qtype, k, bias, isa=isa), want)
 
 
 @pytest.mark.parametrize("type_name,qtype", TYPES)
@@ -149,7 +152,7 @@ def test_scalar_path_can_be_forced_by_environment(monkeypatch):
     monkeypatch.setenv("TINYVLLM_CPU_ISA", "scalar")
     assert _cpu.isa_name("auto") == "scalar"
     monkeypatch.setenv("TINYVLLM_CPU_ISA", "avx512")
-    with pytest.raises(ValueError, match="isa: expected auto, avx2 or scalar, got 'avx512'"):
+    with pytest.raises(ValueError, match="isa: expected auto, avx512vnni, avx2 or scalar, got 'avx512'"):
         _cpu.isa_name("auto")
 
 

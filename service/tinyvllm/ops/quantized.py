@@ -36,7 +36,7 @@ KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
 """Bytes per 32-value block, by type code (ggml-common.h)."""
 
-ISAS = ("auto", "avx2", "scalar")
+ISAS = ("auto", "avx512vnni", "avx2", "scalar")
 
 
 @functools.cache
@@ -76,6 +76,18 @@ def physical_cores() -> int:
     return mod.physical_cores() if mod is not None else (os.cpu_count() or 1)
 
 
+def isa_available(isa: str) -> bool:
+    """Whether this CPU and build run the kernels of `isa` (one of ISAS but auto)."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        return False
+    try:
+        kernels.isa_name(isa)
+    except ValueError:
+        return False
+    return True
+
+
 def row_bytes(qtype: int, k: int) -> int:
     """Bytes of one packed row of k values."""
     if qtype not in BLOCK_BYTES:
@@ -104,7 +116,8 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k: int,
     float activations (`ops.gguf_cuda`; without the kernels, the dequantized reference).
 
     Args:
-        isa: "auto" (the best this CPU has; env TINYVLLM_CPU_ISA overrides), "avx2" or "scalar".
+        isa: "auto" (the best this CPU has; env TINYVLLM_CPU_ISA overrides), "avx512vnni",
+            "avx2" or "scalar".
     Shape:
         x: [..., k] float32 on the CPU; qweight: [n, row_bytes(qtype, k)] uint8; bias: [n] float32
         returns: [..., n] float32
