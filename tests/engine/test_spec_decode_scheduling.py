@@ -182,13 +182,29 @@ def test_speculation_without_plain_steps_steps_aside_once_to_measure_them():
         policy.observe_step(0.2, 2, speculated=True)  # 10 tokens/s
         assert policy.active(8)
     policy.observe_step(0.2, 2, speculated=True)
-    assert not policy.active(8)  # stepping aside to measure plain steps
-    for _ in range(cost.OFF_STEPS):
+    assert not policy.active(8)  # stepping aside to measure plain steps: a short pause
+    assert cost.MIN_SAMPLES <= cost.MEASURE_STEPS < cost.OFF_STEPS
+    for _ in range(cost.MEASURE_STEPS):
         policy.observe_step(0.05, 1, speculated=False)  # 20 tokens/s
     assert policy.active(8)
-    for _ in range(cost.MIN_SAMPLES):
-        policy.observe_step(0.2, 2, speculated=True)
-    assert not policy.active(8)  # slower than plain decoding: aside again
+    policy.observe_step(0.2, 2, speculated=True)  # the window it already has decides
+    assert not policy.active(8)  # slower than plain decoding: aside again, for longer
+    for _ in range(cost.OFF_STEPS - 1):
+        policy.observe_step(0.05, 1, speculated=False)
+        assert not policy.active(8)
+
+
+def test_speculation_that_pays_keeps_running_after_measuring_plain_steps():
+    policy = SpecDecodePolicy(SpeculativeConfig(method="ngram"))
+    cost = policy.cost
+    for _ in range(cost.WINDOW):
+        policy.observe_step(0.1, 3, speculated=True)  # 30 tokens/s
+    for _ in range(cost.MEASURE_STEPS):
+        assert not policy.active(1)
+        policy.observe_step(0.05, 1, speculated=False)  # 20 tokens/s
+    for _ in range(4 * cost.WINDOW):
+        assert policy.active(1)
+        policy.observe_step(0.1, 3, speculated=True)
 
 
 def test_steps_are_scheduled_ahead_only_while_speculation_steps_aside():

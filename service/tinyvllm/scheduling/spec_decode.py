@@ -182,11 +182,14 @@ class SpecCostMonitor:
     tokens costs much more than a step of one), speculation steps aside for `OFF_STEPS` steps,
     then tries again, so it comes back when it pays again. A batch in which every step
     speculates has no plain steps to compare with: after `WINDOW` such steps speculation steps
-    aside once to measure them."""
+    aside for `MEASURE_STEPS` steps, only to measure them (a short pause: at batch 1 with drafts
+    that pay, a long one would cost more than speculation gains over a few hundred tokens); the
+    speculative steps already measured stay in their window, so the next one decides."""
 
     WINDOW = 16  # steps of each kind compared
     MIN_SAMPLES = 4  # of each kind before deciding
-    OFF_STEPS = 32
+    OFF_STEPS = 32  # the pause after speculation lost
+    MEASURE_STEPS = 2 * MIN_SAMPLES  # the pause that measures plain steps
     MARGIN = 0.97  # speculative steps must reach 97% of plain steps' rate to stay on
 
     def __init__(self) -> None:
@@ -215,10 +218,7 @@ class SpecCostMonitor:
             return
         if len(plain) < self.MIN_SAMPLES:
             if len(spec) == self.WINDOW:  # plain steps never measured here: measure them
-                self._step_aside()
+                self.off_steps_left = self.MEASURE_STEPS
         elif self.rate(True) < self.MARGIN * self.rate(False):
-            self._step_aside()
-
-    def _step_aside(self) -> None:
-        self.off_steps_left = self.OFF_STEPS
-        self.steps[True].clear()  # measured afresh when it comes back
+            self.off_steps_left = self.OFF_STEPS
+            self.steps[True].clear()  # measured afresh when it comes back
