@@ -77,37 +77,52 @@ void quantize_row(const float* x, int64_t nb, ActBlock* out) {
 // widening vpmaddwd, which then runs at half width. On Zen 1 both multiplies issue on one pipe
 // (FP0), one 128-bit half per cycle, so this is 3 FP0 cycles per block pair instead of 4.
 
-// One weight block ready for vpmaddubsw: unsigned nibbles (4-bit types) or |w| plus w for the
-// sign (Q8_0), its scale d, and c (Q4_0: d, Q4_1: m; the correction term's factor).
+// One weight block ready for vpmaddubsw, as two 128-bit halves (values 0-15 and 16-31): unsigned
+// nibbles (4-bit types) or |w| plus w for the sign (Q8_0), its scale d, and c (Q4_0: d, Q4_1: m;
+// the correction term's factor). Halves, not one 256-bit register: the 4-bit types' nibbles are
+// already split that way (low nibbles: values 0-15, high: 16-31), and Zen 1 executes every
+// 256-bit operation as two 128-bit ones, so building and folding a 256-bit value only added a
+// vinserti128 per unpack and a vextracti128 per block pair.
 template <QType T> struct Unpacked;
 
-inline __m256i nibbles(const uint8_t* qs) {
-  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0f));
-}
+// An activation block's int8 values 0-15 and 16-31.
+struct ActHalves {
+  __m128i lo, hi;
+  explicit ActHalves(const ActBlock& xb)
+      : lo(_mm_load_si128(reinterpret_cast<const __m128i*>(xb.qs))),
+        hi(_mm_load_si128(reinterpret_cast<const __m128i*>(xb.qs + 16))) {}
+};
 
-template <> struct Unpacked<QType::Q4_0> {
-  __m256i u;
+struct Nibbles {
+  __m128i lo, hi;
   static constexpr bool kCorrect = true;
+  Nibbles() = default;  // for the array in tile(); every element is assigned before use
+  explicit Nibbles(const uint8_t* qs) {
+    const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    lo = _mm_and_si128(t, mask);
+    hi = _mm_and_si128(_mm_srli_epi16(t, 4), mask);
+  }
+};
+
+template <> struct Unpacked<QType::Q4_0> : Nibbles {
   static constexpr float kCorrScale = -8.0f;
   static float d(const uint8_t* p) { return half(reinterpret_cast<const BlockQ4_0*>(p)->d); }
   static float c(const uint8_t* p) { return d(p); }
-  Unpacked() = default;  // for the array in tile(); every element is assigned before use
-  explicit Unpacked(const uint8_t* p) : u(nibbles(reinterpret_cast<const BlockQ4_0*>(p)->qs)) {}
+  Unpacked() = default;
+  explicit Unpacked(const uint8_t* p) : Nibbles(reinterpret_cast<const BlockQ4_0*>(p)->qs) {}
 };
 
-template <> struct Unpacked<QType::Q4_1> {
-  __m256i u;
-  static constexpr bool kCorrect = true;
+template <> struct Unpacked<QType::Q4_1> : Nibbles {
   static constexpr float kCorrScale = 1.0f;
   static float d(const uint8_t* p) { return half(reinterpret_cast<const BlockQ4_1*>(p)->d); }
   static float c(const uint8_t* p) { return half(reinterpret_cast<const BlockQ4_1*>(p)->m); }
-  Unpacked() = default;  // for the array in tile(); every element is assigned before use
-  explicit Unpacked(const uint8_t* p) : u(nibbles(reinterpret_cast<const BlockQ4_1*>(p)->qs)) {}
+  Unpacked() = default;
+  explicit Unpacked(const uint8_t* p) : Nibbles(reinterpret_cast<const BlockQ4_1*>(p)->qs) {}
 };
 
 template <> struct Unpacked<QType::Q8_0> {
-  __m256i u, w;  // |w| for vpmaddubsw, w whose sign moves onto the activations
+  __m128i lo, hi, w_lo, w_hi;  // |w| for vpmaddubsw, w whose sign moves onto the activations
   static constexpr bool kCorrect = false;
   static constexpr float kCorrScale = 0.0f;
   static float d(const uint8_t* p) { return half(reinterpret_cast<const BlockQ8_0*>(p)->d); }
@@ -115,30 +130,33 @@ template <> struct Unpacked<QType::Q8_0> {
   Unpacked() = default;  // for the array in tile(); every element is assigned before use
   explicit Unpacked(const uint8_t* p) {
     const auto* b = reinterpret_cast<const BlockQ8_0*>(p);
-    w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs));
-    u = _mm256_sign_epi8(w, w);
+    w_lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->qs));
+    w_hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->qs + 16));
+    lo = _mm_sign_epi8(w_lo, w_lo);
+    hi = _mm_sign_epi8(w_hi, w_hi);
   }
 };
 
-// The four int32 lanes of the contract for one weight block and one activation block.
+// The four int32 lanes of the contract for one weight block and one activation block: lane l
+// sums the products of values [4l, 4l + 4) (low halves) and [16 + 4l, 20 + 4l) (high halves).
 template <QType T>
-inline __m128i block_dot4(const Unpacked<T>& w, __m256i x) {
+inline __m128i block_dot4(const Unpacked<T>& w, const ActHalves& x) {
+  __m128i x_lo = x.lo, x_hi = x.hi;
+  if constexpr (T == QType::Q8_0) {
+    x_lo = _mm_sign_epi8(x_lo, w.w_lo);
+    x_hi = _mm_sign_epi8(x_hi, w.w_hi);
+  }
 #if defined(TINYVLLM_KERNELS_VNNI)
-  // vpdpbusd sums four adjacent u8 x s8 products into each int32 lane (values [4i, 4i + 4));
-  // adding the halves gives the contract's lanes, the same integers as the path below.
-  __m256i s = x;
-  if constexpr (T == QType::Q8_0) s = _mm256_sign_epi8(x, w.w);
-  const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w.u, s);
-  return _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+  // vpdpbusd sums four adjacent u8 x s8 products into each int32 lane: the same integers.
+  return _mm_dpbusd_epi32(_mm_dpbusd_epi32(_mm_setzero_si128(), w.lo, x_lo), w.hi, x_hi);
 #else
-  if constexpr (T == QType::Q8_0) {  // products up to 127 * 128: widen before folding
-    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w.u, _mm256_sign_epi8(x, w.w)),
-                                        _mm256_set1_epi16(1));
-    return _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+  const __m128i ones = _mm_set1_epi16(1);
+  if constexpr (T == QType::Q8_0) {  // products up to 127 * 128: widen before adding the halves
+    return _mm_add_epi32(_mm_madd_epi16(_mm_maddubs_epi16(w.lo, x_lo), ones),
+                         _mm_madd_epi16(_mm_maddubs_epi16(w.hi, x_hi), ones));
   } else {
-    const __m256i p = _mm256_maddubs_epi16(w.u, x);
-    const __m128i s = _mm_add_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
-    return _mm_madd_epi16(s, _mm_set1_epi16(1));
+    return _mm_madd_epi16(
+        _mm_add_epi16(_mm_maddubs_epi16(w.lo, x_lo), _mm_maddubs_epi16(w.hi, x_hi)), ones);
   }
 #endif
 }
@@ -216,7 +234,7 @@ void tile(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x0, int64_t 
     for (int i = 0; i < R; ++i) w[i] = Unpacked<T>(w_row0 + i * row_bytes + b * bb);
     for (int c = 0; c < C; ++c) {
       const ActBlock& xb = x0[c * nb + b];
-      const __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb.qs));
+      const ActHalves xv(xb);
       const __m128 dx = _mm_broadcast_ss(&xb.d);
       for (int i = 0; i < R; ++i) {
         const __m128 scale = _mm_mul_ps(_mm_broadcast_ss(ts.wd + i * nb + b), dx);
@@ -250,7 +268,6 @@ inline uint32_t scale_pair(const uint8_t* block) {
 template <QType T>
 void gemv4_4bit(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, int64_t nb,
                 const GemmArgs& g, int64_t r, int64_t j) {
-  constexpr int kQsOffset = T == QType::Q4_0 ? 2 : 4;  // the nibbles follow d (and m)
   const int bb = block_bytes(T);
   __m128 acc[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
   __m256 corr = _mm256_setzero_ps();
@@ -258,7 +275,7 @@ void gemv4_4bit(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, int
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = w_row0 + b * bb;
     const ActBlock& xb = x[b];
-    const __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb.qs));
+    const ActHalves xv(xb);
     const __m128i dm16 = _mm_setr_epi32(
         static_cast<int>(scale_pair<T>(p)), static_cast<int>(scale_pair<T>(p + row_bytes)),
         static_cast<int>(scale_pair<T>(p + 2 * row_bytes)),
@@ -270,8 +287,7 @@ void gemv4_4bit(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, int
     corr = _mm256_add_ps(corr, prod);
     _mm256_store_ps(scale, prod);
     for (int i = 0; i < 4; ++i) {
-      Unpacked<T> w;
-      w.u = nibbles(p + i * row_bytes + kQsOffset);
+      const Unpacked<T> w(p + i * row_bytes);
       const __m128 dot = _mm_cvtepi32_ps(block_dot4<T>(w, xv));
       acc[i] = _mm_fmadd_ps(dot, _mm_broadcast_ss(&scale[2 * i]), acc[i]);
     }
