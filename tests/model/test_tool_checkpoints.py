@@ -19,7 +19,6 @@ import importlib.util
 import json
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -74,22 +73,6 @@ def _prompt_ids(path: Path) -> list[list[int]]:
 
     tokenizer = load_tokenizer(str(path))
     return [tokenizer.encode(p) for p in PROMPTS]
-
-
-def _transformers(path: Path, **kwargs):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs).eval()
-
-
-def compressed_tensors_reference(path: Path, weight_only: bool):
-    from transformers import CompressedTensorsConfig
-
-    if not weight_only:
-        return _transformers(path)
-    with warnings.catch_warnings():  # that `dequantize` overrides the checkpoint's config
-        warnings.filterwarnings("ignore", "You passed `quantization_config`", UserWarning)
-        return _transformers(path, quantization_config=CompressedTensorsConfig(dequantize=True))
 
 
 # --- comparisons ----------------------------------------------------------------------------------
@@ -162,7 +145,7 @@ def test_llmcompressor_gptq_w4a16(checkpoints, paged_run):
     weights = quant["config_groups"]["group_0"]["weights"]
     assert (quant["format"], weights["num_bits"], weights["group_size"]) == (
         "pack-quantized", 4, 128)
-    _check(path, lambda p: compressed_tensors_reference(p, weight_only=True), paged_run,
+    _check(path, tools.reference_model, paged_run,
            layer_check=_packed(4), **WEIGHT_ONLY_TOL)
 
 
@@ -190,8 +173,8 @@ def test_llmcompressor_w8a8(name, checkpoints, paged_run):
     _needs("llmcompressor")
     path = checkpoints[name]
     net = load_model(str(path), torch.float32, CPU).model
-    ref = compressed_tensors_reference(path, weight_only=False)
-    float_model = _transformers(checkpoints["float"])
+    ref = tools.reference_model(path)
+    float_model = tools.reference_model(checkpoints["float"])
     for ids in _prompt_ids(path):
         ours = paged_run(net, len(ids)).step([(ids, 0)])
         with torch.no_grad():
@@ -210,8 +193,7 @@ def test_autoround(name, method, checkpoints, paged_run):
     path = checkpoints[name]
     quant = json.loads((path / "config.json").read_text())["quantization_config"]
     assert (quant["quant_method"], quant["bits"], quant["group_size"]) == (method, 4, 128)
-    reference = checkpoints[f"{name}.reference"]
-    _check(path, lambda _: _transformers(reference), paged_run, layer_check=_packed(4),
+    _check(path, tools.reference_model, paged_run, layer_check=_packed(4),
            **WEIGHT_ONLY_TOL)
 
 
@@ -223,3 +205,31 @@ def test_autoround_exports_of_one_quantization_agree(checkpoints, paged_run):
     logits = [paged_run(load_model(str(checkpoints[name]), torch.float32, CPU).model, len(ids))
               .step([(ids, 0)]) for name in ("autoround-gptq", "autoround-awq")]
     assert torch.equal(*logits)
+
+
+# --- perplexity (the README's table, on the tiny model) -------------------------------------------
+
+PERPLEXITY_TOPIC, PERPLEXITY_WINDOW = "assert", 64
+"""A short section of Python's reference (pydoc_data) in windows the tiny model takes."""
+
+
+@pytest.mark.parametrize("name", ["llmcompressor-w4a16", "llmcompressor-w8a8", "autoround-gptq",
+                                  "autoround"])
+def test_eval_perplexity_equals_the_reference(name, checkpoints, tmp_path, capsys):
+    """`tinyvllm eval perplexity` on a tool's checkpoint equals its reference's perplexity over
+    the same windows of the same token ids within 0.5%, as perplexity_table checks for SmolLM2."""
+    from tests.model import perplexity_table as table
+    from tinyvllm.entrypoints.cli import main
+
+    _needs("llmcompressor" if name in tools.LLMCOMPRESSOR_SCHEMES else "auto_round")
+    path = checkpoints[name]
+    text = table.write_text(tmp_path, PERPLEXITY_TOPIC)
+    assert main(["eval", "perplexity", "--model", str(path), "--device", "cpu", "--dtype",
+                 "float32", "--window", str(PERPLEXITY_WINDOW), str(text)]) == 0
+    printed = dict(line.split(": ") for line in capsys.readouterr().out.splitlines())
+    ids = table.token_ids(str(path), text.read_text(encoding="utf-8"))
+    assert len(ids) > 4 * PERPLEXITY_WINDOW  # whole: not cut where the tool's tokenizer was
+    theirs = table.reference_perplexity(tools.reference_model(path), ids, PERPLEXITY_WINDOW)
+    assert int(printed["tokens scored"]) == theirs.num_tokens
+    assert float(printed["perplexity"]) == pytest.approx(theirs.perplexity,
+                                                         rel=table.MAX_DIFFERENCE)
