@@ -16,7 +16,8 @@ int4 in groups of 128 (64 for SmolLM2, whose hidden size 576 is not a multiple o
     autoround             AutoRound int4 symmetric, its own auto_round format
 
 Beside each auto-round checkpoint, `<name>.reference` is the same model in float32 with the
-weights as auto-round itself dequantizes them (`autoround_reference`). OUT/float is reused where
+weights as auto-round itself dequantizes them (`autoround_reference`); `reference_model` loads
+the reference of any of them. OUT/float is reused where
 it exists, so checkpoints can be added one run at a time. The tests run this as a child process:
 auto-round patches transformers when imported, which must not leak into the test process.
 
@@ -215,6 +216,29 @@ def autoround_reference(path: Path, out: Path) -> Path:
         with torch.no_grad():
             weights[module] = layer(torch.eye(k)).t()
     return _float_copy(path, weights, out)
+
+
+def reference_model(path: Path):
+    """The reference implementation of the checkpoint at `path`, a transformers model in float32
+    (eval mode): for compressed-tensors, transformers with its loader, which dequantizes
+    weight-only (pack-quantized) checkpoints and runs W8A8 / FP8 ones as saved (fake-quantizing
+    each token's activations); for auto-round, the float copy `<path>.reference`; for an
+    unquantized directory, the model itself."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    quant = json.loads((path / "config.json").read_text()).get("quantization_config", {})
+    kwargs = {}
+    if quant.get("quant_method") == "compressed-tensors":
+        if quant["format"] == "pack-quantized":
+            kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
+    elif quant:
+        path = path.with_name(f"{path.name}.reference")
+    with warnings.catch_warnings():  # that `dequantize` overrides the checkpoint's config
+        warnings.filterwarnings("ignore", "You passed `quantization_config`", UserWarning)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs)
+    return model.eval()
 
 
 def make(out: Path, model: str = "tiny", tools: tuple[str, ...] = TOOLS, rtn: bool = False,

@@ -105,6 +105,19 @@ def test_tokenizer_from_hf_dir(tmp_path):
     assert rendered == "<s><|user|>hi</s><|assistant|>"
 
 
+def test_truncation_saved_in_tokenizer_json_is_ignored(tmp_path):
+    """A tokenizer saved while truncating (as the quantization tools leave theirs) encodes whole
+    texts, as transformers does."""
+    torch.manual_seed(0)
+    _save(_make_llama(), tmp_path)
+    saved = _tiny_tokenizer()
+    saved.enable_truncation(max_length=4)
+    saved.enable_padding(length=64)
+    saved.save(str(tmp_path / "tokenizer.json"))
+    ids = load_tokenizer(str(tmp_path)).encode(TEXT, add_special_tokens=False)
+    assert ids == _tiny_tokenizer().encode(TEXT).ids and len(ids) > 4
+
+
 def test_no_safetensors_is_refused(tmp_path):
     torch.manual_seed(0)
     _save(_make_mistral(), tmp_path)

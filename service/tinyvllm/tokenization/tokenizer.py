@@ -192,6 +192,11 @@ def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
         raise FileNotFoundError(f"{path.name}: no tokenizer.json (slow tokenizers are not "
                                 "supported)")
     backend = BackendTokenizer.from_file(str(path / "tokenizer.json"))
+    # tokenizer.json keeps the truncation and padding its maker last used (llm-compressor and
+    # auto-round save the tokenizer they calibrated with, truncating at the calibration
+    # length); transformers resets both on every call, and so must we.
+    backend.no_truncation()
+    backend.no_padding()
     tok_config = _read_json(path / "tokenizer_config.json")
     config = _read_json(path / "config.json")
     gen_config = _read_json(path / "generation_config.json")
