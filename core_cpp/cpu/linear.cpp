@@ -71,10 +71,9 @@ bool cpu_has_avx512vnni() {
 #endif
 }
 
-// AVX-512 VNNI is chosen only by name (isa or TINYVLLM_CPU_ISA): at 256-bit vectors it measured
-// no faster than AVX2 on an Intel Xeon host with AVX-512 VNNI and AMX (docs/DESIGN.md), so auto
-// keeps AVX2.
-std::string best_isa() { return cpu_has_avx2() ? "avx2" : "scalar"; }
+std::string best_isa() {
+  return cpu_has_avx512vnni() ? "avx512vnni" : cpu_has_avx2() ? "avx2" : "scalar";
+}
 
 const Kernels& select_kernels(const std::string& isa_arg) {
   std::string isa = isa_arg;

@@ -46,6 +46,6 @@ def set_num_threads(num_threads: int) -> None:
 def num_threads() -> int: ...
 def physical_cores() -> int: ...
 def best_isa() -> str:
-    """The instruction set auto selects: avx2 or scalar (avx512vnni only by name)."""
+    """The best instruction set this CPU and build run (what auto selects): avx512vnni, avx2 or scalar."""
 def isa_name(isa: str = "auto") -> str:
     """The kernels `isa` selects; raises ValueError for an unknown or unavailable one."""
