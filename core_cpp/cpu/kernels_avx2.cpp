@@ -1,9 +1,9 @@
 // AVX2 + FMA + F16C kernels (this file alone is compiled with -mavx2 -mfma -mf16c; isa.cpp calls
 // it only after __builtin_cpu_supports says so). kernels_avx512vnni.cpp compiles it again with
-// TINYVLLM_KERNELS_VNNI and AVX-512 VL + VNNI enabled: the same kernels with each block dot's
-// vpmaddubsw + vpmaddwd as one vpdpbusd (same integer sums, so the same results). The dot products are llama.cpp's: unsigned 4-bit
-// (or |int8|) weights times signed int8 activations with vpmaddubsw, pairs summed with vpmaddwd,
-// one float FMA per 32-value block and pair of rows. A tile of R weight rows x C activation rows
+// TINYVLLM_KERNELS_VNNI and AVX-512 VL + VNNI enabled: the same kernels with each half block's
+// vpmaddubsw + vpmaddwd as one vpdpbusd (same integer sums, so the same results). The dot
+// products are llama.cpp's: unsigned 4-bit (or |int8|) weights times signed int8 activations with
+// vpmaddubsw, pairs summed with vpmaddwd, one float FMA per 32-value block and pair of rows. A tile of R weight rows x C activation rows
 // shares each weight unpack across C rows and each activation load across R rows.
 #include <immintrin.h>
 
@@ -72,10 +72,10 @@ void quantize_row(const float* x, int64_t nb, ActBlock* out) {
 // the last block y = ((l0 + l2) + (l1 + l3)) + corr + bias, where corr is the weight offsets'
 // term summed block by block in order: Q4_1 sum(m * s), Q4_0 -8 * sum(d * s), Q8_0 none.
 //
-// Four lanes (not eight) because the 4-bit types fold vpmaddubsw's two 128-bit halves with one
-// 16-bit add (two products of at most 15 * 127 each, four per sum: no overflow) before the
-// widening vpmaddwd, which then runs at half width. On Zen 1 both multiplies issue on one pipe
-// (FP0), one 128-bit half per cycle, so this is 3 FP0 cycles per block pair instead of 4.
+// Four lanes (not eight) because the 4-bit types add the two half blocks' vpmaddubsw results
+// with one 16-bit add (two products of at most 15 * 127 each, four per sum: no overflow) before
+// one 128-bit widening vpmaddwd. On Zen 1 both multiplies issue on one pipe (FP0), one 128-bit
+// operation per cycle, so this is 3 FP0 cycles per block pair instead of 4.
 
 // One weight block ready for vpmaddubsw, as two 128-bit halves (values 0-15 and 16-31): unsigned
 // nibbles (4-bit types) or |w| plus w for the sign (Q8_0), its scale d, and c (Q4_0: d, Q4_1: m;
@@ -195,12 +195,12 @@ void load_row_scales(const uint8_t* w_row0, int64_t row_bytes, int rows, int64_t
   }
 }
 
-// corr of the contract for R weight rows and the chunk's activation rows, into
+// corr of the contract for R weight rows and the chunk's first 4 * V activation rows, into
 // corr[i * kActRowsPerChunk + c]; one lane per activation row, each adding its products in block
-// order as a scalar sum would. The chunk's four vectors per weight row are independent chains.
-template <QType T, int R>
-inline void chunk_corrections(const float* wc, const float* s_t, int64_t nb, float* corr) {
-  constexpr int kVecs = kActRowsPerChunk / 4;
+// order as a scalar sum would. The V vectors per weight row are independent chains.
+template <QType T, int R, int V>
+inline void corrections(const float* wc, const float* s_t, int64_t nb, float* corr) {
+  constexpr int kVecs = V;
   __m128 sum[R][kVecs];
   for (int i = 0; i < R; ++i)
     for (int v = 0; v < kVecs; ++v) sum[i][v] = _mm_setzero_ps();
@@ -218,6 +218,20 @@ inline void chunk_corrections(const float* wc, const float* s_t, int64_t nb, flo
     for (int v = 0; v < kVecs; ++v) {
       _mm_storeu_ps(corr + i * kActRowsPerChunk + 4 * v, _mm_mul_ps(scale, sum[i][v]));
     }
+}
+
+// The corrections of a chunk of `rows` activation rows: only the vectors that hold them (a
+// verification step's or a small batch's few rows need one or two of the chunk's four).
+template <QType T, int R>
+inline void chunk_corrections(const float* wc, const float* s_t, int64_t nb, int64_t rows,
+                              float* corr) {
+  static_assert(kActRowsPerChunk == 16, "four vectors of four rows");
+  switch ((rows + 3) / 4) {
+    case 1: return corrections<T, R, 1>(wc, s_t, nb, corr);
+    case 2: return corrections<T, R, 2>(wc, s_t, nb, corr);
+    case 3: return corrections<T, R, 3>(wc, s_t, nb, corr);
+    default: return corrections<T, R, 4>(wc, s_t, nb, corr);
+  }
 }
 
 // out[j + c][r + i] for i < R, c < C: R weight rows from w_row0 (row_bytes apart), C activation
@@ -308,7 +322,7 @@ void tile_cols(const GemmArgs& g, int64_t r, int64_t j0, int64_t j1, const float
   const uint8_t* w = g.w + r * row_bytes;
   load_row_scales<T>(w, row_bytes, R, g.nb, wd, wc);
   alignas(16) float corr[R * kActRowsPerChunk];
-  if constexpr (Unpacked<T>::kCorrect) chunk_corrections<T, R>(wc, s_t, g.nb, corr);
+  if constexpr (Unpacked<T>::kCorrect) chunk_corrections<T, R>(wc, s_t, g.nb, j1 - j0, corr);
   int64_t j = j0;
   for (; j + C <= j1; j += C) {
     tile<T, R, C>(w, row_bytes, g.xq + j * g.nb, g.nb, TileScales{wd, corr + j - j0}, g, r, j);
