@@ -1,7 +1,7 @@
 // AVX2 + FMA + F16C kernels (this file alone is compiled with -mavx2 -mfma -mf16c; isa.cpp calls
 // it only after __builtin_cpu_supports says so). kernels_avx512vnni.cpp compiles it again with
-// TINYVLLM_KERNELS_VNNI and AVX-512 VL + VNNI enabled: the same kernels with each half block's
-// vpmaddubsw + vpmaddwd as one vpdpbusd (same integer sums, so the same results). The dot
+// TINYVLLM_KERNELS_VNNI and AVX-512 enabled, keeping its float helpers and quantize_row and
+// replacing its GEMM with 512-bit tiles (same block dot contract, so the same results). The dot
 // products are llama.cpp's: unsigned 4-bit (or |int8|) weights times signed int8 activations with
 // vpmaddubsw, pairs summed with vpmaddwd, one float FMA per 32-value block and pair of rows. A tile of R weight rows x C activation rows
 // shares each weight unpack across C rows and each activation load across R rows.
@@ -146,10 +146,6 @@ inline __m128i block_dot4(const Unpacked<T>& w, const ActHalves& x) {
     x_lo = _mm_sign_epi8(x_lo, w.w_lo);
     x_hi = _mm_sign_epi8(x_hi, w.w_hi);
   }
-#if defined(TINYVLLM_KERNELS_VNNI)
-  // vpdpbusd sums four adjacent u8 x s8 products into each int32 lane: the same integers.
-  return _mm_dpbusd_epi32(_mm_dpbusd_epi32(_mm_setzero_si128(), w.lo, x_lo), w.hi, x_hi);
-#else
   const __m128i ones = _mm_set1_epi16(1);
   if constexpr (T == QType::Q8_0) {  // products up to 127 * 128: widen before adding the halves
     return _mm_add_epi32(_mm_madd_epi16(_mm_maddubs_epi16(w.lo, x_lo), ones),
@@ -158,7 +154,6 @@ inline __m128i block_dot4(const Unpacked<T>& w, const ActHalves& x) {
     return _mm_madd_epi16(
         _mm_add_epi16(_mm_maddubs_epi16(w.lo, x_lo), _mm_maddubs_epi16(w.hi, x_hi)), ones);
   }
-#endif
 }
 
 inline float hsum4(__m128 v) {  // (l0 + l2) + (l1 + l3)
@@ -377,6 +372,7 @@ void gemm_rows_t(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
   }
 }
 
+#if !defined(TINYVLLM_KERNELS_VNNI)  // the VNNI build has its own (kernels_avx512vnni.cpp)
 void gemm_rows(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
   switch (g.qtype) {
     case QType::Q4_0: return gemm_rows_t<QType::Q4_0>(g, row_begin, row_end);
@@ -384,6 +380,7 @@ void gemm_rows(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
     case QType::Q8_0: return gemm_rows_t<QType::Q8_0>(g, row_begin, row_end);
   }
 }
+#endif
 
 float dot(const float* a, const float* b, int64_t n) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -510,13 +507,7 @@ void silu_mul(const float* gate, const float* up, float* y, int64_t n) {
 
 }  // namespace
 
-#if defined(TINYVLLM_KERNELS_VNNI)
-const Kernels& avx512vnni_kernels() {
-  static const Kernels k{"avx512vnni", quantize_row, gemm_rows, dot_tokens, sum_tokens, exp_sum,
-                         silu_mul};
-  return k;
-}
-#else
+#if !defined(TINYVLLM_KERNELS_VNNI)
 const Kernels& avx2_kernels() {
   static const Kernels k{"avx2", quantize_row, gemm_rows, dot_tokens, sum_tokens, exp_sum, silu_mul};
   return k;

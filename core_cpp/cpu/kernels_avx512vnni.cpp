@@ -1,6 +1,367 @@
-// The AVX2 kernels with AVX-512 VNNI block dots (vpdpbusd on 256-bit vectors, AVX-512 VL): this
-// file is compiled with -mavx512f -mavx512vl -mavx512bw -mavx512vnni besides the AVX2 flags, and
-// is called only when the running CPU reports those features. The results are bit-identical to
-// the AVX2 and scalar kernels (one block dot contract, kernels_avx2.cpp).
+// The AVX-512 VNNI kernels: kernels_avx2.cpp's float helpers and quantize_row compiled again with
+// -mavx512f -mavx512vl -mavx512bw -mavx512vnni, and a GEMM of 512-bit tiles. Called only when
+// the running CPU reports those features. The results are bit-identical to the AVX2 and scalar
+// kernels: every tile below follows kernels_avx2.cpp's block dot contract.
+//
+// A zmm register holds four 128-bit lanes, each one (weight row, activation row) pair's four
+// contract lanes: the GEMM puts four activation rows side by side against one weight row
+// broadcast to all four, the GEMV four weight rows against one activation row broadcast. So one
+// vpdpbusd does four pairs' half-block products, and the float scale, FMA and offset terms run
+// sixteen lanes at a time: about 1.25 zmm operations per (block, weight row, activation row)
+// against about 6 xmm operations in the 128-bit tiles.
 #define TINYVLLM_KERNELS_VNNI 1
+// GCC 12's avx512fintrin.h initialises its "undefined" operands from themselves, which
+// -Wmaybe-uninitialized reports at every inlined intrinsic.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include "kernels_avx2.cpp"
+
+#include <algorithm>
+#include <cstddef>
+
+namespace tinyvllm::cpu {
+namespace {
+
+constexpr int kQuad = 4;                               // pairs per zmm
+
+// A chunk of up to 16 activation rows laid out for the GEMM tile: for block b and group q (rows
+// 4q .. 4q + 3 of the chunk), lo / hi hold the four rows' values 0-15 / 16-31 in 128-bit lanes,
+// dx their scales (lane 4c + l: row 4q + c's d), and for Q8_0 init the term that undoes the
+// weights' +128 (below): -128 times each contract lane's sum of activations. s[b] holds the 16
+// rows' activation sums s (lane c: row c), for the 4-bit types' offset terms. Rows past the
+// chunk are zeros: their lanes compute 0 and are not stored.
+struct alignas(64) Zmm {  // one 512-bit value in memory (a std::vector of __m512 drops alignment)
+  char bytes[64];
+  __m512i i() const { return _mm512_load_si512(bytes); }
+  __m512 f() const { return _mm512_load_ps(reinterpret_cast<const float*>(bytes)); }
+  void set(__m512i v) { _mm512_store_si512(bytes, v); }
+  void set(__m512 v) { _mm512_store_ps(reinterpret_cast<float*>(bytes), v); }
+};
+
+struct ChunkLayout {
+  std::vector<Zmm> lo, hi, init, dx;  // [nb * groups]
+  std::vector<Zmm> s;                 // [nb]
+  int groups = 0;
+};
+
+// -128 * (the contract's lane sums of an activation block's int8 values), for the unsigned Q8_0
+// weights w + 128: sum (w + 128) * x - 128 * sum x = sum w * x, in exact integers.
+inline __m512i q8_init(__m512i lo, __m512i hi) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, lo),
+                                           ones, hi);
+  return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, 7));
+}
+
+void build_layout(const ActBlock* x0, int64_t rows, int64_t nb, bool q8, ChunkLayout& L) {
+  const int groups = static_cast<int>((rows + kQuad - 1) / kQuad);
+  L.groups = groups;
+  const size_t size = static_cast<size_t>(nb * groups);
+  if (L.lo.size() < size) {
+    L.lo.resize(size);
+    L.hi.resize(size);
+    L.init.resize(size);
+    L.dx.resize(size);
+  }
+  if (L.s.size() < static_cast<size_t>(nb)) L.s.resize(nb);
+  for (int64_t b = 0; b < nb; ++b) {
+    alignas(64) float s[kActRowsPerChunk] = {};
+    for (int q = 0; q < groups; ++q) {
+      alignas(64) int8_t lo[64] = {}, hi[64] = {};
+      alignas(64) float dx[16] = {};
+      for (int c = 0; c < kQuad; ++c) {
+        const int64_t row = q * kQuad + c;
+        if (row >= rows) break;
+        const ActBlock& xb = x0[row * nb + b];
+        std::memcpy(lo + 16 * c, xb.qs, 16);
+        std::memcpy(hi + 16 * c, xb.qs + 16, 16);
+        for (int l = 0; l < 4; ++l) dx[4 * c + l] = xb.d;
+        s[row] = xb.s;
+      }
+      const size_t at = static_cast<size_t>(b * groups + q);
+      const __m512i vlo = _mm512_load_si512(lo), vhi = _mm512_load_si512(hi);
+      L.lo[at].set(vlo);
+      L.hi[at].set(vhi);
+      L.dx[at].set(_mm512_load_ps(dx));
+      L.init[at].set(q8 ? q8_init(vlo, vhi) : _mm512_setzero_si512());
+    }
+    L.s[b].set(_mm512_load_ps(s));
+  }
+}
+
+// One weight block's halves broadcast to all four lanes, unsigned for vpdpbusd: the 4-bit types'
+// nibbles, Q8_0's values + 128 (xor 0x80).
+template <QType T>
+inline void weight_halves(const uint8_t* p, __m512i& lo, __m512i& hi) {
+  if constexpr (T == QType::Q8_0) {
+    const auto* qs = reinterpret_cast<const BlockQ8_0*>(p)->qs;
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    lo = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))), flip);
+    hi = _mm512_xor_si512(
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16))), flip);
+  } else {
+    const uint8_t* qs = p + (T == QType::Q4_0 ? offsetof(BlockQ4_0, qs) : offsetof(BlockQ4_1, qs));
+    const __m512i t = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    lo = _mm512_and_si512(t, mask);
+    hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), mask);
+  }
+}
+
+// A zero for a vpdpbusd accumulator as the zeroing idiom (vpxord x, x, x: no execution unit):
+// left to itself the compiler copies one shared zero register, a zmm move that takes a slot of
+// the pipes the multiplies need.
+inline __m512i fresh_zero() {
+  __m512i z;
+  asm volatile("vpxord %0, %0, %0" : "=v"(z));
+  return z;
+}
+
+// y = ((l0 + l2) + (l1 + l3)) of 128-bit lane c: kernels_avx2.cpp's hsum4.
+inline float lane_sum(const float* v, int c) {
+  return (v[4 * c] + v[4 * c + 2]) + (v[4 * c + 1] + v[4 * c + 3]);
+}
+
+// The contract's offset terms of R weight rows against the chunk's 16 activation rows, one lane
+// per activation row, summed in block order: corr[i * 16 + c].
+template <QType T, int R>
+void corrections512(const float* wc, const ChunkLayout& L, int64_t nb, float* corr) {
+  __m512 sum[R];
+  for (int i = 0; i < R; ++i) sum[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int i = 0; i < R; ++i) {
+      sum[i] = _mm512_add_ps(sum[i], _mm512_mul_ps(_mm512_set1_ps(wc[i * nb + b]), L.s[b].f()));
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm512_storeu_ps(corr + i * kActRowsPerChunk,
+                     _mm512_mul_ps(_mm512_set1_ps(Unpacked<T>::kCorrScale), sum[i]));
+  }
+}
+
+// out[j0 + row][r + i] for i < R and the chunk's `rows` activation rows (G groups of four).
+template <QType T, int R, int G>
+void tile512(const uint8_t* w_row0, int64_t row_bytes, const ChunkLayout& L, int64_t nb,
+             const float* wd, const float* corr, const GemmArgs& g, int64_t r, int64_t j0,
+             int64_t rows) {
+  const int bb = block_bytes(T);
+  __m512 acc[R][G];
+  for (int i = 0; i < R; ++i)
+    for (int q = 0; q < G; ++q) acc[i][q] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    // The chunk's activations of block b stay in registers across the R weight rows (loads, not
+    // the multiplies, bound a tile that reads them per row).
+    __m512i lo[G], hi[G], init[G];
+    __m512 dx[G];
+    for (int q = 0; q < G; ++q) {
+      lo[q] = L.lo[b * G + q].i();
+      hi[q] = L.hi[b * G + q].i();
+      dx[q] = L.dx[b * G + q].f();
+      init[q] = T == QType::Q8_0 ? L.init[b * G + q].i() : _mm512_setzero_si512();
+    }
+    for (int i = 0; i < R; ++i) {
+      __m512i w_lo, w_hi;
+      weight_halves<T>(w_row0 + i * row_bytes + b * bb, w_lo, w_hi);
+      const __m512 dw = _mm512_set1_ps(wd[i * nb + b]);
+      for (int q = 0; q < G; ++q) {
+        const __m512i start = T == QType::Q8_0 ? init[q] : fresh_zero();
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, w_lo, lo[q]), w_hi, hi[q]);
+        acc[i][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[q]), acc[i][q]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int q = 0; q < G; ++q) {
+      alignas(64) float v[16];
+      _mm512_store_ps(v, acc[i][q]);
+      for (int c = 0; c < kQuad && q * kQuad + c < rows; ++c) {
+        const int row = q * kQuad + c;
+        const float off = Unpacked<T>::kCorrect ? corr[i * kActRowsPerChunk + row] : 0.0f;
+        store(g, j0 + row, r + i, lane_sum(v, c) + off);
+      }
+    }
+  }
+}
+
+// R weight rows from r against every chunk of a block of activation rows (layouts L[0, chunks),
+// chunk c holding rows j0 + 16 c on): the rows' scales are converted once for all the chunks.
+template <QType T, int R>
+void rows_against_chunks(const GemmArgs& g, int64_t r, const ChunkLayout* L, int chunks,
+                         int64_t j0, float* wd, float* wc) {
+  const int64_t row_bytes = g.nb * block_bytes(T);
+  const uint8_t* w = g.w + r * row_bytes;
+  load_row_scales<T>(w, row_bytes, R, g.nb, wd, wc);
+  alignas(64) float corr[R * kActRowsPerChunk];
+  for (int c = 0; c < chunks; ++c) {
+    const int64_t j = j0 + c * kActRowsPerChunk;
+    const int64_t rows = std::min<int64_t>(kActRowsPerChunk, g.m - j);
+    if constexpr (Unpacked<T>::kCorrect) corrections512<T, R>(wc, L[c], g.nb, corr);
+    switch (L[c].groups) {
+      case 1: tile512<T, R, 1>(w, row_bytes, L[c], g.nb, wd, corr, g, r, j, rows); break;
+      case 2: tile512<T, R, 2>(w, row_bytes, L[c], g.nb, wd, corr, g, r, j, rows); break;
+      case 3: tile512<T, R, 3>(w, row_bytes, L[c], g.nb, wd, corr, g, r, j, rows); break;
+      default: tile512<T, R, 4>(w, row_bytes, L[c], g.nb, wd, corr, g, r, j, rows); break;
+    }
+  }
+}
+
+// The GEMV: 4 * Q weight rows (Q zmm, four rows each) against one activation row broadcast. Per
+// block the rows' fp16 scales convert in one vcvtph2ps and multiply the activation's (d, s) at
+// once, as gemv4_4bit does: row i's block scale d * x.d, and for the 4-bit types its offset term
+// (Q4_1 m * x.s, Q4_0 d * x.s) summed in a vector. xinit: Q8_0's -128 lane sums per block.
+template <QType T, int Q>
+void gemv512(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, const Zmm* xinit,
+             int64_t nb, const GemmArgs& g, int64_t r, int64_t j) {
+  const int bb = block_bytes(T);
+  constexpr bool kFourBit = T != QType::Q8_0;
+  __m512 acc[Q];
+  __m256 corr[Q];
+  for (int q = 0; q < Q; ++q) {
+    acc[q] = _mm512_setzero_ps();
+    corr[q] = _mm256_setzero_ps();
+  }
+  // Lane 4i + l takes row i's scale: element 2i of (d, c) pairs, element i of d alone.
+  const __m512i spread = kFourBit ? _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6)
+                                  : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i mask = _mm512_set1_epi8(0x0f);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  // The tile reads its 4 * Q rows block by block, streams the hardware prefetcher follows poorly
+  // from DRAM: fetch the tile two ahead (contiguous rows) in order, 4 * Q blocks' bytes per block.
+  const char* ahead = reinterpret_cast<const char*>(w_row0 + 2 * kQuad * Q * row_bytes);
+  const int64_t ahead_step = kQuad * Q * bb;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t off = 0; off < ahead_step; off += 64) _mm_prefetch(ahead + b * ahead_step + off, _MM_HINT_T0);
+    const ActBlock& xb = x[b];
+    const __m512i x_lo = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(xb.qs)));
+    const __m512i x_hi =
+        _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(xb.qs + 16)));
+    for (int q = 0; q < Q; ++q) {
+      const uint8_t* p = w_row0 + (kQuad * q) * row_bytes + b * bb;
+      __m512i w_lo, w_hi, start;
+      __m512 scale;
+      if constexpr (kFourBit) {
+        const size_t off = T == QType::Q4_0 ? offsetof(BlockQ4_0, qs) : offsetof(BlockQ4_1, qs);
+        __m512i t = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + off)));
+        t = _mm512_inserti32x4(t, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + row_bytes + off)), 1);
+        t = _mm512_inserti32x4(t, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * row_bytes + off)), 2);
+        t = _mm512_inserti32x4(t, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * row_bytes + off)), 3);
+        w_lo = _mm512_and_si512(t, mask);
+        w_hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), mask);
+        start = _mm512_setzero_si512();
+        const __m128i dm16 = _mm_setr_epi32(
+            static_cast<int>(scale_pair<T>(p)), static_cast<int>(scale_pair<T>(p + row_bytes)),
+            static_cast<int>(scale_pair<T>(p + 2 * row_bytes)),
+            static_cast<int>(scale_pair<T>(p + 3 * row_bytes)));
+        const __m256 xds =
+            _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(&xb.d)));
+        const __m256 prod = _mm256_mul_ps(_mm256_cvtph_ps(dm16), xds);
+        corr[q] = _mm256_add_ps(corr[q], prod);
+        scale = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(prod));
+      } else {
+        const auto* w0 = reinterpret_cast<const BlockQ8_0*>(p);
+        const auto* w1 = reinterpret_cast<const BlockQ8_0*>(p + row_bytes);
+        const auto* w2 = reinterpret_cast<const BlockQ8_0*>(p + 2 * row_bytes);
+        const auto* w3 = reinterpret_cast<const BlockQ8_0*>(p + 3 * row_bytes);
+        auto lanes = [&](int off) {
+          __m512i t = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w0->qs + off)));
+          t = _mm512_inserti32x4(t, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w1->qs + off)), 1);
+          t = _mm512_inserti32x4(t, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w2->qs + off)), 2);
+          t = _mm512_inserti32x4(t, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w3->qs + off)), 3);
+          return _mm512_xor_si512(t, flip);
+        };
+        w_lo = lanes(0);
+        w_hi = lanes(16);
+        start = _mm512_broadcast_i32x4(_mm512_castsi512_si128(xinit[b].i()));
+        const uint16_t d[4] = {w0->d, w1->d, w2->d, w3->d};
+        uint64_t d4;
+        std::memcpy(&d4, d, sizeof d4);
+        const __m128 dw = _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<long long>(d4)));
+        scale = _mm512_permutexvar_ps(
+            spread, _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_broadcast_ss(&xb.d))));
+      }
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, w_lo, x_lo), w_hi, x_hi);
+      acc[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[q]);
+    }
+  }
+  for (int q = 0; q < Q; ++q) {
+    alignas(64) float v[16];
+    alignas(32) float c[8];
+    _mm512_store_ps(v, acc[q]);
+    _mm256_store_ps(c, corr[q]);
+    for (int i = 0; i < kQuad; ++i) {
+      const float off = kFourBit ? Unpacked<T>::kCorrScale * c[2 * i + 1] : 0.0f;
+      store(g, j, r + kQuad * q + i, lane_sum(v, i) + off);
+    }
+  }
+}
+
+constexpr int kChunksPerPass = 4;  // activation chunks (64 rows) per pass over the weight rows
+
+template <QType T>
+void gemm_rows512_t(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
+  const int64_t row_bytes = g.nb * block_bytes(T);
+  thread_local ChunkLayout layouts[kChunksPerPass];
+  thread_local std::vector<float> wd, wc;
+  thread_local std::vector<Zmm> xinit;  // lane 0 of each
+  if (wd.size() < static_cast<size_t>(kQuad * g.nb)) {
+    wd.resize(kQuad * g.nb);
+    wc.resize(kQuad * g.nb);
+  }
+  constexpr int64_t kPassRows = kChunksPerPass * kActRowsPerChunk;
+  for (int64_t j0 = 0; j0 < g.m; j0 += kPassRows) {
+    const int64_t rows = std::min<int64_t>(kPassRows, g.m - j0);
+    const ActBlock* x0 = g.xq + j0 * g.nb;
+    int64_t r = row_begin;
+    if (rows == 1) {
+      if constexpr (T == QType::Q8_0) {
+        if (xinit.size() < static_cast<size_t>(g.nb)) xinit.resize(g.nb);
+        for (int64_t b = 0; b < g.nb; ++b) {
+          const __m512i lo = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(x0[b].qs)));
+          const __m512i hi = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(x0[b].qs + 16)));
+          xinit[b].set(q8_init(lo, hi));
+        }
+      }
+      for (; T != QType::Q8_0 && r + 2 * kQuad <= row_end; r += 2 * kQuad) {
+        gemv512<T, 2>(g.w + r * row_bytes, row_bytes, x0, xinit.data(), g.nb, g, r, j0);
+      }
+      for (; r + kQuad <= row_end; r += kQuad) {
+        gemv512<T, 1>(g.w + r * row_bytes, row_bytes, x0, xinit.data(), g.nb, g, r, j0);
+      }
+      if (r == row_end) continue;
+    }
+    const int chunks = static_cast<int>((rows + kActRowsPerChunk - 1) / kActRowsPerChunk);
+    for (int c = 0; c < chunks; ++c) {
+      build_layout(x0 + c * kActRowsPerChunk * g.nb,
+                   std::min<int64_t>(kActRowsPerChunk, rows - c * kActRowsPerChunk), g.nb,
+                   T == QType::Q8_0, layouts[c]);
+    }
+    for (; r + kQuad <= row_end; r += kQuad) {
+      // The next tile's rows (contiguous) into the cache while this one computes.
+      const char* next = reinterpret_cast<const char*>(g.w + (r + kQuad) * row_bytes);
+      for (int64_t off = 0; off < kQuad * row_bytes && r + kQuad < row_end; off += 64) {
+        _mm_prefetch(next + off, _MM_HINT_T0);
+      }
+      rows_against_chunks<T, kQuad>(g, r, layouts, chunks, j0, wd.data(), wc.data());
+    }
+    for (; r < row_end; ++r) {
+      rows_against_chunks<T, 1>(g, r, layouts, chunks, j0, wd.data(), wc.data());
+    }
+  }
+}
+
+void gemm_rows512(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
+  switch (g.qtype) {
+    case QType::Q4_0: return gemm_rows512_t<QType::Q4_0>(g, row_begin, row_end);
+    case QType::Q4_1: return gemm_rows512_t<QType::Q4_1>(g, row_begin, row_end);
+    case QType::Q8_0: return gemm_rows512_t<QType::Q8_0>(g, row_begin, row_end);
+  }
+}
+
+}  // namespace
+
+const Kernels& avx512vnni_kernels() {
+  static const Kernels k{"avx512vnni", quantize_row, gemm_rows512, dot_tokens, sum_tokens,
+                         exp_sum, silu_mul};
+  return k;
+}
+
+}  // namespace tinyvllm::cpu
