@@ -21,39 +21,68 @@ constexpr int64_t kItemsPerThread = 4;  // fewer (row, KV head) items: split by 
 
 // Calls fn(t0, x, num_tokens) for each cache block of KV head `head` holding tokens < ctx:
 // x is token t0's key (kv = 0) or value (kv = 1), the next ones a token stride (hkv * d) apart.
+// `heads` KV heads from `head` are read: each block's run of them is fetched into the cache
+// while the block before it computes (blocks are scattered, so the hardware prefetcher starts
+// cold at each one).
 template <typename Fn>
 inline void for_each_block(const PagedRows& a, const int32_t* table, int64_t ctx, int kv,
-                           int64_t head, Fn fn) {
+                           int64_t head, int64_t heads, Fn fn) {
   const int64_t token_stride = a.hkv * a.d;
+  const int64_t run = heads * a.d * static_cast<int64_t>(sizeof(float));  // bytes per token
+  auto fetch = [&](int64_t t0, int64_t i) {
+    if (t0 >= ctx) return;
+    const int64_t first_slot = (kv * a.num_blocks + table[i]) * a.block_size;
+    const char* p = reinterpret_cast<const char*>(a.cache + first_slot * token_stride + head * a.d);
+    const int64_t num = std::min(a.block_size, ctx - t0);
+    for (int64_t t = 0; t < num; ++t) {
+      for (int64_t off = 0; off < run; off += 64) {
+        __builtin_prefetch(p + t * token_stride * static_cast<int64_t>(sizeof(float)) + off, 0, 1);
+      }
+    }
+  };
   for (int64_t t0 = 0, i = 0; t0 < ctx; t0 += a.block_size, ++i) {
+    fetch(t0 + a.block_size, i + 1);
     const int64_t first_slot = (kv * a.num_blocks + table[i]) * a.block_size;
     fn(t0, a.cache + first_slot * token_stride + head * a.d, std::min(a.block_size, ctx - t0));
   }
 }
 
-// Query heads [g0, g1) of KV head `head`'s group, for query row `row`.
-void attend_one(const PagedRows& a, const Kernels& kern, int64_t row, int64_t head, int64_t g0,
-                int64_t g1, std::vector<float>& scores) {
+// Query heads [g0, g1) of each KV head in [head0, head0 + heads), for query row `row`: the
+// context's blocks are walked once for all of them (scores against K, then the softmax-weighted
+// sum of V). A query head's arithmetic does not depend on which others share the walk.
+void attend_one(const PagedRows& a, const Kernels& kern, int64_t row, int64_t head0, int64_t g0,
+                int64_t g1, std::vector<float>& scores, int64_t heads) {
   const int64_t group = a.h / a.hkv, ctx = a.row_ctx[row], d = a.d, n = g1 - g0;
   const int64_t stride = a.hkv * d;
   const int32_t* table = a.tables + (a.row_table ? a.row_table[row] : row) * a.table_stride;
-  scores.resize(n * ctx);
-  const float* q0 = a.q + row * a.q_stride + (head * group + g0) * d;
-  for_each_block(a, table, ctx, 0, head, [&](int64_t t0, const float* k, int64_t num) {
-    for (int64_t g = 0; g < n; ++g) {
-      kern.dot_tokens(q0 + g * d, k, stride, num, d, a.scale, scores.data() + g * ctx + t0);
+  scores.resize(heads * n * ctx);
+  const float* q_row = a.q + row * a.q_stride;
+  for_each_block(a, table, ctx, 0, head0, heads, [&](int64_t t0, const float* k, int64_t num) {
+    for (int64_t hd = 0; hd < heads; ++hd) {
+      const float* q0 = q_row + ((head0 + hd) * group + g0) * d;
+      for (int64_t g = 0; g < n; ++g) {
+        kern.dot_tokens(q0 + g * d, k + hd * d, stride, num, d, a.scale,
+                        scores.data() + (hd * n + g) * ctx + t0);
+      }
     }
   });
-  for (int64_t g = 0; g < n; ++g) {  // softmax per query head
+  for (int64_t g = 0; g < heads * n; ++g) {  // softmax per query head
     float* s = scores.data() + g * ctx;
     const float inv = 1.0f / kern.exp_sum(s, ctx, *std::max_element(s, s + ctx));
     for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
   }
-  float* o0 = a.out + (row * a.h + head * group + g0) * d;
-  std::fill(o0, o0 + n * d, 0.0f);
-  for_each_block(a, table, ctx, 1, head, [&](int64_t t0, const float* v, int64_t num) {
-    for (int64_t g = 0; g < n; ++g) {
-      kern.sum_tokens(scores.data() + g * ctx + t0, v, stride, num, d, o0 + g * d);
+  float* out_row = a.out + row * a.h * d;
+  for (int64_t hd = 0; hd < heads; ++hd) {
+    float* o0 = out_row + ((head0 + hd) * group + g0) * d;
+    std::fill(o0, o0 + n * d, 0.0f);
+  }
+  for_each_block(a, table, ctx, 1, head0, heads, [&](int64_t t0, const float* v, int64_t num) {
+    for (int64_t hd = 0; hd < heads; ++hd) {
+      float* o0 = out_row + ((head0 + hd) * group + g0) * d;
+      for (int64_t g = 0; g < n; ++g) {
+        kern.sum_tokens(scores.data() + (hd * n + g) * ctx + t0, v + hd * d, stride, num, d,
+                        o0 + g * d);
+      }
     }
   });
 }
@@ -91,16 +120,28 @@ void paged_decode_attention(float* out, const float* q, int64_t q_stride, const 
 }
 
 void attend_rows(const PagedRows& a, const Kernels& kern, ThreadPool& workers) {
+  const int64_t group = a.h / a.hkv;
+  if (a.num_rows >= kItemsPerThread * workers.num_threads()) {
+    // One item per row, all its KV heads block by block: each cache block's keys (then values)
+    // are one contiguous run of block_size * hkv * d floats, which the hardware prefetcher
+    // streams; per KV head the reads would be runs of d floats a token stride apart.
+    workers.run(a.num_rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t row = begin; row < end; ++row) {
+        attend_one(a, kern, row, 0, 0, group, scores, a.hkv);
+      }
+    });
+    return;
+  }
   // One item per (row, KV head), whose query heads share every K/V read; with few such items
   // (a decode of one or two sequences) one per query head instead, so every thread has work.
-  const int64_t group = a.h / a.hkv;
   const int64_t split = a.num_rows * a.hkv < kItemsPerThread * workers.num_threads() ? group : 1;
   const int64_t items = a.num_rows * a.hkv * split;
   workers.run(items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t pair = i / split, g0 = i % split * (group / split);
-      attend_one(a, kern, pair / a.hkv, pair % a.hkv, g0, g0 + group / split, scores);
+      attend_one(a, kern, pair / a.hkv, pair % a.hkv, g0, g0 + group / split, scores, 1);
     }
   });
 }

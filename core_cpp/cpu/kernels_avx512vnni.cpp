@@ -296,54 +296,74 @@ void gemv512(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, const 
 
 constexpr int kChunksPerPass = 4;  // activation chunks (64 rows) per pass over the weight rows
 
+// What prepare512 makes of a product's activations: the chunk layouts of its rows (none for a
+// single row, which the GEMV reads as it is) and for Q8_0 each block's -128 lane sums of row 0.
+struct Prepared {
+  std::vector<ChunkLayout> chunks;
+  std::vector<Zmm> xinit;  // [nb], lane 0 of each
+};
+
+void prepare512(GemmArgs& g) {
+  thread_local Prepared p;
+  const bool q8 = g.qtype == QType::Q8_0;
+  if (g.m == 1 && q8) {
+    if (p.xinit.size() < static_cast<size_t>(g.nb)) p.xinit.resize(g.nb);
+    for (int64_t b = 0; b < g.nb; ++b) {
+      const __m512i lo = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(g.xq[b].qs)));
+      const __m512i hi = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(g.xq[b].qs + 16)));
+      p.xinit[b].set(q8_init(lo, hi));
+    }
+  }
+  const int64_t chunks = g.m > 1 ? (g.m + kActRowsPerChunk - 1) / kActRowsPerChunk : 0;
+  if (p.chunks.size() < static_cast<size_t>(chunks)) p.chunks.resize(chunks);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t j = c * kActRowsPerChunk;
+    build_layout(g.xq + j * g.nb, std::min<int64_t>(kActRowsPerChunk, g.m - j), g.nb, q8,
+                 p.chunks[c]);
+  }
+  g.prepared = &p;
+}
+
 template <QType T>
 void gemm_rows512_t(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
   const int64_t row_bytes = g.nb * block_bytes(T);
-  thread_local ChunkLayout layouts[kChunksPerPass];
+  const Prepared& prep = *static_cast<const Prepared*>(g.prepared);
   thread_local std::vector<float> wd, wc;
-  thread_local std::vector<Zmm> xinit;  // lane 0 of each
   if (wd.size() < static_cast<size_t>(kQuad * g.nb)) {
     wd.resize(kQuad * g.nb);
     wc.resize(kQuad * g.nb);
   }
-  constexpr int64_t kPassRows = kChunksPerPass * kActRowsPerChunk;
-  for (int64_t j0 = 0; j0 < g.m; j0 += kPassRows) {
-    const int64_t rows = std::min<int64_t>(kPassRows, g.m - j0);
-    const ActBlock* x0 = g.xq + j0 * g.nb;
-    int64_t r = row_begin;
-    if (rows == 1) {
-      if constexpr (T == QType::Q8_0) {
-        if (xinit.size() < static_cast<size_t>(g.nb)) xinit.resize(g.nb);
-        for (int64_t b = 0; b < g.nb; ++b) {
-          const __m512i lo = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(x0[b].qs)));
-          const __m512i hi = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(x0[b].qs + 16)));
-          xinit[b].set(q8_init(lo, hi));
-        }
-      }
-      for (; T != QType::Q8_0 && r + 2 * kQuad <= row_end; r += 2 * kQuad) {
-        gemv512<T, 2>(g.w + r * row_bytes, row_bytes, x0, xinit.data(), g.nb, g, r, j0);
-      }
-      for (; r + kQuad <= row_end; r += kQuad) {
-        gemv512<T, 1>(g.w + r * row_bytes, row_bytes, x0, xinit.data(), g.nb, g, r, j0);
-      }
-      if (r == row_end) continue;
-    }
-    const int chunks = static_cast<int>((rows + kActRowsPerChunk - 1) / kActRowsPerChunk);
-    for (int c = 0; c < chunks; ++c) {
-      build_layout(x0 + c * kActRowsPerChunk * g.nb,
-                   std::min<int64_t>(kActRowsPerChunk, rows - c * kActRowsPerChunk), g.nb,
-                   T == QType::Q8_0, layouts[c]);
+  int64_t r = row_begin;
+  if (g.m == 1) {
+    const ActBlock* x = g.xq;
+    for (; T != QType::Q8_0 && r + 2 * kQuad <= row_end; r += 2 * kQuad) {
+      gemv512<T, 2>(g.w + r * row_bytes, row_bytes, x, prep.xinit.data(), g.nb, g, r, 0);
     }
     for (; r + kQuad <= row_end; r += kQuad) {
+      gemv512<T, 1>(g.w + r * row_bytes, row_bytes, x, prep.xinit.data(), g.nb, g, r, 0);
+    }
+    // The last rows (fewer than four): the layout of the single row, made here.
+    if (r == row_end) return;
+    thread_local ChunkLayout single;
+    build_layout(x, 1, g.nb, T == QType::Q8_0, single);
+    for (; r < row_end; ++r) rows_against_chunks<T, 1>(g, r, &single, 1, 0, wd.data(), wc.data());
+    return;
+  }
+  const int chunks = static_cast<int>((g.m + kActRowsPerChunk - 1) / kActRowsPerChunk);
+  for (int c0 = 0; c0 < chunks; c0 += kChunksPerPass) {
+    const int pass = std::min(kChunksPerPass, chunks - c0);
+    const ChunkLayout* layouts = &prep.chunks[c0];
+    const int64_t j0 = c0 * kActRowsPerChunk;
+    for (r = row_begin; r + kQuad <= row_end; r += kQuad) {
       // The next tile's rows (contiguous) into the cache while this one computes.
       const char* next = reinterpret_cast<const char*>(g.w + (r + kQuad) * row_bytes);
       for (int64_t off = 0; off < kQuad * row_bytes && r + kQuad < row_end; off += 64) {
         _mm_prefetch(next + off, _MM_HINT_T0);
       }
-      rows_against_chunks<T, kQuad>(g, r, layouts, chunks, j0, wd.data(), wc.data());
+      rows_against_chunks<T, kQuad>(g, r, layouts, pass, j0, wd.data(), wc.data());
     }
     for (; r < row_end; ++r) {
-      rows_against_chunks<T, 1>(g, r, layouts, chunks, j0, wd.data(), wc.data());
+      rows_against_chunks<T, 1>(g, r, layouts, pass, j0, wd.data(), wc.data());
     }
   }
 }
@@ -359,7 +379,7 @@ void gemm_rows512(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
 }  // namespace
 
 const Kernels& avx512vnni_kernels() {
-  static const Kernels k{"avx512vnni", quantize_row, gemm_rows512, dot_tokens, sum_tokens,
+  static const Kernels k{"avx512vnni", quantize_row, prepare512, gemm_rows512, dot_tokens, sum_tokens,
                          exp_sum, silu_mul};
   return k;
 }

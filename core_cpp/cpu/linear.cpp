@@ -43,7 +43,8 @@ void quantize_rows(const Kernels& kern, const float* x, int64_t x_stride, int64_
   });
 }
 
-void gemm_parallel(const Kernels& kern, const GemmArgs& args, int64_t n, ThreadPool& workers) {
+void gemm_parallel(const Kernels& kern, GemmArgs args, int64_t n, ThreadPool& workers) {
+  if (kern.prepare) kern.prepare(args);
   if (n < 2 * kMinRowsPerThread || workers.num_threads() == 1) {
     return kern.gemm_rows(args, 0, n);
   }

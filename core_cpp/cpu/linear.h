@@ -36,6 +36,6 @@ QType check_qtype(int qtype);
 // x [m, x_stride] -> xq [m, nb] activation blocks; then args' n output rows split by worker.
 void quantize_rows(const Kernels& kern, const float* x, int64_t x_stride, int64_t m, int64_t nb,
                    ActBlock* xq, ThreadPool& workers);
-void gemm_parallel(const Kernels& kern, const GemmArgs& args, int64_t n, ThreadPool& workers);
+void gemm_parallel(const Kernels& kern, GemmArgs args, int64_t n, ThreadPool& workers);
 
 }  // namespace tinyvllm::cpu
