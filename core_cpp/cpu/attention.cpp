@@ -21,27 +21,11 @@ constexpr int64_t kItemsPerThread = 4;  // fewer (row, KV head) items: split by 
 
 // Calls fn(t0, x, num_tokens) for each cache block of KV head `head` holding tokens < ctx:
 // x is token t0's key (kv = 0) or value (kv = 1), the next ones a token stride (hkv * d) apart.
-// `heads` KV heads from `head` are read: each block's run of them is fetched into the cache
-// while the block before it computes (blocks are scattered, so the hardware prefetcher starts
-// cold at each one).
 template <typename Fn>
 inline void for_each_block(const PagedRows& a, const int32_t* table, int64_t ctx, int kv,
-                           int64_t head, int64_t heads, Fn fn) {
+                           int64_t head, Fn fn) {
   const int64_t token_stride = a.hkv * a.d;
-  const int64_t run = heads * a.d * static_cast<int64_t>(sizeof(float));  // bytes per token
-  auto fetch = [&](int64_t t0, int64_t i) {
-    if (t0 >= ctx) return;
-    const int64_t first_slot = (kv * a.num_blocks + table[i]) * a.block_size;
-    const char* p = reinterpret_cast<const char*>(a.cache + first_slot * token_stride + head * a.d);
-    const int64_t num = std::min(a.block_size, ctx - t0);
-    for (int64_t t = 0; t < num; ++t) {
-      for (int64_t off = 0; off < run; off += 64) {
-        __builtin_prefetch(p + t * token_stride * static_cast<int64_t>(sizeof(float)) + off, 0, 1);
-      }
-    }
-  };
   for (int64_t t0 = 0, i = 0; t0 < ctx; t0 += a.block_size, ++i) {
-    fetch(t0 + a.block_size, i + 1);
     const int64_t first_slot = (kv * a.num_blocks + table[i]) * a.block_size;
     fn(t0, a.cache + first_slot * token_stride + head * a.d, std::min(a.block_size, ctx - t0));
   }
@@ -57,7 +41,7 @@ void attend_one(const PagedRows& a, const Kernels& kern, int64_t row, int64_t he
   const int32_t* table = a.tables + (a.row_table ? a.row_table[row] : row) * a.table_stride;
   scores.resize(heads * n * ctx);
   const float* q_row = a.q + row * a.q_stride;
-  for_each_block(a, table, ctx, 0, head0, heads, [&](int64_t t0, const float* k, int64_t num) {
+  for_each_block(a, table, ctx, 0, head0, [&](int64_t t0, const float* k, int64_t num) {
     for (int64_t hd = 0; hd < heads; ++hd) {
       const float* q0 = q_row + ((head0 + hd) * group + g0) * d;
       for (int64_t g = 0; g < n; ++g) {
@@ -76,7 +60,7 @@ void attend_one(const PagedRows& a, const Kernels& kern, int64_t row, int64_t he
     float* o0 = out_row + ((head0 + hd) * group + g0) * d;
     std::fill(o0, o0 + n * d, 0.0f);
   }
-  for_each_block(a, table, ctx, 1, head0, heads, [&](int64_t t0, const float* v, int64_t num) {
+  for_each_block(a, table, ctx, 1, head0, [&](int64_t t0, const float* v, int64_t num) {
     for (int64_t hd = 0; hd < heads; ++hd) {
       float* o0 = out_row + ((head0 + hd) * group + g0) * d;
       for (int64_t g = 0; g < n; ++g) {
@@ -123,8 +107,8 @@ void attend_rows(const PagedRows& a, const Kernels& kern, ThreadPool& workers) {
   const int64_t group = a.h / a.hkv;
   if (a.num_rows >= kItemsPerThread * workers.num_threads()) {
     // One item per row, all its KV heads block by block: each cache block's keys (then values)
-    // are one contiguous run of block_size * hkv * d floats, which the hardware prefetcher
-    // streams; per KV head the reads would be runs of d floats a token stride apart.
+    // are read as one contiguous run of block_size * hkv * d floats, not as runs of d floats a
+    // token stride apart per KV head.
     workers.run(a.num_rows, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       for (int64_t row = begin; row < end; ++row) {
