@@ -204,20 +204,24 @@ void rows_against_chunks(const GemmArgs& g, int64_t r, const ChunkLayout* L, int
   }
 }
 
-// The GEMV: 4 * Q weight rows (Q zmm, four rows each) against one activation row broadcast. Per
-// block the rows' fp16 scales convert in one vcvtph2ps and multiply the activation's (d, s) at
-// once, as gemv4_4bit does: row i's block scale d * x.d, and for the 4-bit types its offset term
-// (Q4_1 m * x.s, Q4_0 d * x.s) summed in a vector. xinit: Q8_0's -128 lane sums per block.
-template <QType T, int Q>
-void gemv512(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, const Zmm* xinit,
-             int64_t nb, const GemmArgs& g, int64_t r, int64_t j) {
+// The narrow tile (GEMV and batches of up to kNarrowRows): 4 * Q weight rows (Q zmm, four rows
+// each) against each of C activation rows broadcast, so every (weight row, activation row) pair
+// takes one lane group and no lanes go unused whatever C is. Per block the weight rows' fp16
+// scales convert once (one vcvtph2ps) and multiply each activation row's (d, s) at once, as
+// gemv4_4bit does: row i's block scale d * x.d, and for the 4-bit types its offset term (Q4_1
+// m * x.s, Q4_0 d * x.s) summed in a vector. xinit: Q8_0's -128 lane sums, [C][nb].
+template <QType T, int Q, int C>
+void narrow512(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, const Zmm* xinit,
+               int64_t nb, const GemmArgs& g, int64_t r) {
   const int bb = block_bytes(T);
   constexpr bool kFourBit = T != QType::Q8_0;
-  __m512 acc[Q];
-  __m256 corr[Q];
+  __m512 acc[Q][C];
+  __m256 corr[Q][C];
   for (int q = 0; q < Q; ++q) {
-    acc[q] = _mm512_setzero_ps();
-    corr[q] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c) {
+      acc[q][c] = _mm512_setzero_ps();
+      corr[q][c] = _mm256_setzero_ps();
+    }
   }
   // Lane 4i + l takes row i's scale: element 2i of (d, c) pairs, element i of d alone.
   const __m512i spread = kFourBit ? _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6)
@@ -230,14 +234,10 @@ void gemv512(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, const 
   const int64_t ahead_step = kQuad * Q * bb;
   for (int64_t b = 0; b < nb; ++b) {
     for (int64_t off = 0; off < ahead_step; off += 64) _mm_prefetch(ahead + b * ahead_step + off, _MM_HINT_T0);
-    const ActBlock& xb = x[b];
-    const __m512i x_lo = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(xb.qs)));
-    const __m512i x_hi =
-        _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(xb.qs + 16)));
     for (int q = 0; q < Q; ++q) {
       const uint8_t* p = w_row0 + (kQuad * q) * row_bytes + b * bb;
-      __m512i w_lo, w_hi, start;
-      __m512 scale;
+      __m512i w_lo, w_hi;
+      __m128i dw16;  // the four rows' fp16 (d, c) pairs (4-bit types) or d (Q8_0)
       if constexpr (kFourBit) {
         const size_t off = T == QType::Q4_0 ? offsetof(BlockQ4_0, qs) : offsetof(BlockQ4_1, qs);
         __m512i t = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + off)));
@@ -246,16 +246,10 @@ void gemv512(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, const 
         t = _mm512_inserti32x4(t, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * row_bytes + off)), 3);
         w_lo = _mm512_and_si512(t, mask);
         w_hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), mask);
-        start = _mm512_setzero_si512();
-        const __m128i dm16 = _mm_setr_epi32(
+        dw16 = _mm_setr_epi32(
             static_cast<int>(scale_pair<T>(p)), static_cast<int>(scale_pair<T>(p + row_bytes)),
             static_cast<int>(scale_pair<T>(p + 2 * row_bytes)),
             static_cast<int>(scale_pair<T>(p + 3 * row_bytes)));
-        const __m256 xds =
-            _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(&xb.d)));
-        const __m256 prod = _mm256_mul_ps(_mm256_cvtph_ps(dm16), xds);
-        corr[q] = _mm256_add_ps(corr[q], prod);
-        scale = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(prod));
       } else {
         const auto* w0 = reinterpret_cast<const BlockQ8_0*>(p);
         const auto* w1 = reinterpret_cast<const BlockQ8_0*>(p + row_bytes);
@@ -270,58 +264,107 @@ void gemv512(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, const 
         };
         w_lo = lanes(0);
         w_hi = lanes(16);
-        start = _mm512_broadcast_i32x4(_mm512_castsi512_si128(xinit[b].i()));
         const uint16_t d[4] = {w0->d, w1->d, w2->d, w3->d};
         uint64_t d4;
         std::memcpy(&d4, d, sizeof d4);
-        const __m128 dw = _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<long long>(d4)));
-        scale = _mm512_permutexvar_ps(
-            spread, _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_broadcast_ss(&xb.d))));
+        dw16 = _mm_cvtsi64_si128(static_cast<long long>(d4));
       }
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, w_lo, x_lo), w_hi, x_hi);
-      acc[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[q]);
+      const __m256 dw = _mm256_cvtph_ps(dw16);  // Q8_0: the four d in the low half
+      for (int c = 0; c < C; ++c) {
+        const ActBlock& xb = x[c * nb + b];
+        const __m512i x_lo = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(xb.qs)));
+        const __m512i x_hi =
+            _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(xb.qs + 16)));
+        __m512i start;
+        __m512 scale;
+        if constexpr (kFourBit) {
+          start = fresh_zero();
+          const __m256 xds =
+              _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(&xb.d)));
+          const __m256 prod = _mm256_mul_ps(dw, xds);
+          corr[q][c] = _mm256_add_ps(corr[q][c], prod);
+          scale = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(prod));
+        } else {
+          start = _mm512_broadcast_i32x4(_mm512_castsi512_si128(xinit[c * nb + b].i()));
+          scale = _mm512_permutexvar_ps(
+              spread, _mm512_castps128_ps512(_mm_mul_ps(_mm256_castps256_ps128(dw),
+                                                        _mm_broadcast_ss(&xb.d))));
+        }
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, w_lo, x_lo), w_hi, x_hi);
+        acc[q][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[q][c]);
+      }
     }
   }
   for (int q = 0; q < Q; ++q) {
-    alignas(64) float v[16];
-    alignas(32) float c[8];
-    _mm512_store_ps(v, acc[q]);
-    _mm256_store_ps(c, corr[q]);
-    for (int i = 0; i < kQuad; ++i) {
-      const float off = kFourBit ? Unpacked<T>::kCorrScale * c[2 * i + 1] : 0.0f;
-      store(g, j, r + kQuad * q + i, lane_sum(v, i) + off);
+    for (int c = 0; c < C; ++c) {
+      alignas(64) float v[16];
+      alignas(32) float cs[8];
+      _mm512_store_ps(v, acc[q][c]);
+      _mm256_store_ps(cs, corr[q][c]);
+      for (int i = 0; i < kQuad; ++i) {
+        const float off = kFourBit ? Unpacked<T>::kCorrScale * cs[2 * i + 1] : 0.0f;
+        store(g, c, r + kQuad * q + i, lane_sum(v, i) + off);
+      }
     }
   }
 }
 
 constexpr int kChunksPerPass = 4;  // activation chunks (64 rows) per pass over the weight rows
 
-// What prepare512 makes of a product's activations: the chunk layouts of its rows (none for a
-// single row, which the GEMV reads as it is) and for Q8_0 each block's -128 lane sums of row 0.
+constexpr int kNarrowRows = 8;  // products of up to this many activation rows take narrow512
+
+// What prepare512 makes of a product's activations: for up to kNarrowRows rows (read by the
+// narrow tile as they are) and Q8_0, each row's blocks' -128 lane sums; for more, the chunk
+// layouts of its rows.
 struct Prepared {
   std::vector<ChunkLayout> chunks;
-  std::vector<Zmm> xinit;  // [nb], lane 0 of each
+  std::vector<Zmm> xinit;  // [m][nb], lane 0 of each
 };
 
 void prepare512(GemmArgs& g) {
   thread_local Prepared p;
   const bool q8 = g.qtype == QType::Q8_0;
-  if (g.m == 1 && q8) {
-    if (p.xinit.size() < static_cast<size_t>(g.nb)) p.xinit.resize(g.nb);
-    for (int64_t b = 0; b < g.nb; ++b) {
-      const __m512i lo = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(g.xq[b].qs)));
-      const __m512i hi = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(g.xq[b].qs + 16)));
-      p.xinit[b].set(q8_init(lo, hi));
+  g.prepared = &p;
+  if (g.m <= kNarrowRows) {
+    if (!q8) return;
+    const size_t size = static_cast<size_t>(g.m * g.nb);
+    if (p.xinit.size() < size) p.xinit.resize(size);
+    for (size_t i = 0; i < size; ++i) {
+      const ActBlock& xb = g.xq[i];
+      const __m512i lo = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(xb.qs)));
+      const __m512i hi = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(xb.qs + 16)));
+      p.xinit[i].set(q8_init(lo, hi));
     }
+    return;
   }
-  const int64_t chunks = g.m > 1 ? (g.m + kActRowsPerChunk - 1) / kActRowsPerChunk : 0;
+  const int64_t chunks = (g.m + kActRowsPerChunk - 1) / kActRowsPerChunk;
   if (p.chunks.size() < static_cast<size_t>(chunks)) p.chunks.resize(chunks);
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t j = c * kActRowsPerChunk;
     build_layout(g.xq + j * g.nb, std::min<int64_t>(kActRowsPerChunk, g.m - j), g.nb, q8,
                  p.chunks[c]);
   }
-  g.prepared = &p;
+}
+
+// Weight rows [r, row_end) against the product's C <= kNarrowRows activation rows: narrow tiles
+// of 8 (C <= 4) or 4 weight rows, the last few rows (fewer than four) against a chunk layout.
+template <QType T, int C>
+void narrow_rows(const GemmArgs& g, const Prepared& prep, int64_t r, int64_t row_end,
+                 float* wd, float* wc) {
+  const int64_t row_bytes = g.nb * block_bytes(T);
+  const Zmm* xinit = prep.xinit.data();
+  if constexpr (C <= 4) {
+    for (; r + 2 * kQuad <= row_end; r += 2 * kQuad) {
+      narrow512<T, 2, C>(g.w + r * row_bytes, row_bytes, g.xq, xinit, g.nb, g, r);
+    }
+  }
+  for (; r + kQuad <= row_end; r += kQuad) {
+    narrow512<T, 1, C>(g.w + r * row_bytes, row_bytes, g.xq, xinit, g.nb, g, r);
+  }
+  if (r == row_end) return;
+  thread_local ChunkLayout rest;
+  build_layout(g.xq, C, g.nb, T == QType::Q8_0, rest);
+  for (; r < row_end; ++r) rows_against_chunks<T, 1>(g, r, &rest, 1, 0, wd, wc);
 }
 
 template <QType T>
@@ -333,28 +376,25 @@ void gemm_rows512_t(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
     wd.resize(kQuad * g.nb);
     wc.resize(kQuad * g.nb);
   }
-  int64_t r = row_begin;
-  if (g.m == 1) {
-    const ActBlock* x = g.xq;
-    for (; T != QType::Q8_0 && r + 2 * kQuad <= row_end; r += 2 * kQuad) {
-      gemv512<T, 2>(g.w + r * row_bytes, row_bytes, x, prep.xinit.data(), g.nb, g, r, 0);
-    }
-    for (; r + kQuad <= row_end; r += kQuad) {
-      gemv512<T, 1>(g.w + r * row_bytes, row_bytes, x, prep.xinit.data(), g.nb, g, r, 0);
-    }
-    // The last rows (fewer than four): the layout of the single row, made here.
-    if (r == row_end) return;
-    thread_local ChunkLayout single;
-    build_layout(x, 1, g.nb, T == QType::Q8_0, single);
-    for (; r < row_end; ++r) rows_against_chunks<T, 1>(g, r, &single, 1, 0, wd.data(), wc.data());
-    return;
+  static_assert(kNarrowRows == 8, "one case per row count below");
+  switch (g.m) {
+    case 1: return narrow_rows<T, 1>(g, prep, row_begin, row_end, wd.data(), wc.data());
+    case 2: return narrow_rows<T, 2>(g, prep, row_begin, row_end, wd.data(), wc.data());
+    case 3: return narrow_rows<T, 3>(g, prep, row_begin, row_end, wd.data(), wc.data());
+    case 4: return narrow_rows<T, 4>(g, prep, row_begin, row_end, wd.data(), wc.data());
+    case 5: return narrow_rows<T, 5>(g, prep, row_begin, row_end, wd.data(), wc.data());
+    case 6: return narrow_rows<T, 6>(g, prep, row_begin, row_end, wd.data(), wc.data());
+    case 7: return narrow_rows<T, 7>(g, prep, row_begin, row_end, wd.data(), wc.data());
+    case 8: return narrow_rows<T, 8>(g, prep, row_begin, row_end, wd.data(), wc.data());
+    default: break;
   }
   const int chunks = static_cast<int>((g.m + kActRowsPerChunk - 1) / kActRowsPerChunk);
   for (int c0 = 0; c0 < chunks; c0 += kChunksPerPass) {
     const int pass = std::min(kChunksPerPass, chunks - c0);
     const ChunkLayout* layouts = &prep.chunks[c0];
     const int64_t j0 = c0 * kActRowsPerChunk;
-    for (r = row_begin; r + kQuad <= row_end; r += kQuad) {
+    int64_t r = row_begin;
+    for (; r + kQuad <= row_end; r += kQuad) {
       // The next tile's rows (contiguous) into the cache while this one computes.
       const char* next = reinterpret_cast<const char*>(g.w + (r + kQuad) * row_bytes);
       for (int64_t off = 0; off < kQuad * row_bytes && r + kQuad < row_end; off += 64) {

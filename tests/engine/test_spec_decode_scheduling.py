@@ -140,6 +140,28 @@ def test_adaptive_k_shrinks_after_rejections_and_grows_back():
     assert fixed.next_k(4, 4, 0) == 4
 
 
+def test_one_token_drafts_that_miss_make_the_request_skip_drafting_for_longer_each_time():
+    policy = SpecDecodePolicy(SpeculativeConfig(method="ngram"))
+    request = Request(request_id="r", prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams())
+    policy.back_off(request, 3, 0)  # k still shrinking: no pause
+    assert request.spec_skip == 0
+    skips = []
+    for _ in range(7):
+        policy.back_off(request, 1, 0)
+        skips.append(request.spec_skip)
+    assert skips == [1, 2, 4, 8, 16, 16, 16]
+    policy.back_off(request, 1, 1)  # an accepted token resets the run of misses
+    policy.back_off(request, 1, 0)
+    assert request.spec_skip == 1
+    fixed = SpecDecodePolicy(SpeculativeConfig(method="ngram", adaptive=False))
+    other = Request(request_id="s", prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams())
+    fixed.back_off(other, 1, 0)
+    assert other.spec_skip == 0
+    draft = SpecDecodePolicy(SpeculativeConfig(method="draft_model", draft_num_layers=1))
+    draft.back_off(other, 1, 0)  # a draft model's misses are not prompt lookup's
+    assert other.spec_skip == 0
+
+
 def test_speculation_steps_aside_while_it_does_not_pay_and_comes_back():
     policy = SpecDecodePolicy(SpeculativeConfig(method="ngram"))
     cost = policy.cost
@@ -159,6 +181,33 @@ def test_speculation_steps_aside_while_it_does_not_pay_and_comes_back():
     for _ in range(2 * cost.WINDOW):
         policy.observe_step(0.2, 3, speculated=True)  # 15 tokens/s
     assert policy.active(1)
+
+
+def test_speculation_that_keeps_losing_steps_aside_longer_each_time():
+    """Each loss in a row doubles the pause (capped), so text on which speculation never pays
+    spends few steps on trials; a win resets it."""
+    policy = SpecDecodePolicy(SpeculativeConfig(method="ngram"))
+    cost = policy.cost
+
+    def lose() -> int:  # a trial that loses; returns the pause that follows it
+        for _ in range(cost.WINDOW):
+            policy.observe_step(0.4, 2, speculated=True)  # 5 tokens/s
+            if not policy.active(1):
+                break
+        pause = 0
+        while not policy.active(1):
+            policy.observe_step(0.1, 1, speculated=False)  # 10 tokens/s
+            pause += 1
+        return pause
+
+    for _ in range(cost.MIN_SAMPLES):
+        policy.observe_step(0.1, 1, speculated=False)
+    pauses = [lose() for _ in range(cost.MAX_BACKOFF + 2)]
+    assert pauses == [cost.OFF_STEPS << min(i, cost.MAX_BACKOFF) for i in range(len(pauses))]
+    for _ in range(cost.MIN_SAMPLES):
+        policy.observe_step(0.2, 3, speculated=True)  # 15 tokens/s: a win
+    assert policy.active(1) and cost.losses == 0
+    assert lose() == cost.OFF_STEPS
 
 
 def test_speculation_compares_window_totals_not_single_steps():

@@ -265,6 +265,9 @@ class Scheduler:
         accepted tokens plus the bonus one never pass max_tokens or the context length."""
         if request.num_output_placeholders or not request.can_speculate:
             return []
+        if request.spec_skip:
+            request.spec_skip -= 1
+            return []
         if request.spec_k == 0:
             request.spec_k = self.spec.initial_k()
         room = min(request.max_tokens - request.num_output_tokens,
@@ -389,6 +392,7 @@ class Scheduler:
         num_accepted = len(token_ids) - 1
         request.num_computed_tokens = s.num_computed_tokens + len(token_ids)
         request.spec_k = self.spec.next_k(request.spec_k, len(s.draft_token_ids), num_accepted)
+        self.spec.back_off(request, len(s.draft_token_ids), num_accepted)
         self.kv.trim(request)
         new_token_ids, reason = [], None
         for token_id in token_ids:

@@ -108,8 +108,14 @@ class SpecDecodePolicy:
     keeps the hardware busy and rejected drafts would only add work. Per request, k adapts to
     the recent acceptance (`adaptive`): +1 after a step that accepted every draft, -1 (down to 1)
     after one that accepted none, so a request whose drafts keep failing spends one extra
-    position per step instead of k.
+    position per step instead of k. With prompt lookup, once even one-token drafts fail, the
+    request drafts nothing for 1, 2, 4, ... `MAX_SKIP` steps (doubling with each such miss in a
+    row, reset by any accepted token): text that does not repeat keeps finding short matches
+    that fail, and a verification step costs more than a plain one (on a CPU a two-row step
+    about 1.3x).
     """
+
+    MAX_SKIP = 16
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
@@ -152,6 +158,19 @@ class SpecDecodePolicy:
         return k
 
 
+    def back_off(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
+        """After a verification: the steps the request drafts nothing (see the class)."""
+        if not self.config.adaptive or self.proposer is None:
+            return
+        if num_accepted:
+            request.spec_misses = 0
+            return
+        if num_draft_tokens > 1:  # k is still shrinking
+            return
+        request.spec_skip = min(self.MAX_SKIP, 1 << request.spec_misses)
+        request.spec_misses += 1
+
+
 def _token_array(request: Request) -> np.ndarray:
     """The request's prompt + output as int64, [num_tokens]: a buffer kept on the request and
     extended by the tokens appended since the last call (tokens are only ever appended), so a
@@ -180,7 +199,9 @@ class SpecCostMonitor:
     (async scheduling while speculation steps aside), which is what turning speculation off
     gives. When verifying is slower (drafts mostly rejected, or hardware on which a step of k + 1
     tokens costs much more than a step of one), speculation steps aside for `OFF_STEPS` steps,
-    then tries again, so it comes back when it pays again. A batch in which every step
+    then tries again, so it comes back when it pays again; each loss in a row doubles the pause
+    (up to `OFF_STEPS << MAX_BACKOFF`), so on text where it never pays the trials cost a few
+    steps in hundreds, and a win resets it. A batch in which every step
     speculates has no plain steps to compare with: after `WINDOW` such steps speculation steps
     aside for `MEASURE_STEPS` steps, only to measure them (a short pause: at batch 1 with drafts
     that pay, a long one would cost more than speculation gains over a few hundred tokens); the
@@ -189,6 +210,7 @@ class SpecCostMonitor:
     WINDOW = 16  # steps of each kind compared
     MIN_SAMPLES = 4  # of each kind before deciding
     OFF_STEPS = 32  # the pause after speculation lost
+    MAX_BACKOFF = 4  # doublings of that pause after losses in a row (at most 512 steps)
     MEASURE_STEPS = 2 * MIN_SAMPLES  # the pause that measures plain steps
     MARGIN = 0.97  # speculative steps must reach 97% of plain steps' rate to stay on
 
@@ -197,6 +219,7 @@ class SpecCostMonitor:
         self.steps: dict[bool, deque[tuple[float, int]]] = {
             True: deque(maxlen=self.WINDOW), False: deque(maxlen=self.WINDOW)}
         self.off_steps_left = 0
+        self.losses = 0  # decisions lost in a row
 
     def active(self) -> bool:
         return self.off_steps_left == 0
@@ -220,5 +243,8 @@ class SpecCostMonitor:
             if len(spec) == self.WINDOW:  # plain steps never measured here: measure them
                 self.off_steps_left = self.MEASURE_STEPS
         elif self.rate(True) < self.MARGIN * self.rate(False):
-            self.off_steps_left = self.OFF_STEPS
+            self.off_steps_left = self.OFF_STEPS << min(self.losses, self.MAX_BACKOFF)
+            self.losses += 1
             self.steps[True].clear()  # measured afresh when it comes back
+        else:
+            self.losses = 0
