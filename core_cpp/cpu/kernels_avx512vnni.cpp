@@ -122,19 +122,58 @@ inline float lane_sum(const float* v, int c) {
 }
 
 // The contract's offset terms of R weight rows against the chunk's 16 activation rows, one lane
-// per activation row, summed in block order: corr[i * 16 + c].
+// per activation row, summed in block order; zeros for Q8_0 (which has none, but whose sums
+// add them all the same, as the scalar path adds 0). Laid out [i][row] for one weight row,
+// [row][i] for four (the epilogue's 128-bit stores).
 template <QType T, int R>
 void corrections512(const float* wc, const ChunkLayout& L, int64_t nb, float* corr) {
   __m512 sum[R];
   for (int i = 0; i < R; ++i) sum[i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int i = 0; i < R; ++i) {
-      sum[i] = _mm512_add_ps(sum[i], _mm512_mul_ps(_mm512_set1_ps(wc[i * nb + b]), L.s[b].f()));
+  if constexpr (Unpacked<T>::kCorrect) {
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int i = 0; i < R; ++i) {
+        sum[i] = _mm512_add_ps(sum[i], _mm512_mul_ps(_mm512_set1_ps(wc[i * nb + b]), L.s[b].f()));
+      }
     }
+    for (int i = 0; i < R; ++i) sum[i] = _mm512_mul_ps(_mm512_set1_ps(Unpacked<T>::kCorrScale), sum[i]);
   }
-  for (int i = 0; i < R; ++i) {
-    _mm512_storeu_ps(corr + i * kActRowsPerChunk,
-                     _mm512_mul_ps(_mm512_set1_ps(Unpacked<T>::kCorrScale), sum[i]));
+  if constexpr (R == 1) {
+    _mm512_storeu_ps(corr, sum[0]);
+  } else {
+    alignas(64) float t[R][kActRowsPerChunk];
+    for (int i = 0; i < R; ++i) _mm512_store_ps(t[i], sum[i]);
+    for (int row = 0; row < kActRowsPerChunk; ++row)
+      for (int i = 0; i < R; ++i) corr[row * R + i] = t[i][row];
+  }
+}
+
+// The epilogue of a tile of four weight rows, sixteen lanes at a time with store()'s arithmetic:
+// each 128-bit lane's sum (l0 + l2) + (l1 + l3) (two in-lane swaps and adds leave it in all
+// four elements), the four weight rows' sums of an activation row blended into one lane, then
+// + corr, + bias, (+ out), and each activation row's four outputs stored as one 128-bit value.
+// corr: [row][4] (corrections512's transposed layout).
+template <int G>
+inline void store_quads(const __m512 (&acc)[kQuad][G], const float* corr, const GemmArgs& g,
+                        int64_t r, int64_t j0, int64_t rows) {
+  const __m512 bias = g.bias ? _mm512_broadcast_f32x4(_mm_loadu_ps(g.bias + r)) : _mm512_setzero_ps();
+  for (int q = 0; q < G; ++q) {
+    __m512 sums[kQuad];
+    for (int i = 0; i < kQuad; ++i) {
+      const __m512 t = _mm512_add_ps(acc[i][q], _mm512_permute_ps(acc[i][q], 0x4e));  // l0+l2, l1+l3
+      sums[i] = _mm512_add_ps(t, _mm512_permute_ps(t, 0xb1));
+    }
+    __m512 y = _mm512_mask_blend_ps(0x2222, sums[0], sums[1]);
+    y = _mm512_mask_blend_ps(0x4444, y, sums[2]);
+    y = _mm512_mask_blend_ps(0x8888, y, sums[3]);
+    y = _mm512_add_ps(_mm512_add_ps(y, _mm512_loadu_ps(corr + q * 16)), bias);
+    alignas(64) float v[16];
+    _mm512_store_ps(v, y);
+    for (int c = 0; c < kQuad && q * kQuad + c < rows; ++c) {
+      float* out = g.out + (j0 + q * kQuad + c) * g.out_stride + r;
+      __m128 o = _mm_load_ps(v + 4 * c);
+      if (g.accumulate) o = _mm_add_ps(_mm_loadu_ps(out), o);
+      _mm_storeu_ps(out, o);
+    }
   }
 }
 
@@ -169,15 +208,49 @@ void tile512(const uint8_t* w_row0, int64_t row_bytes, const ChunkLayout& L, int
       }
     }
   }
-  for (int i = 0; i < R; ++i) {
-    for (int q = 0; q < G; ++q) {
-      alignas(64) float v[16];
-      _mm512_store_ps(v, acc[i][q]);
-      for (int c = 0; c < kQuad && q * kQuad + c < rows; ++c) {
-        const int row = q * kQuad + c;
-        const float off = Unpacked<T>::kCorrect ? corr[i * kActRowsPerChunk + row] : 0.0f;
-        store(g, j0 + row, r + i, lane_sum(v, c) + off);
+  if constexpr (R == kQuad) {
+    store_quads<G>(acc, corr, g, r, j0, rows);
+  } else {
+    for (int i = 0; i < R; ++i) {
+      for (int q = 0; q < G; ++q) {
+        alignas(64) float v[16];
+        _mm512_store_ps(v, acc[i][q]);
+        for (int c = 0; c < kQuad && q * kQuad + c < rows; ++c) {
+          const int row = q * kQuad + c;
+          store(g, j0 + row, r + i, lane_sum(v, c) + corr[i * kActRowsPerChunk + row]);
+        }
       }
+    }
+  }
+}
+
+// load_row_scales with 16 blocks at a time: a gather of each block's first 32 bits (fp16 d, then
+// Q4_1's m, or the first values, unused), narrowed to 16-bit halves and converted in one
+// vcvtph2ps each. The same floats.
+template <QType T>
+void load_row_scales512(const uint8_t* w_row0, int64_t row_bytes, int rows, int64_t nb,
+                        float* wd, float* wc) {
+  const int bb = block_bytes(T);
+  const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(bb));
+  for (int i = 0; i < rows; ++i) {
+    const uint8_t* row = w_row0 + i * row_bytes;
+    int64_t b = 0;
+    for (; b + 16 <= nb; b += 16) {
+      const __m512i words = _mm512_i32gather_epi32(offsets, row + b * bb, 1);
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+      _mm512_storeu_ps(wd + i * nb + b, d);
+      if constexpr (T == QType::Q4_1) {
+        _mm512_storeu_ps(wc + i * nb + b,
+                         _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16))));
+      } else {
+        _mm512_storeu_ps(wc + i * nb + b, T == QType::Q4_0 ? d : _mm512_setzero_ps());
+      }
+    }
+    for (; b < nb; ++b) {
+      const uint8_t* p = row + b * bb;
+      wd[i * nb + b] = Unpacked<T>::d(p);
+      wc[i * nb + b] = Unpacked<T>::c(p);
     }
   }
 }
@@ -189,12 +262,12 @@ void rows_against_chunks(const GemmArgs& g, int64_t r, const ChunkLayout* L, int
                          int64_t j0, float* wd, float* wc) {
   const int64_t row_bytes = g.nb * block_bytes(T);
   const uint8_t* w = g.w + r * row_bytes;
-  load_row_scales<T>(w, row_bytes, R, g.nb, wd, wc);
+  load_row_scales512<T>(w, row_bytes, R, g.nb, wd, wc);
   alignas(64) float corr[R * kActRowsPerChunk];
   for (int c = 0; c < chunks; ++c) {
     const int64_t j = j0 + c * kActRowsPerChunk;
     const int64_t rows = std::min<int64_t>(kActRowsPerChunk, g.m - j);
-    if constexpr (Unpacked<T>::kCorrect) corrections512<T, R>(wc, L[c], g.nb, corr);
+    corrections512<T, R>(wc, L[c], g.nb, corr);
     switch (L[c].groups) {
       case 1: tile512<T, R, 1>(w, row_bytes, L[c], g.nb, wd, corr, g, r, j, rows); break;
       case 2: tile512<T, R, 2>(w, row_bytes, L[c], g.nb, wd, corr, g, r, j, rows); break;
