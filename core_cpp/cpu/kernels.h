@@ -26,9 +26,11 @@ struct Kernels {
   // One row of k = nb * kBlock floats -> nb activation blocks (round half to even, as torch.round).
   void (*quantize_row)(const float* x, int64_t nb, ActBlock* out);
   // Optional (nullptr: gemm_rows reads xq as it is): lays xq out for gemm_rows once per product,
-  // before the threads split the weight rows, and points args.prepared at it. The layout lives
-  // in the calling thread's storage until its next prepare.
-  void (*prepare)(GemmArgs& args);
+  // before the threads split the weight rows. prepare sizes the layout (in the calling thread's
+  // storage, until its next prepare), points args.prepared at it and returns how many pieces
+  // prepare_piece must then fill (each once, in any order, on any thread).
+  int64_t (*prepare)(GemmArgs& args);
+  void (*prepare_piece)(const GemmArgs& args, int64_t piece);
   // out[j, r] = dot(x[j], w[r]) + bias[r] for every j < m and r in [row_begin, row_end).
   void (*gemm_rows)(const GemmArgs& args, int64_t row_begin, int64_t row_end);
   // Float helpers of attention over tokens at a stride (one cache block's keys or values):

@@ -52,10 +52,10 @@ inline __m512i q8_init(__m512i lo, __m512i hi) {
   return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, 7));
 }
 
-void build_layout(const ActBlock* x0, int64_t rows, int64_t nb, bool q8, ChunkLayout& L) {
-  const int groups = static_cast<int>((rows + kQuad - 1) / kQuad);
-  L.groups = groups;
-  const size_t size = static_cast<size_t>(nb * groups);
+// Sizes L for `rows` activation rows (not thread-safe: vectors grow); fill_layout writes it.
+void size_layout(int64_t rows, int64_t nb, ChunkLayout& L) {
+  L.groups = static_cast<int>((rows + kQuad - 1) / kQuad);
+  const size_t size = static_cast<size_t>(nb * L.groups);
   if (L.lo.size() < size) {
     L.lo.resize(size);
     L.hi.resize(size);
@@ -63,29 +63,38 @@ void build_layout(const ActBlock* x0, int64_t rows, int64_t nb, bool q8, ChunkLa
     L.dx.resize(size);
   }
   if (L.s.size() < static_cast<size_t>(nb)) L.s.resize(nb);
+}
+
+void fill_layout(const ActBlock* x0, int64_t rows, int64_t nb, bool q8, ChunkLayout& L) {
+  const int groups = L.groups;
   for (int64_t b = 0; b < nb; ++b) {
-    alignas(64) float s[kActRowsPerChunk] = {};
+    float* s = reinterpret_cast<float*>(L.s[b].bytes);
+    if (rows < kActRowsPerChunk) L.s[b].set(_mm512_setzero_ps());
     for (int q = 0; q < groups; ++q) {
-      alignas(64) int8_t lo[64] = {}, hi[64] = {};
-      alignas(64) float dx[16] = {};
-      for (int c = 0; c < kQuad; ++c) {
+      const size_t at = static_cast<size_t>(b * groups + q);
+      Zmm &lo = L.lo[at], &hi = L.hi[at];
+      if ((q + 1) * kQuad > rows) {  // a last group with rows past the chunk: zeros there
+        lo.set(_mm512_setzero_si512());
+        hi.set(_mm512_setzero_si512());
+        L.dx[at].set(_mm512_setzero_ps());
+      }
+      float* dx = reinterpret_cast<float*>(L.dx[at].bytes);
+      for (int c = 0; c < kQuad && q * kQuad + c < rows; ++c) {
         const int64_t row = q * kQuad + c;
-        if (row >= rows) break;
         const ActBlock& xb = x0[row * nb + b];
-        std::memcpy(lo + 16 * c, xb.qs, 16);
-        std::memcpy(hi + 16 * c, xb.qs + 16, 16);
+        std::memcpy(lo.bytes + 16 * c, xb.qs, 16);
+        std::memcpy(hi.bytes + 16 * c, xb.qs + 16, 16);
         for (int l = 0; l < 4; ++l) dx[4 * c + l] = xb.d;
         s[row] = xb.s;
       }
-      const size_t at = static_cast<size_t>(b * groups + q);
-      const __m512i vlo = _mm512_load_si512(lo), vhi = _mm512_load_si512(hi);
-      L.lo[at].set(vlo);
-      L.hi[at].set(vhi);
-      L.dx[at].set(_mm512_load_ps(dx));
-      L.init[at].set(q8 ? q8_init(vlo, vhi) : _mm512_setzero_si512());
+      if (q8) L.init[at].set(q8_init(lo.i(), hi.i()));
     }
-    L.s[b].set(_mm512_load_ps(s));
   }
+}
+
+void build_layout(const ActBlock* x0, int64_t rows, int64_t nb, bool q8, ChunkLayout& L) {
+  size_layout(rows, nb, L);
+  fill_layout(x0, rows, nb, q8, L);
 }
 
 // One weight block's halves broadcast to all four lanes, unsigned for vpdpbusd: the 4-bit types'
@@ -394,12 +403,12 @@ struct Prepared {
   std::vector<Zmm> xinit;  // [m][nb], lane 0 of each
 };
 
-void prepare512(GemmArgs& g) {
+int64_t prepare512(GemmArgs& g) {
   thread_local Prepared p;
   const bool q8 = g.qtype == QType::Q8_0;
   g.prepared = &p;
   if (g.m <= kNarrowRows) {
-    if (!q8) return;
+    if (!q8) return 0;
     const size_t size = static_cast<size_t>(g.m * g.nb);
     if (p.xinit.size() < size) p.xinit.resize(size);
     for (size_t i = 0; i < size; ++i) {
@@ -408,15 +417,21 @@ void prepare512(GemmArgs& g) {
       const __m512i hi = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(xb.qs + 16)));
       p.xinit[i].set(q8_init(lo, hi));
     }
-    return;
+    return 0;
   }
   const int64_t chunks = (g.m + kActRowsPerChunk - 1) / kActRowsPerChunk;
   if (p.chunks.size() < static_cast<size_t>(chunks)) p.chunks.resize(chunks);
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t j = c * kActRowsPerChunk;
-    build_layout(g.xq + j * g.nb, std::min<int64_t>(kActRowsPerChunk, g.m - j), g.nb, q8,
-                 p.chunks[c]);
+    size_layout(std::min<int64_t>(kActRowsPerChunk, g.m - c * kActRowsPerChunk), g.nb, p.chunks[c]);
   }
+  return chunks;
+}
+
+void prepare_piece512(const GemmArgs& g, int64_t c) {
+  auto& p = *static_cast<Prepared*>(const_cast<void*>(g.prepared));
+  const int64_t j = c * kActRowsPerChunk;
+  fill_layout(g.xq + j * g.nb, std::min<int64_t>(kActRowsPerChunk, g.m - j), g.nb,
+              g.qtype == QType::Q8_0, p.chunks[c]);
 }
 
 // Weight rows [r, row_end) against the product's C <= kNarrowRows activation rows: narrow tiles
@@ -492,7 +507,7 @@ void gemm_rows512(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
 }  // namespace
 
 const Kernels& avx512vnni_kernels() {
-  static const Kernels k{"avx512vnni", quantize_row, prepare512, gemm_rows512, dot_tokens, sum_tokens,
+  static const Kernels k{"avx512vnni", quantize_row, prepare512, prepare_piece512, gemm_rows512, dot_tokens, sum_tokens,
                          exp_sum, silu_mul};
   return k;
 }

@@ -44,7 +44,16 @@ void quantize_rows(const Kernels& kern, const float* x, int64_t x_stride, int64_
 }
 
 void gemm_parallel(const Kernels& kern, GemmArgs args, int64_t n, ThreadPool& workers) {
-  if (kern.prepare) kern.prepare(args);
+  if (kern.prepare) {
+    const int64_t pieces = kern.prepare(args);
+    if (pieces > 1 && workers.num_threads() > 1) {
+      workers.run(pieces, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) kern.prepare_piece(args, i);
+      });
+    } else {
+      for (int64_t i = 0; i < pieces; ++i) kern.prepare_piece(args, i);
+    }
+  }
   if (n < 2 * kMinRowsPerThread || workers.num_threads() == 1) {
     return kern.gemm_rows(args, 0, n);
   }
