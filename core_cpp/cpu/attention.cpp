@@ -19,15 +19,62 @@ namespace {
 
 constexpr int64_t kItemsPerThread = 4;  // fewer (row, KV head) items: split by query head
 
-// Calls fn(t0, x, num_tokens) for each cache block of KV head `head` holding tokens < ctx:
-// x is token t0's key (kv = 0) or value (kv = 1), the next ones a token stride (hkv * d) apart.
+// The cache lines of the block a walk reads next (its run of `run` bytes per token, `num`
+// tokens a token stride apart), fetched in `parts` slices while the current block computes: the
+// reads of a block wait on memory otherwise (the hardware prefetcher starts cold at each
+// scattered block), and a slice at a time, rather than the whole block at once, leaves the
+// miss queues room.
+// A prefetch into L2 that the optimizer keeps: GCC takes a function whose only effect is
+// __builtin_prefetch for a pure one and drops its calls.
+inline void prefetch_l2(const char* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht1 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
+struct NextBlock {
+  const char* base = nullptr;
+  int64_t num = 0, token_bytes = 0, run = 0;
+  void fetch(int64_t part, int64_t parts) const {
+    if (!base) return;
+    const int64_t lines_per_token = (run + 63) / 64, lines = num * lines_per_token;
+    const int64_t begin = part * lines / parts, end = (part + 1) * lines / parts;
+    int64_t t = begin / lines_per_token, j = begin % lines_per_token;
+    for (int64_t l = begin; l < end; ++l) {
+      prefetch_l2(base + t * token_bytes + j * 64);
+      if (++j == lines_per_token) {
+        j = 0;
+        ++t;
+      }
+    }
+  }
+};
+
+// Calls fn(t0, x, num_tokens, next) for each cache block of KV head `head` holding tokens < ctx:
+// x is token t0's key (kv = 0) or value (kv = 1), the next ones a token stride (hkv * d) apart;
+// next describes the block after it (for the last key block, the first value block) over
+// `heads` KV heads.
 template <typename Fn>
 inline void for_each_block(const PagedRows& a, const int32_t* table, int64_t ctx, int kv,
-                           int64_t head, Fn fn) {
+                           int64_t head, int64_t heads, Fn fn) {
   const int64_t token_stride = a.hkv * a.d;
+  auto block = [&](int plane, int64_t i) {
+    const int64_t first_slot = (plane * a.num_blocks + table[i]) * a.block_size;
+    return a.cache + first_slot * token_stride + head * a.d;
+  };
   for (int64_t t0 = 0, i = 0; t0 < ctx; t0 += a.block_size, ++i) {
-    const int64_t first_slot = (kv * a.num_blocks + table[i]) * a.block_size;
-    fn(t0, a.cache + first_slot * token_stride + head * a.d, std::min(a.block_size, ctx - t0));
+    NextBlock next;
+    const bool more = t0 + a.block_size < ctx;
+    if (more || kv == 0) {
+      const int64_t t1 = more ? t0 + a.block_size : 0;
+      next.base = reinterpret_cast<const char*>(block(more ? kv : 1, more ? i + 1 : 0));
+      next.num = std::min(a.block_size, ctx - t1);
+      next.token_bytes = token_stride * static_cast<int64_t>(sizeof(float));
+      next.run = heads * a.d * static_cast<int64_t>(sizeof(float));
+    }
+    fn(t0, block(kv, i), std::min(a.block_size, ctx - t0), next);
   }
 }
 
@@ -41,10 +88,12 @@ void attend_one(const PagedRows& a, const Kernels& kern, int64_t row, int64_t he
   const int32_t* table = a.tables + (a.row_table ? a.row_table[row] : row) * a.table_stride;
   scores.resize(heads * n * ctx);
   const float* q_row = a.q + row * a.q_stride;
-  for_each_block(a, table, ctx, 0, head0, [&](int64_t t0, const float* k, int64_t num) {
+  for_each_block(a, table, ctx, 0, head0, heads,
+                 [&](int64_t t0, const float* k, int64_t num, const NextBlock& next) {
     for (int64_t hd = 0; hd < heads; ++hd) {
       const float* q0 = q_row + ((head0 + hd) * group + g0) * d;
       for (int64_t g = 0; g < n; ++g) {
+        next.fetch(hd * n + g, heads * n);
         kern.dot_tokens(q0 + g * d, k + hd * d, stride, num, d, a.scale,
                         scores.data() + (hd * n + g) * ctx + t0);
       }
@@ -60,10 +109,12 @@ void attend_one(const PagedRows& a, const Kernels& kern, int64_t row, int64_t he
     float* o0 = out_row + ((head0 + hd) * group + g0) * d;
     std::fill(o0, o0 + n * d, 0.0f);
   }
-  for_each_block(a, table, ctx, 1, head0, [&](int64_t t0, const float* v, int64_t num) {
+  for_each_block(a, table, ctx, 1, head0, heads,
+                 [&](int64_t t0, const float* v, int64_t num, const NextBlock& next) {
     for (int64_t hd = 0; hd < heads; ++hd) {
       float* o0 = out_row + ((head0 + hd) * group + g0) * d;
       for (int64_t g = 0; g < n; ++g) {
+        next.fetch(hd * n + g, heads * n);
         kern.sum_tokens(scores.data() + (hd * n + g) * ctx + t0, v + hd * d, stride, num, d,
                         o0 + g * d);
       }
