@@ -39,6 +39,12 @@ struct NextBlock {
   int64_t num = 0, token_bytes = 0, run = 0;
   void fetch(int64_t part, int64_t parts) const {
     if (!base) return;
+    if (run == token_bytes) {  // every KV head of the block: one contiguous run
+      const int64_t lines = (num * run + 63) / 64;
+      const char* end = base + (part + 1) * lines / parts * 64;
+      for (const char* p = base + part * lines / parts * 64; p < end; p += 64) prefetch_l2(p);
+      return;
+    }
     const int64_t lines_per_token = (run + 63) / 64, lines = num * lines_per_token;
     const int64_t begin = part * lines / parts, end = (part + 1) * lines / parts;
     int64_t t = begin / lines_per_token, j = begin % lines_per_token;
