@@ -77,7 +77,13 @@ def prompts_for(workload: str, batch_size: int) -> list[str]:
 
 def run_once(engine: EngineCore, prompts: list[list[int]], output_len: int, sync
              ) -> dict[str, Any]:
-    """All prompts at once, to completion: tokens, output and decode tokens/s, spec counters."""
+    """All prompts at once, to completion: tokens, output and decode tokens/s, spec counters.
+
+    Starts with the engine's prefix cache empty: the two engines share one KV cache's memory,
+    each with its own block pool, so a block one engine's cache still names may since hold the
+    other's tokens (and a hit would make the runs unequal anyway)."""
+    if not engine.reset_prefix_cache():
+        raise RuntimeError("bench spec: the prefix cache could not be reset (blocks in use)")
     before = engine.get_stats()
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     first_s: dict[str, float] = {}
