@@ -21,14 +21,8 @@
 namespace tinyvllm::cpu {
 namespace {
 
-constexpr int kQuad = 4;                               // pairs per zmm
+constexpr int kQuad = 4;  // pairs per zmm
 
-// A chunk of up to 16 activation rows laid out for the GEMM tile: for block b and group q (rows
-// 4q .. 4q + 3 of the chunk), lo / hi hold the four rows' values 0-15 / 16-31 in 128-bit lanes,
-// dx their scales (lane 4c + l: row 4q + c's d), and for Q8_0 init the term that undoes the
-// weights' +128 (below): -128 times each contract lane's sum of activations. s[b] holds the 16
-// rows' activation sums s (lane c: row c), for the 4-bit types' offset terms. Rows past the
-// chunk are zeros: their lanes compute 0 and are not stored.
 struct alignas(64) Zmm {  // one 512-bit value in memory (a std::vector of __m512 drops alignment)
   char bytes[64];
   __m512i i() const { return _mm512_load_si512(bytes); }
@@ -37,6 +31,12 @@ struct alignas(64) Zmm {  // one 512-bit value in memory (a std::vector of __m51
   void set(__m512 v) { _mm512_store_ps(reinterpret_cast<float*>(bytes), v); }
 };
 
+// A chunk of up to 16 activation rows laid out for the GEMM tile: for block b and group q (rows
+// 4q .. 4q + 3 of the chunk), lo / hi hold the four rows' values 0-15 / 16-31 in 128-bit lanes,
+// dx their scales (lane 4c + l: row 4q + c's d), and for Q8_0 init the term that undoes the
+// weights' +128 (below): -128 times each contract lane's sum of activations. s[b] holds the 16
+// rows' activation sums s (lane c: row c), for the 4-bit types' offset terms. Rows past the
+// chunk are zeros: their lanes compute 0 and are not stored.
 struct ChunkLayout {
   std::vector<Zmm> lo, hi, init, dx;  // [nb * groups]
   std::vector<Zmm> s;                 // [nb]
