@@ -249,8 +249,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = _f(4, "ngram: longest suffix n tried (longest first).")
     prompt_lookup_min: int = _f(1, "ngram: shortest suffix n tried.")
     disable_by_batch_size: Optional[int] = _f(
-        32, "Speculation steps aside while this many requests or more are running (a large "
-        "batch already fills the hardware; verification would only add work). None: never.")
+        32, "Speculation steps aside while this many requests or more are running or waiting "
+        "(a large batch already fills the hardware; verification would only add work). None: "
+        "never.")
     adaptive: bool = _f(
         True, "Per request, grow k after a fully accepted step and shrink it after a step that "
         "accepted nothing (1 to num_speculative_tokens).")

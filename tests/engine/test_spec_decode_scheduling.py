@@ -256,6 +256,21 @@ def test_speculation_that_pays_keeps_running_after_measuring_plain_steps():
         policy.observe_step(0.1, 3, speculated=True)
 
 
+def test_waiting_requests_count_toward_disable_by_batch_size():
+    """A batch still filling (requests waiting for a slot) is the batch it will be: with
+    disable_by_batch_size 3, two running and one waiting do not speculate."""
+    kv = KVCacheManager(64, BLOCK, True, hash_seed=1)
+    s = Scheduler(SchedulerConfig(max_num_seqs=2), kv, max_model_len=1000,
+                  speculative=SpeculativeConfig(method="ngram", disable_by_batch_size=3))
+    repeating = [7, 8, 9, 7, 8, 9, 7, 8]  # prompt lookup finds a draft for it
+    for i in range(3):
+        s.add_request(make_request(str(i), repeating))
+    s.update(s.schedule(), {"0": (9, None), "1": (9, None)})
+    assert len(s.running) == 2 and len(s.waiting) == 1
+    assert s.can_schedule_ahead()
+    assert all(not r.draft_token_ids for r in s.schedule().scheduled)
+
+
 def test_steps_are_scheduled_ahead_only_while_speculation_steps_aside():
     """Active speculation needs each step's tokens before the next is scheduled; at a batch of
     disable_by_batch_size or more, and during a pause (drafts that do not pay), steps are

@@ -127,6 +127,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def _num_enqueued(self) -> int:
+        """Requests running or waiting: the batch that speculation's disable_by_batch_size
+        compares (vLLM's "enqueued requests"), so a batch that is still filling does not
+        speculate, and give up scheduling ahead, for the few steps before it is full."""
+        return len(self.running) + len(self.waiting)
+
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before the one in flight is processed: no
         running request with a token in flight needs its output ids on the host to sample.
@@ -138,7 +144,7 @@ class Scheduler:
         after the step before, from its tokens, so they too exist only once that step is
         processed. While speculation steps aside (a large batch, or drafts that do not pay),
         steps are scheduled ahead again; a request with a token in flight gets no drafts."""
-        if (self.spec.active(len(self.running))
+        if (self.spec.active(self._num_enqueued())
                 and any(r.can_speculate for r in self.running)):
             return False
         return not any(r.num_output_placeholders and r.sampling_reads_output_tokens
@@ -192,7 +198,7 @@ class Scheduler:
 
     def _schedule_running(self, step: _Step, budget: int) -> tuple[int, bool]:
         preempted_any = False
-        speculate = self.spec.active(len(self.running))
+        speculate = self.spec.active(self._num_enqueued())
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -225,7 +231,7 @@ class Scheduler:
         return budget, preempted_any
 
     def _schedule_waiting(self, step: _Step, budget: int) -> None:
-        speculate = self.spec.active(len(self.running))
+        speculate = self.spec.active(self._num_enqueued())
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.num_output_placeholders:

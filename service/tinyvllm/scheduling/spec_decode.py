@@ -104,8 +104,8 @@ class SpecDecodeStats:
 class SpecDecodePolicy:
     """Which requests speculate this step and with how many tokens.
 
-    Speculation steps aside while `disable_by_batch_size` requests or more run: the batch already
-    keeps the hardware busy and rejected drafts would only add work. Per request, k adapts to
+    Speculation steps aside while `disable_by_batch_size` requests or more run or wait: the
+    batch already keeps the hardware busy and rejected drafts would only add work. Per request, k adapts to
     the recent acceptance (`adaptive`): +1 after a step that accepted every draft, -1 (down to 1)
     after one that accepted none, so a request whose drafts keep failing spends one extra
     position per step instead of k. With prompt lookup, once even one-token drafts fail, the
