@@ -19,11 +19,6 @@ namespace {
 
 constexpr int64_t kItemsPerThread = 4;  // fewer (row, KV head) items: split by query head
 
-// The cache lines of the block a walk reads next (its run of `run` bytes per token, `num`
-// tokens a token stride apart), fetched in `parts` slices while the current block computes: the
-// reads of a block wait on memory otherwise (the hardware prefetcher starts cold at each
-// scattered block), and a slice at a time, rather than the whole block at once, leaves the
-// miss queues room.
 // A prefetch into L2 that the optimizer keeps: GCC takes a function whose only effect is
 // __builtin_prefetch for a pure one and drops its calls.
 inline void prefetch_l2(const char* p) {
@@ -34,6 +29,11 @@ inline void prefetch_l2(const char* p) {
 #endif
 }
 
+// The cache lines of the block a walk reads next (its run of `run` bytes per token, `num`
+// tokens a token stride apart), fetched in `parts` slices while the current block computes: the
+// reads of a block wait on memory otherwise (the hardware prefetcher starts cold at each
+// scattered block), and a slice at a time, rather than the whole block at once, leaves the
+// miss queues room.
 struct NextBlock {
   const char* base = nullptr;
   int64_t num = 0, token_bytes = 0, run = 0;

@@ -509,7 +509,8 @@ void silu_mul(const float* gate, const float* up, float* y, int64_t n) {
 
 #if !defined(TINYVLLM_KERNELS_VNNI)
 const Kernels& avx2_kernels() {
-  static const Kernels k{"avx2", quantize_row, nullptr, nullptr, gemm_rows, dot_tokens, sum_tokens, exp_sum, silu_mul};
+  static const Kernels k{"avx2", quantize_row, nullptr, nullptr, gemm_rows, dot_tokens,
+                         sum_tokens, exp_sum, silu_mul};
   return k;
 }
 #endif

@@ -97,22 +97,46 @@ void build_layout(const ActBlock* x0, int64_t rows, int64_t nb, bool q8, ChunkLa
   fill_layout(x0, rows, nb, q8, L);
 }
 
+inline __m128i load16(const uint8_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+
+template <QType T>
+constexpr size_t qs_offset() {  // where a block's values start
+  return T == QType::Q4_0 ? offsetof(BlockQ4_0, qs)
+       : T == QType::Q4_1 ? offsetof(BlockQ4_1, qs) : offsetof(BlockQ8_0, qs);
+}
+
+// Bytes of packed nibbles -> the low nibbles (values 0-15 of a block) and the high ones (16-31).
+inline void split_nibbles(__m512i t, __m512i& lo, __m512i& hi) {
+  const __m512i mask = _mm512_set1_epi8(0x0f);
+  lo = _mm512_and_si512(t, mask);
+  hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), mask);
+}
+
+// Signed bytes w -> unsigned w + 128, for vpdpbusd's unsigned operand.
+inline __m512i flip_sign(__m512i w) {
+  return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));
+}
+
+// 16 bytes at offset `off` of four rows `row_bytes` apart, one row per 128-bit lane.
+inline __m512i four_rows(const uint8_t* p, int64_t row_bytes, size_t off) {
+  __m512i t = _mm512_castsi128_si512(load16(p + off));
+  t = _mm512_inserti32x4(t, load16(p + row_bytes + off), 1);
+  t = _mm512_inserti32x4(t, load16(p + 2 * row_bytes + off), 2);
+  return _mm512_inserti32x4(t, load16(p + 3 * row_bytes + off), 3);
+}
+
 // One weight block's halves broadcast to all four lanes, unsigned for vpdpbusd: the 4-bit types'
 // nibbles, Q8_0's values + 128 (xor 0x80).
 template <QType T>
 inline void weight_halves(const uint8_t* p, __m512i& lo, __m512i& hi) {
   if constexpr (T == QType::Q8_0) {
-    const auto* qs = reinterpret_cast<const BlockQ8_0*>(p)->qs;
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    lo = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))), flip);
-    hi = _mm512_xor_si512(
-        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16))), flip);
+    const uint8_t* qs = p + qs_offset<T>();
+    lo = flip_sign(_mm512_broadcast_i32x4(load16(qs)));
+    hi = flip_sign(_mm512_broadcast_i32x4(load16(qs + 16)));
   } else {
-    const uint8_t* qs = p + (T == QType::Q4_0 ? offsetof(BlockQ4_0, qs) : offsetof(BlockQ4_1, qs));
-    const __m512i t = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-    const __m512i mask = _mm512_set1_epi8(0x0f);
-    lo = _mm512_and_si512(t, mask);
-    hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), mask);
+    split_nibbles(_mm512_broadcast_i32x4(load16(p + qs_offset<T>())), lo, hi);
   }
 }
 
@@ -141,10 +165,12 @@ void corrections512(const float* wc, const ChunkLayout& L, int64_t nb, float* co
   if constexpr (Unpacked<T>::kCorrect) {
     for (int64_t b = 0; b < nb; ++b) {
       for (int i = 0; i < R; ++i) {
-        sum[i] = _mm512_add_ps(sum[i], _mm512_mul_ps(_mm512_set1_ps(wc[i * nb + b]), L.s[b].f()));
+        const __m512 term = _mm512_mul_ps(_mm512_set1_ps(wc[i * nb + b]), L.s[b].f());
+        sum[i] = _mm512_add_ps(sum[i], term);
       }
     }
-    for (int i = 0; i < R; ++i) sum[i] = _mm512_mul_ps(_mm512_set1_ps(Unpacked<T>::kCorrScale), sum[i]);
+    const __m512 scale = _mm512_set1_ps(Unpacked<T>::kCorrScale);
+    for (int i = 0; i < R; ++i) sum[i] = _mm512_mul_ps(scale, sum[i]);
   }
   if constexpr (R == 1) {
     _mm512_storeu_ps(corr, sum[0]);
@@ -164,11 +190,13 @@ void corrections512(const float* wc, const ChunkLayout& L, int64_t nb, float* co
 template <int G>
 inline void store_quads(const __m512 (&acc)[kQuad][G], const float* corr, const GemmArgs& g,
                         int64_t r, int64_t j0, int64_t rows) {
-  const __m512 bias = g.bias ? _mm512_broadcast_f32x4(_mm_loadu_ps(g.bias + r)) : _mm512_setzero_ps();
+  const __m512 bias =
+      g.bias ? _mm512_broadcast_f32x4(_mm_loadu_ps(g.bias + r)) : _mm512_setzero_ps();
   for (int q = 0; q < G; ++q) {
     __m512 sums[kQuad];
     for (int i = 0; i < kQuad; ++i) {
-      const __m512 t = _mm512_add_ps(acc[i][q], _mm512_permute_ps(acc[i][q], 0x4e));  // l0+l2, l1+l3
+      // l0 + l2, l1 + l3, then their sum in every element of the lane
+      const __m512 t = _mm512_add_ps(acc[i][q], _mm512_permute_ps(acc[i][q], 0x4e));
       sums[i] = _mm512_add_ps(t, _mm512_permute_ps(t, 0xb1));
     }
     __m512 y = _mm512_mask_blend_ps(0x2222, sums[0], sums[1]);
@@ -212,7 +240,8 @@ void tile512(const uint8_t* w_row0, int64_t row_bytes, const ChunkLayout& L, int
       const __m512 dw = _mm512_set1_ps(wd[i * nb + b]);
       for (int q = 0; q < G; ++q) {
         const __m512i start = T == QType::Q8_0 ? init[q] : fresh_zero();
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, w_lo, lo[q]), w_hi, hi[q]);
+        const __m512i dot =
+            _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, w_lo, lo[q]), w_hi, hi[q]);
         acc[i][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[q]), acc[i][q]);
       }
     }
@@ -240,8 +269,9 @@ template <QType T>
 void load_row_scales512(const uint8_t* w_row0, int64_t row_bytes, int rows, int64_t nb,
                         float* wd, float* wc) {
   const int bb = block_bytes(T);
-  const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                             _mm512_set1_epi32(bb));
+  const __m512i offsets = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(bb));
   for (int i = 0; i < rows; ++i) {
     const uint8_t* row = w_row0 + i * row_bytes;
     int64_t b = 0;
@@ -306,47 +336,34 @@ void narrow512(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, cons
     }
   }
   // Lane 4i + l takes row i's scale: element 2i of (d, c) pairs, element i of d alone.
-  const __m512i spread = kFourBit ? _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6)
-                                  : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  const __m512i mask = _mm512_set1_epi8(0x0f);
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i spread =
+      kFourBit ? _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6)
+               : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   // The tile reads its 4 * Q rows block by block, streams the hardware prefetcher follows poorly
   // from DRAM: fetch the tile two ahead (contiguous rows) in order, 4 * Q blocks' bytes per block.
   const char* ahead = reinterpret_cast<const char*>(w_row0 + 2 * kQuad * Q * row_bytes);
   const int64_t ahead_step = kQuad * Q * bb;
   for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t off = 0; off < ahead_step; off += 64) _mm_prefetch(ahead + b * ahead_step + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < ahead_step; off += 64) {
+      _mm_prefetch(ahead + b * ahead_step + off, _MM_HINT_T0);
+    }
     for (int q = 0; q < Q; ++q) {
       const uint8_t* p = w_row0 + (kQuad * q) * row_bytes + b * bb;
       __m512i w_lo, w_hi;
       __m128i dw16;  // the four rows' fp16 (d, c) pairs (4-bit types) or d (Q8_0)
       if constexpr (kFourBit) {
-        const size_t off = T == QType::Q4_0 ? offsetof(BlockQ4_0, qs) : offsetof(BlockQ4_1, qs);
-        __m512i t = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + off)));
-        t = _mm512_inserti32x4(t, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + row_bytes + off)), 1);
-        t = _mm512_inserti32x4(t, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * row_bytes + off)), 2);
-        t = _mm512_inserti32x4(t, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * row_bytes + off)), 3);
-        w_lo = _mm512_and_si512(t, mask);
-        w_hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), mask);
+        split_nibbles(four_rows(p, row_bytes, qs_offset<T>()), w_lo, w_hi);
         dw16 = _mm_setr_epi32(
             static_cast<int>(scale_pair<T>(p)), static_cast<int>(scale_pair<T>(p + row_bytes)),
             static_cast<int>(scale_pair<T>(p + 2 * row_bytes)),
             static_cast<int>(scale_pair<T>(p + 3 * row_bytes)));
       } else {
-        const auto* w0 = reinterpret_cast<const BlockQ8_0*>(p);
-        const auto* w1 = reinterpret_cast<const BlockQ8_0*>(p + row_bytes);
-        const auto* w2 = reinterpret_cast<const BlockQ8_0*>(p + 2 * row_bytes);
-        const auto* w3 = reinterpret_cast<const BlockQ8_0*>(p + 3 * row_bytes);
-        auto lanes = [&](int off) {
-          __m512i t = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w0->qs + off)));
-          t = _mm512_inserti32x4(t, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w1->qs + off)), 1);
-          t = _mm512_inserti32x4(t, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w2->qs + off)), 2);
-          t = _mm512_inserti32x4(t, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w3->qs + off)), 3);
-          return _mm512_xor_si512(t, flip);
-        };
-        w_lo = lanes(0);
-        w_hi = lanes(16);
-        const uint16_t d[4] = {w0->d, w1->d, w2->d, w3->d};
+        w_lo = flip_sign(four_rows(p, row_bytes, qs_offset<T>()));
+        w_hi = flip_sign(four_rows(p, row_bytes, qs_offset<T>() + 16));
+        const uint16_t d[4] = {reinterpret_cast<const BlockQ8_0*>(p)->d,
+                               reinterpret_cast<const BlockQ8_0*>(p + row_bytes)->d,
+                               reinterpret_cast<const BlockQ8_0*>(p + 2 * row_bytes)->d,
+                               reinterpret_cast<const BlockQ8_0*>(p + 3 * row_bytes)->d};
         uint64_t d4;
         std::memcpy(&d4, d, sizeof d4);
         dw16 = _mm_cvtsi64_si128(static_cast<long long>(d4));
@@ -354,9 +371,9 @@ void narrow512(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, cons
       const __m256 dw = _mm256_cvtph_ps(dw16);  // Q8_0: the four d in the low half
       for (int c = 0; c < C; ++c) {
         const ActBlock& xb = x[c * nb + b];
-        const __m512i x_lo = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(xb.qs)));
-        const __m512i x_hi =
-            _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(xb.qs + 16)));
+        const auto* xqs = reinterpret_cast<const uint8_t*>(xb.qs);
+        const __m512i x_lo = _mm512_broadcast_i32x4(load16(xqs));
+        const __m512i x_hi = _mm512_broadcast_i32x4(load16(xqs + 16));
         __m512i start;
         __m512 scale;
         if constexpr (kFourBit) {
@@ -372,7 +389,8 @@ void narrow512(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, cons
               spread, _mm512_castps128_ps512(_mm_mul_ps(_mm256_castps256_ps128(dw),
                                                         _mm_broadcast_ss(&xb.d))));
         }
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, w_lo, x_lo), w_hi, x_hi);
+        const __m512i dot =
+            _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, w_lo, x_lo), w_hi, x_hi);
         acc[q][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[q][c]);
       }
     }
@@ -412,17 +430,17 @@ int64_t prepare512(GemmArgs& g) {
     const size_t size = static_cast<size_t>(g.m * g.nb);
     if (p.xinit.size() < size) p.xinit.resize(size);
     for (size_t i = 0; i < size; ++i) {
-      const ActBlock& xb = g.xq[i];
-      const __m512i lo = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(xb.qs)));
-      const __m512i hi = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(xb.qs + 16)));
-      p.xinit[i].set(q8_init(lo, hi));
+      const auto* qs = reinterpret_cast<const uint8_t*>(g.xq[i].qs);
+      p.xinit[i].set(q8_init(_mm512_castsi128_si512(load16(qs)),
+                             _mm512_castsi128_si512(load16(qs + 16))));
     }
     return 0;
   }
   const int64_t chunks = (g.m + kActRowsPerChunk - 1) / kActRowsPerChunk;
   if (p.chunks.size() < static_cast<size_t>(chunks)) p.chunks.resize(chunks);
   for (int64_t c = 0; c < chunks; ++c) {
-    size_layout(std::min<int64_t>(kActRowsPerChunk, g.m - c * kActRowsPerChunk), g.nb, p.chunks[c]);
+    const int64_t rows = std::min<int64_t>(kActRowsPerChunk, g.m - c * kActRowsPerChunk);
+    size_layout(rows, g.nb, p.chunks[c]);
   }
   return chunks;
 }
@@ -507,8 +525,8 @@ void gemm_rows512(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
 }  // namespace
 
 const Kernels& avx512vnni_kernels() {
-  static const Kernels k{"avx512vnni", quantize_row, prepare512, prepare_piece512, gemm_rows512, dot_tokens, sum_tokens,
-                         exp_sum, silu_mul};
+  static const Kernels k{"avx512vnni", quantize_row, prepare512, prepare_piece512, gemm_rows512,
+                         dot_tokens, sum_tokens, exp_sum, silu_mul};
   return k;
 }
 

@@ -116,7 +116,8 @@ void silu_mul(const float* gate, const float* up, float* y, int64_t n) {
 }  // namespace
 
 const Kernels& scalar_kernels() {
-  static const Kernels k{"scalar", quantize_row, nullptr, nullptr, gemm_rows, dot_tokens, sum_tokens, exp_sum, silu_mul};
+  static const Kernels k{"scalar", quantize_row, nullptr, nullptr, gemm_rows, dot_tokens,
+                         sum_tokens, exp_sum, silu_mul};
   return k;
 }
 
