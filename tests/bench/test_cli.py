@@ -95,3 +95,41 @@ def test_spec_with_a_truncated_self_draft(tmp_path, smollm2_path):
     # The full-depth self-draft is the target: every draft token is accepted.
     assert result["off"]["num_drafts"] == 0 and result["on"]["num_drafts"] > 0
     assert result["on"]["acceptance_rate"] == 1.0
+
+
+def test_spec_runs_start_with_an_empty_prefix_cache():
+    """bench spec's two engines share one KV cache's memory, each with its own block pool: a
+    block one engine's prefix cache names may hold the other's tokens, so every run resets it
+    (and refuses to run on a cache it cannot reset)."""
+    import types
+
+    from tinyvllm.bench import spec
+
+    class Engine:
+        def __init__(self, resettable):
+            self.resettable, self.resets = resettable, 0
+
+        def reset_prefix_cache(self):
+            self.resets += 1
+            return self.resettable
+
+        def get_stats(self):
+            return types.SimpleNamespace(spec_num_drafts=0, spec_num_draft_tokens=0,
+                                         spec_num_accepted_tokens=0)
+
+        def add_request(self, request):
+            self.pending = [types.SimpleNamespace(request_id=request.request_id,
+                                                  new_token_ids=[5])]
+
+        def has_unfinished_requests(self):
+            return bool(self.pending)
+
+        def step(self):
+            out, self.pending = self.pending, []
+            return out
+
+    engine = Engine(True)
+    assert spec.run_once(engine, [[1, 2, 3]], 1, lambda: None)["tokens"] == [[5]]
+    assert engine.resets == 1
+    with pytest.raises(RuntimeError, match="prefix cache could not be reset"):
+        spec.run_once(Engine(False), [], 4, lambda: None)

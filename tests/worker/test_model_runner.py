@@ -262,3 +262,26 @@ def test_cpu_buffers_are_the_device_buffers(loaded):
     assert np.shares_memory(runner.buffers.input_ids.np, runner.buffers.input_ids.device.numpy())
     assert np.shares_memory(runner.buffers.block_tables.np,
                             runner.buffers.block_tables.device.numpy())
+
+
+def test_torch_ops_run_on_one_thread_while_the_fused_packed_step_serves():
+    """The kernels' pool does a packed CPU step's heavy work: torch's few ops in it run inline, so
+    its OpenMP threads do not spin on the pool's cores; torch's count is restored after."""
+    import types
+
+    import torch
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device = torch.device("cpu")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner.model = types.SimpleNamespace(packed_decoder=object())
+        with runner._torch_ops_inline():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        runner.model = types.SimpleNamespace(packed_decoder=None)  # the torch path keeps them
+        with runner._torch_ops_inline():
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
