@@ -62,13 +62,14 @@ struct NextBlock {
 // x is token t0's key (kv = 0) or value (kv = 1), the next ones a token stride (hkv * d) apart;
 // next describes the block after it (for the last key block, the first value block) over
 // `heads` KV heads.
-template <typename Fn>
+template <typename E, typename Fn>
 inline void for_each_block(const PagedRows& a, const int32_t* table, int64_t ctx, int kv,
                            int64_t head, int64_t heads, Fn fn) {
   const int64_t token_stride = a.hkv * a.d;
+  const E* cache = static_cast<const E*>(a.cache);
   auto block = [&](int plane, int64_t i) {
     const int64_t first_slot = (plane * a.num_blocks + table[i]) * a.block_size;
-    return a.cache + first_slot * token_stride + head * a.d;
+    return cache + first_slot * token_stride + head * a.d;
   };
   for (int64_t t0 = 0, i = 0; t0 < ctx; t0 += a.block_size, ++i) {
     NextBlock next;
@@ -77,16 +78,36 @@ inline void for_each_block(const PagedRows& a, const int32_t* table, int64_t ctx
       const int64_t t1 = more ? t0 + a.block_size : 0;
       next.base = reinterpret_cast<const char*>(block(more ? kv : 1, more ? i + 1 : 0));
       next.num = std::min(a.block_size, ctx - t1);
-      next.token_bytes = token_stride * static_cast<int64_t>(sizeof(float));
-      next.run = heads * a.d * static_cast<int64_t>(sizeof(float));
+      next.token_bytes = token_stride * static_cast<int64_t>(sizeof(E));
+      next.run = heads * a.d * static_cast<int64_t>(sizeof(E));
     }
     fn(t0, block(kv, i), std::min(a.block_size, ctx - t0), next);
   }
 }
 
+// The kernels' helpers for each cache element type.
+inline void dot_tokens(const Kernels& kern, const float* q, const float* k, int64_t stride,
+                       int64_t num, int64_t d, float scale, float* scores) {
+  kern.dot_tokens(q, k, stride, num, d, scale, scores);
+}
+inline void dot_tokens(const Kernels& kern, const float* q, const uint16_t* k, int64_t stride,
+                       int64_t num, int64_t d, float scale, float* scores) {
+  kern.dot_tokens_f16(q, k, stride, num, d, scale, scores);
+}
+inline void sum_tokens(const Kernels& kern, const float* p, const float* v, int64_t stride,
+                       int64_t num, int64_t d, float* out) {
+  kern.sum_tokens(p, v, stride, num, d, out);
+}
+inline void sum_tokens(const Kernels& kern, const float* p, const uint16_t* v, int64_t stride,
+                       int64_t num, int64_t d, float* out) {
+  kern.sum_tokens_f16(p, v, stride, num, d, out);
+}
+
 // Query heads [g0, g1) of each KV head in [head0, head0 + heads), for query row `row`: the
 // context's blocks are walked once for all of them (scores against K, then the softmax-weighted
-// sum of V). A query head's arithmetic does not depend on which others share the walk.
+// sum of V). A query head's arithmetic does not depend on which others share the walk. E: the
+// cache's element type (float, or uint16_t for IEEE half).
+template <typename E>
 void attend_one(const PagedRows& a, const Kernels& kern, int64_t row, int64_t head0, int64_t g0,
                 int64_t g1, std::vector<float>& scores, int64_t heads) {
   const int64_t group = a.h / a.hkv, ctx = a.row_ctx[row], d = a.d, n = g1 - g0;
@@ -94,14 +115,14 @@ void attend_one(const PagedRows& a, const Kernels& kern, int64_t row, int64_t he
   const int32_t* table = a.tables + (a.row_table ? a.row_table[row] : row) * a.table_stride;
   scores.resize(heads * n * ctx);
   const float* q_row = a.q + row * a.q_stride;
-  for_each_block(a, table, ctx, 0, head0, heads,
-                 [&](int64_t t0, const float* k, int64_t num, const NextBlock& next) {
+  for_each_block<E>(a, table, ctx, 0, head0, heads,
+                    [&](int64_t t0, const E* k, int64_t num, const NextBlock& next) {
     for (int64_t hd = 0; hd < heads; ++hd) {
       const float* q0 = q_row + ((head0 + hd) * group + g0) * d;
       for (int64_t g = 0; g < n; ++g) {
         next.fetch(hd * n + g, heads * n);
-        kern.dot_tokens(q0 + g * d, k + hd * d, stride, num, d, a.scale,
-                        scores.data() + (hd * n + g) * ctx + t0);
+        dot_tokens(kern, q0 + g * d, k + hd * d, stride, num, d, a.scale,
+                   scores.data() + (hd * n + g) * ctx + t0);
       }
     }
   });
@@ -115,25 +136,54 @@ void attend_one(const PagedRows& a, const Kernels& kern, int64_t row, int64_t he
     float* o0 = out_row + ((head0 + hd) * group + g0) * d;
     std::fill(o0, o0 + n * d, 0.0f);
   }
-  for_each_block(a, table, ctx, 1, head0, heads,
-                 [&](int64_t t0, const float* v, int64_t num, const NextBlock& next) {
+  for_each_block<E>(a, table, ctx, 1, head0, heads,
+                    [&](int64_t t0, const E* v, int64_t num, const NextBlock& next) {
     for (int64_t hd = 0; hd < heads; ++hd) {
       float* o0 = out_row + ((head0 + hd) * group + g0) * d;
       for (int64_t g = 0; g < n; ++g) {
         next.fetch(hd * n + g, heads * n);
-        kern.sum_tokens(scores.data() + (hd * n + g) * ctx + t0, v + hd * d, stride, num, d,
-                        o0 + g * d);
+        sum_tokens(kern, scores.data() + (hd * n + g) * ctx + t0, v + hd * d, stride, num, d,
+                   o0 + g * d);
       }
+    }
+  });
+}
+
+template <typename E>
+void attend_rows_t(const PagedRows& a, const Kernels& kern, ThreadPool& workers) {
+  const int64_t group = a.h / a.hkv;
+  if (a.num_rows >= kItemsPerThread * workers.num_threads()) {
+    // One item per row, all its KV heads block by block: each cache block's keys (then values)
+    // are read as one contiguous run of block_size * hkv * d values, not as runs of d values a
+    // token stride apart per KV head.
+    workers.run(a.num_rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t row = begin; row < end; ++row) {
+        attend_one<E>(a, kern, row, 0, 0, group, scores, a.hkv);
+      }
+    });
+    return;
+  }
+  // One item per (row, KV head), whose query heads share every K/V read; with few such items
+  // (a decode of one or two sequences) one per query head instead, so every thread has work.
+  const int64_t split = a.num_rows * a.hkv < kItemsPerThread * workers.num_threads() ? group : 1;
+  const int64_t items = a.num_rows * a.hkv * split;
+  workers.run(items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t pair = i / split, g0 = i % split * (group / split);
+      attend_one<E>(a, kern, pair / a.hkv, pair % a.hkv, g0, g0 + group / split, scores, 1);
     }
   });
 }
 
 }  // namespace
 
-void paged_decode_attention(float* out, const float* q, int64_t q_stride, const float* cache,
-                            int64_t num_blocks, int64_t block_size, int64_t hkv, int64_t d,
-                            int64_t h, const int32_t* block_tables, int64_t table_stride,
-                            const int32_t* seq_lens, int64_t b, float scale) {
+void paged_decode_attention(float* out, const float* q, int64_t q_stride, const void* cache,
+                            KvType kv_type, int64_t num_blocks, int64_t block_size, int64_t hkv,
+                            int64_t d, int64_t h, const int32_t* block_tables,
+                            int64_t table_stride, const int32_t* seq_lens, int64_t b,
+                            float scale) {
   if (hkv <= 0 || h % hkv != 0 || d <= 0 || block_size <= 0 || b < 0) {
     throw std::invalid_argument("paged_decode_attention: need num_heads a multiple of "
                                 "num_kv_heads and positive sizes, got h=" + std::to_string(h) +
@@ -153,38 +203,16 @@ void paged_decode_attention(float* out, const float* q, int64_t q_stride, const 
       }
     }
   }
-  const PagedRows a{out, q, q_stride, cache, num_blocks, block_size, hkv, d, h, block_tables,
-                    table_stride, nullptr, seq_lens, b, scale};
+  const PagedRows a{out, q, q_stride, cache, kv_type, num_blocks, block_size, hkv, d, h,
+                    block_tables, table_stride, nullptr, seq_lens, b, scale};
   const Kernels& kern = select_kernels("auto");
   std::lock_guard<std::mutex> lock(kernel_mutex());
   attend_rows(a, kern, pool());
 }
 
 void attend_rows(const PagedRows& a, const Kernels& kern, ThreadPool& workers) {
-  const int64_t group = a.h / a.hkv;
-  if (a.num_rows >= kItemsPerThread * workers.num_threads()) {
-    // One item per row, all its KV heads block by block: each cache block's keys (then values)
-    // are read as one contiguous run of block_size * hkv * d floats, not as runs of d floats a
-    // token stride apart per KV head.
-    workers.run(a.num_rows, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
-      for (int64_t row = begin; row < end; ++row) {
-        attend_one(a, kern, row, 0, 0, group, scores, a.hkv);
-      }
-    });
-    return;
-  }
-  // One item per (row, KV head), whose query heads share every K/V read; with few such items
-  // (a decode of one or two sequences) one per query head instead, so every thread has work.
-  const int64_t split = a.num_rows * a.hkv < kItemsPerThread * workers.num_threads() ? group : 1;
-  const int64_t items = a.num_rows * a.hkv * split;
-  workers.run(items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t pair = i / split, g0 = i % split * (group / split);
-      attend_one(a, kern, pair / a.hkv, pair % a.hkv, g0, g0 + group / split, scores, 1);
-    }
-  });
+  if (a.kv_type == KvType::F16) return attend_rows_t<uint16_t>(a, kern, workers);
+  attend_rows_t<float>(a, kern, workers);
 }
 
 }  // namespace tinyvllm::cpu

@@ -35,14 +35,28 @@ void dequantize_rows(uintptr_t out, uintptr_t w, int qtype, int64_t num_rows, in
                        num_ids, ptr<float>(out));
 }
 
+// A cache dtype by its torch name: "float32" or "float16".
+cpu::KvType kv_type(const std::string& name) {
+  if (name == "float32") return cpu::KvType::F32;
+  if (name == "float16") return cpu::KvType::F16;
+  throw std::invalid_argument("kv_cache_dtype: the CPU kernels read float32 or float16 caches, "
+                              "got '" + name + "'");
+}
+
 void decode_attention(uintptr_t out, uintptr_t q, int64_t q_stride, uintptr_t cache,
                       int64_t num_blocks, int64_t block_size, int64_t hkv, int64_t d, int64_t h,
                       uintptr_t block_tables, int64_t table_stride, uintptr_t seq_lens, int64_t b,
-                      float scale) {
+                      float scale, const std::string& kv_cache_dtype) {
   cpu::paged_decode_attention(ptr<float>(out), ptr<const float>(q), q_stride,
-                              ptr<const float>(cache), num_blocks, block_size, hkv, d, h,
-                              ptr<const int32_t>(block_tables), table_stride,
-                              ptr<const int32_t>(seq_lens), b, scale);
+                              ptr<const void>(cache), kv_type(kv_cache_dtype), num_blocks,
+                              block_size, hkv, d, h, ptr<const int32_t>(block_tables),
+                              table_stride, ptr<const int32_t>(seq_lens), b, scale);
+}
+
+// y[i] = x[i] as IEEE half bits, rounded to nearest even (the cache writes' conversion).
+void to_float16(uintptr_t y, uintptr_t x, int64_t n, const std::string& isa) {
+  if (n < 0) throw std::invalid_argument("to_float16: n must be >= 0, got " + std::to_string(n));
+  cpu::select_kernels(isa).to_f16(ptr<const float>(x), ptr<uint16_t>(y), n);
 }
 
 // Per layer, kLayerFields integers: input_norm, qkv_w, qkv_qtype, qkv_bias (0: none), o_w,
@@ -62,7 +76,7 @@ std::vector<cpu::LayerParams> layer_params(const std::vector<uintptr_t>& f) {
     };
     const float* qkv_bias = f[i + 3] ? ptr<const float>(f[i + 3]) : nullptr;
     out.push_back({ptr<const float>(f[i]), packed(1), qkv_bias, packed(4),
-                   ptr<const float>(f[i + 6]), packed(7), packed(9), ptr<float>(f[i + 11])});
+                   ptr<const float>(f[i + 6]), packed(7), packed(9), ptr<void>(f[i + 11])});
   }
   return out;
 }
@@ -73,7 +87,7 @@ void decoder_layers(uintptr_t residual, uintptr_t out, const std::vector<uintptr
                     uintptr_t cos_sin, int64_t max_position, uintptr_t query_start_loc,
                     uintptr_t seq_lens, int64_t num_seqs, uintptr_t block_tables,
                     int64_t table_stride, int64_t num_blocks, int64_t block_size,
-                    const std::string& isa) {
+                    const std::string& kv_cache_dtype, const std::string& isa) {
   if (dims.size() != 5) {
     throw std::invalid_argument("decoder_layers: dims = (hidden, num_heads, num_kv_heads, "
                                 "head_dim, intermediate)");
@@ -84,7 +98,7 @@ void decoder_layers(uintptr_t residual, uintptr_t out, const std::vector<uintptr
                              max_position, ptr<const int32_t>(query_start_loc),
                              ptr<const int32_t>(seq_lens), num_seqs,
                              ptr<const int32_t>(block_tables), table_stride, num_blocks,
-                             block_size};
+                             block_size, kv_type(kv_cache_dtype)};
   cpu::decoder_layers(ptr<float>(residual), ptr<float>(out), layer_params(layers),
                       ptr<const float>(final_norm), shape, step, isa);
 }
@@ -107,14 +121,18 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("q_stride"), py::arg("kv_cache"), py::arg("num_blocks"), py::arg("block_size"),
         py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("num_heads"),
         py::arg("block_tables"), py::arg("table_stride"), py::arg("seq_lens"),
-        py::arg("num_seqs"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+        py::arg("num_seqs"), py::arg("scale"), py::arg("kv_cache_dtype") = "float32",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("to_float16", &to_float16, py::arg("out"), py::arg("x"), py::arg("n"),
+        py::arg("isa") = "auto", py::call_guard<py::gil_scoped_release>());
   m.def("decoder_layers", &decoder_layers, py::arg("residual"), py::arg("out"),
         py::arg("layers"), py::arg("final_norm"), py::arg("dims"), py::arg("eps"),
         py::arg("scale"), py::arg("num_tokens"), py::arg("positions"), py::arg("slot_mapping"),
         py::arg("cos_sin_cache"), py::arg("max_position"), py::arg("query_start_loc"),
         py::arg("seq_lens"), py::arg("num_seqs"), py::arg("block_tables"),
         py::arg("table_stride"), py::arg("num_blocks"), py::arg("block_size"),
-        py::arg("isa") = "auto", py::call_guard<py::gil_scoped_release>());
+        py::arg("kv_cache_dtype") = "float32", py::arg("isa") = "auto",
+        py::call_guard<py::gil_scoped_release>());
   m.def("set_num_threads", &set_num_threads, py::arg("num_threads"),
         py::call_guard<py::gil_scoped_release>());
   m.def("num_threads", [] { return cpu::pool().num_threads(); });

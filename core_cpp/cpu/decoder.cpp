@@ -63,9 +63,10 @@ void project(const Kernels& kern, ThreadPool& workers, Workspace& ws, const floa
   gemm_parallel(kern, args, n, workers);
 }
 
-// GPT-NeoX rotary on q and k in place (the halves of each head), then K and V to their slots.
-void rotary_and_cache(const DecoderShape& s, const StepInputs& step, float* qkv, int64_t width,
-                      float* cache, int64_t begin, int64_t end) {
+// GPT-NeoX rotary on q and k in place (the halves of each head), then K and V to their slots
+// (as IEEE half for a half cache).
+void rotary_and_cache(const Kernels& kern, const DecoderShape& s, const StepInputs& step,
+                      float* qkv, int64_t width, void* cache, int64_t begin, int64_t end) {
   const int64_t d = s.head_dim, half = d / 2, q_size = s.num_heads * d;
   const int64_t kv_size = s.num_kv_heads * d;
   const int64_t slots = step.num_blocks * step.block_size;
@@ -83,9 +84,17 @@ void rotary_and_cache(const DecoderShape& s, const StepInputs& step, float* qkv,
     }
     const int64_t slot = step.slot_mapping[j];
     if (slot < 0) continue;
-    std::copy(row + q_size, row + q_size + kv_size, cache + slot * kv_size);
-    std::copy(row + q_size + kv_size, row + q_size + 2 * kv_size,
-              cache + (slots + slot) * kv_size);
+    const float* k = row + q_size;
+    const float* v = k + kv_size;
+    if (step.kv_type == KvType::F16) {
+      auto* c = static_cast<uint16_t*>(cache);
+      kern.to_f16(k, c + slot * kv_size, kv_size);
+      kern.to_f16(v, c + (slots + slot) * kv_size, kv_size);
+    } else {
+      auto* c = static_cast<float*>(cache);
+      std::copy(k, k + kv_size, c + slot * kv_size);
+      std::copy(v, v + kv_size, c + (slots + slot) * kv_size);
+    }
   }
 }
 
@@ -170,12 +179,12 @@ void layer_forward(const Kernels& kern, ThreadPool& workers, Workspace& ws, floa
   project(kern, workers, ws, ws.normed.data(), H, l.qkv, l.qkv_bias, ws.qkv.data(), width, T,
           false);
   for_rows(workers, T, [&](int64_t begin, int64_t end) {
-    rotary_and_cache(s, st, ws.qkv.data(), width, l.kv_cache, begin, end);
+    rotary_and_cache(kern, s, st, ws.qkv.data(), width, l.kv_cache, begin, end);
   });
-  const PagedRows rows{ws.attn.data(), ws.qkv.data(), width, l.kv_cache, st.num_blocks,
-                       st.block_size, s.num_kv_heads, s.head_dim, s.num_heads, st.block_tables,
-                       st.table_stride, ws.row_table.data(), ws.row_ctx.data(), num_rows,
-                       s.scale};
+  const PagedRows rows{ws.attn.data(), ws.qkv.data(), width, l.kv_cache, st.kv_type,
+                       st.num_blocks, st.block_size, s.num_kv_heads, s.head_dim, s.num_heads,
+                       st.block_tables, st.table_stride, ws.row_table.data(),
+                       ws.row_ctx.data(), num_rows, s.scale};
   attend_rows(rows, kern, workers);
   std::fill(ws.attn.begin() + num_rows * q_size, ws.attn.begin() + T * q_size, 0.0f);
   project(kern, workers, ws, ws.attn.data(), q_size, l.o, nullptr, residual, H, T, true);

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "quant_blocks.h"
+#include "kernels.h"
 
 namespace tinyvllm::cpu {
 
@@ -26,7 +26,7 @@ struct LayerParams {
   const float* post_norm;   // [hidden]
   PackedWeight gate_up;     // [2 * intermediate, hidden]: gate rows, then up rows
   PackedWeight down;        // [hidden, intermediate]
-  float* kv_cache;          // [2, num_blocks, block_size, num_kv_heads, head_dim]
+  void* kv_cache;           // [2, num_blocks, block_size, num_kv_heads, head_dim], kv_type
 };
 
 struct DecoderShape {
@@ -50,6 +50,7 @@ struct StepInputs {
   const int32_t* block_tables;     // [num_seqs, table_stride]
   int64_t table_stride;
   int64_t num_blocks, block_size;
+  KvType kv_type;  // the caches' elements: float32, or IEEE half (written rounded to nearest even)
 };
 
 // residual [num_tokens, hidden] is the embedding on entry and the residual stream after the last

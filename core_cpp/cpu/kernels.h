@@ -21,6 +21,12 @@ struct GemmArgs {
   const void* prepared = nullptr;  // what Kernels::prepare made of xq, for gemm_rows
 };
 
+// The element type of a paged KV cache the CPU kernels read and write: float32, or IEEE half
+// (stored as its bits; converted to float32 on reading, rounded to nearest even on writing).
+enum class KvType : int { F32 = 0, F16 = 1 };
+
+inline int64_t kv_elem_bytes(KvType t) { return t == KvType::F16 ? 2 : 4; }
+
 struct Kernels {
   const char* name;
   // One row of k = nb * kBlock floats -> nb activation blocks (round half to even, as torch.round).
@@ -40,6 +46,14 @@ struct Kernels {
                      int64_t d, float scale, float* scores);
   void (*sum_tokens)(const float* p, const float* v, int64_t stride, int64_t num_tokens,
                      int64_t d, float* out);
+  // The same over a half-precision cache (k, v: IEEE half bits), each value widened to float
+  // first: the float32 helpers' arithmetic on the widened values.
+  void (*dot_tokens_f16)(const float* q, const uint16_t* k, int64_t stride, int64_t num_tokens,
+                         int64_t d, float scale, float* scores);
+  void (*sum_tokens_f16)(const float* p, const uint16_t* v, int64_t stride, int64_t num_tokens,
+                         int64_t d, float* out);
+  // y[i] = x[i] as IEEE half, rounded to nearest even (fp32_to_fp16), for i < n.
+  void (*to_f16)(const float* x, uint16_t* y, int64_t n);
   // x[i] = exp(x[i] - shift) for i < n; returns their sum (a softmax's numerators).
   float (*exp_sum)(float* x, int64_t n, float shift);
   // y[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i].

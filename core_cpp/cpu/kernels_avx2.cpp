@@ -382,25 +382,35 @@ void gemm_rows(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
 }
 #endif
 
-float dot(const float* a, const float* b, int64_t n) {
+// Eight cache values as floats: float32 as they are, IEEE half widened (F16C).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline float value(float x) { return x; }
+inline float value(uint16_t h) { return half(h); }
+
+template <typename E>
+float dot(const float* a, const E* b, int64_t n) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), acc1);
   }
   for (; i + 8 <= n; i += 8) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
   }
   float s = hsum(_mm256_add_ps(acc0, acc1));
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * value(b[i]);
   return s;
 }
 
 // Eight tokens at a time: eight accumulators, each q load shared, and one transposing reduction
 // (hadd) for all eight sums instead of a horizontal sum per token.
-void dot_tokens(const float* q, const float* k, int64_t stride, int64_t num_tokens, int64_t d,
-                float scale, float* scores) {
+template <typename E>
+void dot_tokens_t(const float* q, const E* k, int64_t stride, int64_t num_tokens, int64_t d,
+                  float scale, float* scores) {
   int64_t t = 0;
   if (d % 8 == 0) {
     for (; t + 8 <= num_tokens; t += 8) {
@@ -409,7 +419,7 @@ void dot_tokens(const float* q, const float* k, int64_t stride, int64_t num_toke
       for (int64_t i = 0; i < d; i += 8) {
         const __m256 qv = _mm256_loadu_ps(q + i);
         for (int j = 0; j < 8; ++j) {
-          acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (t + j) * stride + i), acc[j]);
+          acc[j] = _mm256_fmadd_ps(qv, load8(k + (t + j) * stride + i), acc[j]);
         }
       }
       const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]),
@@ -425,8 +435,9 @@ void dot_tokens(const float* q, const float* k, int64_t stride, int64_t num_toke
 }
 
 // out += sum_t p[t] * v[t]: 64 output values at a time stay in registers across the tokens.
-void sum_tokens(const float* p, const float* v, int64_t stride, int64_t num_tokens, int64_t d,
-                float* out) {
+template <typename E>
+void sum_tokens_t(const float* p, const E* v, int64_t stride, int64_t num_tokens, int64_t d,
+                  float* out) {
   constexpr int kRegs = 8;
   int64_t i = 0;
   for (; i + 8 * kRegs <= d; i += 8 * kRegs) {
@@ -434,20 +445,47 @@ void sum_tokens(const float* p, const float* v, int64_t stride, int64_t num_toke
     for (int r = 0; r < kRegs; ++r) acc[r] = _mm256_loadu_ps(out + i + 8 * r);
     for (int64_t t = 0; t < num_tokens; ++t) {
       const __m256 pt = _mm256_broadcast_ss(p + t);
-      const float* vt = v + t * stride + i;
-      for (int r = 0; r < kRegs; ++r) acc[r] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * r), acc[r]);
+      const E* vt = v + t * stride + i;
+      for (int r = 0; r < kRegs; ++r) acc[r] = _mm256_fmadd_ps(pt, load8(vt + 8 * r), acc[r]);
     }
     for (int r = 0; r < kRegs; ++r) _mm256_storeu_ps(out + i + 8 * r, acc[r]);
   }
   for (; i + 8 <= d; i += 8) {
     __m256 acc = _mm256_loadu_ps(out + i);
     for (int64_t t = 0; t < num_tokens; ++t) {
-      acc = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_loadu_ps(v + t * stride + i), acc);
+      acc = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), load8(v + t * stride + i), acc);
     }
     _mm256_storeu_ps(out + i, acc);
   }
   for (; i < d; ++i)
-    for (int64_t t = 0; t < num_tokens; ++t) out[i] += p[t] * v[t * stride + i];
+    for (int64_t t = 0; t < num_tokens; ++t) out[i] += p[t] * value(v[t * stride + i]);
+}
+
+void dot_tokens(const float* q, const float* k, int64_t stride, int64_t num_tokens, int64_t d,
+                float scale, float* scores) {
+  dot_tokens_t(q, k, stride, num_tokens, d, scale, scores);
+}
+void dot_tokens_f16(const float* q, const uint16_t* k, int64_t stride, int64_t num_tokens,
+                    int64_t d, float scale, float* scores) {
+  dot_tokens_t(q, k, stride, num_tokens, d, scale, scores);
+}
+void sum_tokens(const float* p, const float* v, int64_t stride, int64_t num_tokens, int64_t d,
+                float* out) {
+  sum_tokens_t(p, v, stride, num_tokens, d, out);
+}
+void sum_tokens_f16(const float* p, const uint16_t* v, int64_t stride, int64_t num_tokens,
+                    int64_t d, float* out) {
+  sum_tokens_t(p, v, stride, num_tokens, d, out);
+}
+
+void to_f16(const float* x, uint16_t* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(x + i),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), h);
+  }
+  for (; i < n; ++i) y[i] = fp32_to_fp16(x[i]);
 }
 
 // exp(x) for float lanes, Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-6
@@ -509,8 +547,9 @@ void silu_mul(const float* gate, const float* up, float* y, int64_t n) {
 
 #if !defined(TINYVLLM_KERNELS_VNNI)
 const Kernels& avx2_kernels() {
-  static const Kernels k{"avx2", quantize_row, nullptr, nullptr, gemm_rows, dot_tokens,
-                         sum_tokens, exp_sum, silu_mul};
+  static const Kernels k{"avx2",         quantize_row,   nullptr,        nullptr,
+                         gemm_rows,      dot_tokens,     sum_tokens,     dot_tokens_f16,
+                         sum_tokens_f16, to_f16,         exp_sum,        silu_mul};
   return k;
 }
 #endif

@@ -525,8 +525,9 @@ void gemm_rows512(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
 }  // namespace
 
 const Kernels& avx512vnni_kernels() {
-  static const Kernels k{"avx512vnni", quantize_row, prepare512, prepare_piece512, gemm_rows512,
-                         dot_tokens, sum_tokens, exp_sum, silu_mul};
+  static const Kernels k{"avx512vnni",   quantize_row,   prepare512,     prepare_piece512,
+                         gemm_rows512,   dot_tokens,     sum_tokens,     dot_tokens_f16,
+                         sum_tokens_f16, to_f16,         exp_sum,        silu_mul};
   return k;
 }
 

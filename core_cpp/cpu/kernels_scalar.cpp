@@ -103,6 +103,37 @@ void sum_tokens(const float* p, const float* v, int64_t stride, int64_t num_toke
     for (int64_t i = 0; i < d; ++i) out[i] += p[t] * v[t * stride + i];
 }
 
+// A half-precision token's d values widened to float (d at most kMaxHeadDim per call).
+constexpr int64_t kMaxHeadDim = 256;
+
+void widen(const uint16_t* x, int64_t n, float* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = fp16_to_fp32(x[i]);
+}
+
+void dot_tokens_f16(const float* q, const uint16_t* k, int64_t stride, int64_t num_tokens,
+                    int64_t d, float scale, float* scores) {
+  float kt[kMaxHeadDim];
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int64_t i0 = 0; i0 < d; i0 += kMaxHeadDim) {  // d beyond kMaxHeadDim: in pieces
+      const int64_t n = std::min(kMaxHeadDim, d - i0);
+      widen(k + t * stride + i0, n, kt);
+      const float part = dot_lanes(q + i0, kt, n);
+      scores[t] = i0 == 0 ? part : scores[t] + part;
+    }
+    scores[t] *= scale;
+  }
+}
+
+void sum_tokens_f16(const float* p, const uint16_t* v, int64_t stride, int64_t num_tokens,
+                    int64_t d, float* out) {
+  for (int64_t t = 0; t < num_tokens; ++t)
+    for (int64_t i = 0; i < d; ++i) out[i] += p[t] * fp16_to_fp32(v[t * stride + i]);
+}
+
+void to_f16(const float* x, uint16_t* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = fp32_to_fp16(x[i]);
+}
+
 float exp_sum(float* x, int64_t n, float shift) {
   float sum = 0.0f;
   for (int64_t i = 0; i < n; ++i) sum += (x[i] = std::exp(x[i] - shift));
@@ -116,8 +147,9 @@ void silu_mul(const float* gate, const float* up, float* y, int64_t n) {
 }  // namespace
 
 const Kernels& scalar_kernels() {
-  static const Kernels k{"scalar", quantize_row, nullptr, nullptr, gemm_rows, dot_tokens,
-                         sum_tokens, exp_sum, silu_mul};
+  static const Kernels k{"scalar",       quantize_row,   nullptr,        nullptr,
+                         gemm_rows,      dot_tokens,     sum_tokens,     dot_tokens_f16,
+                         sum_tokens_f16, to_f16,         exp_sum,        silu_mul};
   return k;
 }
 

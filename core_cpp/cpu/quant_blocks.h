@@ -73,4 +73,30 @@ inline float fp16_to_fp32(uint16_t h) {
   return f;
 }
 
+// float -> IEEE half, rounded to nearest even as torch's .to(float16) and F16C's vcvtps2ph:
+// overflow to inf, NaN to a quiet NaN, subnormal halves through one float addition (which
+// rounds to nearest even) of a magic number that lines their 10 bits up at the bottom.
+inline uint16_t fp32_to_fp16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  x &= 0x7fffffffu;
+  if (x >= (127u + 16u) << 23) {  // |f| >= 65536 (or inf / nan): inf or nan
+    return static_cast<uint16_t>(sign | (x > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  }
+  if (x < 113u << 23) {  // below 2^-14: a subnormal half or zero
+    const uint32_t magic_bits = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+    float magic, v;
+    std::memcpy(&magic, &magic_bits, sizeof magic);
+    std::memcpy(&v, &x, sizeof v);
+    v += magic;
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    return static_cast<uint16_t>(sign | (bits - magic_bits));
+  }
+  const uint32_t mant_odd = (x >> 13) & 1u;
+  x += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + mant_odd;  // rebias, round
+  return static_cast<uint16_t>(sign | (x >> 13));  // a carry out of 65504 makes inf
+}
+
 }  // namespace tinyvllm::cpu

@@ -19,22 +19,29 @@ def dequantize_rows(out: int, w: int, qtype: int, num_rows: int, k: int, row_ids
 def paged_decode_attention(out: int, q: int, q_stride: int, kv_cache: int, num_blocks: int,
                            block_size: int, num_kv_heads: int, head_dim: int, num_heads: int,
                            block_tables: int, table_stride: int, seq_lens: int, num_seqs: int,
-                           scale: float) -> None:
-    """One query per sequence over the float32 paged cache [2, num_blocks, block_size,
-    num_kv_heads, head_dim]; block_tables [num_seqs, table_stride] and seq_lens int32."""
+                           scale: float, kv_cache_dtype: str = "float32") -> None:
+    """One query per sequence over the paged cache [2, num_blocks, block_size, num_kv_heads,
+    head_dim] of kv_cache_dtype ("float32" or "float16"); block_tables [num_seqs, table_stride]
+    and seq_lens int32."""
+
+def to_float16(out: int, x: int, n: int, isa: str = "auto") -> None:
+    """out[n] int16 = the IEEE half bits of float32 x[n], rounded to nearest even (the
+    conversion of the half-precision cache writes)."""
 
 def decoder_layers(residual: int, out: int, layers: list[int], final_norm: int, dims: list[int],
                    eps: float, scale: float, num_tokens: int, positions: int, slot_mapping: int,
                    cos_sin_cache: int, max_position: int, query_start_loc: int, seq_lens: int,
                    num_seqs: int, block_tables: int, table_stride: int, num_blocks: int,
-                   block_size: int, isa: str = "auto") -> None:
+                   block_size: int, kv_cache_dtype: str = "float32",
+                   isa: str = "auto") -> None:
     """Every Llama decoder layer of one step, then the final RMSNorm (core_cpp/cpu/decoder.h).
 
     residual [num_tokens, hidden] float32: the embeddings on entry, the residual stream on return;
     out [num_tokens, hidden]: its final norm. layers: 12 integers per layer (input_norm, qkv
     weight, qkv qtype, qkv bias or 0, o weight, o qtype, post_attention_norm, gate_up weight,
-    gate_up qtype, down weight, down qtype, float32 KV cache). dims: (hidden, num_heads,
-    num_kv_heads, head_dim, intermediate). positions and slot_mapping int64 [num_tokens];
+    gate_up qtype, down weight, down qtype, KV cache of kv_cache_dtype: "float32" or "float16").
+    dims: (hidden, num_heads, num_kv_heads, head_dim, intermediate). positions and slot_mapping
+    int64 [num_tokens];
     query_start_loc [num_seqs + 1], seq_lens [num_seqs], block_tables [num_seqs, table_stride]
     int32, as ops.AttentionMetadata; cos_sin_cache [max_position, head_dim] float32.
     Use it through `tinyvllm.model.packed_decoder.PackedDecoder`.

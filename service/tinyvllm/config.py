@@ -86,10 +86,12 @@ class CacheConfig:
         1.0, "KV-cache size in GiB on CPU (ignored on CUDA, where memory is profiled)."
     )
     kv_cache_dtype: str = _f(
-        "auto", "KV-cache dtype: auto (the model dtype) or fp8 (E4M3, one byte per element: "
-        "twice the blocks of a bf16 cache in the same memory; per-layer K/V scales from the "
-        "checkpoint's k_scale / v_scale, else 1.0). CPU and CUDA (CUDA: dtype bf16 or fp16).",
-        choices=("auto", "fp8"),
+        "auto", "KV-cache dtype: auto (the model dtype; float16 on a CPU serving packed GGUF "
+        "weights, as llama.cpp), float32 / float16 / bfloat16 (on CUDA: the model dtype), or fp8 "
+        "(E4M3, one byte per element: twice the blocks of a bf16 cache in the same memory; "
+        "per-layer K/V scales from the checkpoint's k_scale / v_scale, else 1.0; on CUDA: dtype "
+        "bf16 or fp16).",
+        choices=("auto", "float32", "float16", "bfloat16", "fp8"),
     )
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of identical prompt prefixes.")
     prefix_cache_seed: Optional[int] = _f(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -13,13 +15,14 @@ BLOCK_SIZE = 16
 class PagedRun:
     """Sequences with fixed block tables (block 0 is the null block) over fresh KV caches."""
 
-    def __init__(self, model, max_seq_len: int, num_seqs: int = 1) -> None:
+    def __init__(self, model, max_seq_len: int, num_seqs: int = 1,
+                 kv_dtype: Optional[torch.dtype] = None) -> None:
         arch, weight = model.rank_arch, next(model.parameters())  # this rank's KV heads
         blocks_per_seq = -(-max_seq_len // BLOCK_SIZE)
         self.model = model
         self.kv_caches = ops.allocate_kv_caches(
             arch.num_layers, 1 + num_seqs * blocks_per_seq, BLOCK_SIZE, arch.num_kv_heads,
-            arch.head_dim, weight.dtype, weight.device)
+            arch.head_dim, kv_dtype or weight.dtype, weight.device)
         self.block_tables = 1 + torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32).view(
             num_seqs, blocks_per_seq)
 

@@ -103,3 +103,16 @@ def test_greedy_output_equals_the_dequantized_path_apart_from_near_ties(smollm2_
     # own gap there 0.24), 'Once upon a time, a small robot' at token 12 (gap 0.006). A broken
     # kernel parts at the first tokens, with a gap far above the bound.
     assert all(i >= MIN_AGREED_TOKENS for _, i, _ in near_ties), f"early divergence: {near_ties}"
+
+
+def test_the_packed_path_keeps_a_float16_cache_unless_told(smollm2_path):
+    """"auto" is float16 under the fused step (llama.cpp's default cache type): twice the blocks
+    of a float32 cache in the same memory; `kv_cache_dtype="float32"` keeps float32."""
+    runs = {kv: LLM(model=str(smollm2_path), kv_cache_memory_gb=0.05, kv_cache_dtype=kv)
+            for kv in ("auto", "float32")}
+    half, full = (runs[kv].engine.runner for kv in ("auto", "float32"))
+    assert half.kv_caches[0].dtype == torch.float16 and full.kv_caches[0].dtype == torch.float32
+    assert full.kv_bytes_per_block() == 2 * half.kv_bytes_per_block()
+    assert half.num_blocks == int(0.05 * (1 << 30)) // half.kv_bytes_per_block()
+    dequantized = LLM(model=str(smollm2_path), kv_cache_memory_gb=0.05, dequantize=True)
+    assert dequantized.engine.runner.kv_caches[0].dtype == torch.float32  # no fused step

@@ -68,11 +68,12 @@ STEPS = [
 ]
 
 
-def _run(net, fused: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _run(net, fused: bool, kv_dtype: torch.dtype = torch.float32
+         ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     decoder = net.packed_decoder
     net.packed_decoder = decoder if fused else None
     try:
-        run = PagedRun(net, 48, num_seqs=3)
+        run = PagedRun(net, 48, num_seqs=3, kv_dtype=kv_dtype)
         logits = [run.step(chunks[:3]) for chunks in STEPS]
     finally:
         net.packed_decoder = decoder
@@ -105,6 +106,29 @@ def test_fused_step_matches_the_module_path(arch_name, type_name, isa, threads, 
     for got, want in zip(fused_caches, ref_caches):  # the same slots written, and only those
         assert torch.equal(got == 0, want == 0)
         _assert_close(got, want)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_fused_step_over_a_float16_cache_matches_the_module_path(type_name, isa, monkeypatch):
+    """The fused step writes K/V as half (rounded as torch rounds) and reads them widened: the
+    module path over a float16 cache (torch's writes, the C++ attention) gives the same."""
+    monkeypatch.setenv("TINYVLLM_CPU_ISA", isa)
+    net = _packed_model(ARCHS["gqa-bias"], q.KERNEL_TYPES[type_name], seed=5)
+    q.set_num_threads(2)
+    try:
+        fused, fused_caches = _run(net, fused=True, kv_dtype=torch.float16)
+    finally:
+        q.set_num_threads(None)
+    ref, ref_caches = _run(net, fused=False, kv_dtype=torch.float16)
+    assert all(c.dtype == torch.float16 for c in fused_caches + ref_caches)
+    assert net.packed_decoder.serves(torch.zeros(1, ARCHS["gqa-bias"].hidden_size), fused_caches)
+    for got, want in zip(fused, ref):
+        assert not bool(got.isnan().any())
+        _assert_close(got, want)
+    for got, want in zip(fused_caches, ref_caches):
+        assert torch.equal(got == 0, want == 0)
+        _assert_close(got.float(), want.float())
 
 
 def test_the_dequantized_model_has_no_fused_step(tiny_model):

@@ -1,6 +1,7 @@
-"""The C++ paged attention over the float32 cache (tinyvllm._cpu) against dense float64
-attention and the torch reference, on ragged contexts, GQA ratios and shuffled block tables:
-decode rows, and prefill / mixed batches where every token attends as a row of its own."""
+"""The C++ paged attention over the float32 and float16 caches (tinyvllm._cpu) against dense
+float64 attention and the torch reference, on ragged contexts, GQA ratios and shuffled block
+tables: decode rows, and prefill / mixed batches where every token attends as a row of its own;
+the cache writes' float16 rounding against torch's."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import math
 import pytest
 import torch
 
+from tinyvllm import _cpu
 from tinyvllm.ops import quantized as q
 from tinyvllm.ops.attention import _paged_attention_cpu, paged_attention, paged_attention_ref
 from tests.ops.test_references import _build_batch, _dense_causal_attention
 
 pytest.importorskip("tinyvllm._cpu")
+
+ISAS = ["scalar"] + [isa for isa in ("avx2", "avx512vnni") if q.isa_available(isa)]
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -86,3 +90,46 @@ def test_a_token_gets_the_same_output_in_any_batch():
                            seq_lens_cpu=meta.seq_lens_cpu)
     alone = _paged_attention_cpu(query[-1:], cache, meta_last, 0.2)
     assert torch.equal(whole[-1:], alone)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("seqs", [[(1, 5), (1, 48), (1, 1), (1, 30)], [(3, 33), (9, 9), (1, 17)]])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (5, 5, 24)])
+def test_float16_cache_matches_the_reference_over_its_values(seqs, num_heads, num_kv_heads,
+                                                             head_dim, isa, monkeypatch):
+    """A float16 cache is read in place and widened: the same result as float32 attention over
+    the widened values (the torch reference, and dense float64)."""
+    monkeypatch.setenv("TINYVLLM_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(len(seqs) * 10 + head_dim)
+    query, cache, meta, dense = _build_batch(seqs, num_heads, num_kv_heads, head_dim, 16, gen)
+    half = cache.to(torch.float16)
+    scale = 1 / math.sqrt(head_dim)
+    for threads in (1, 2):
+        q.set_num_threads(threads)
+        try:
+            out = paged_attention(query, half, meta, scale)
+        finally:
+            q.set_num_threads(None)
+        torch.testing.assert_close(out, paged_attention_ref(query, half, meta, scale),
+                                   atol=2e-5, rtol=2e-5)
+    qsl = meta.query_start_loc_cpu
+    for i, (k, v) in enumerate(dense):
+        widened = (k.half().float(), v.half().float())
+        expected = _dense_causal_attention(query[qsl[i]:qsl[i + 1]], *widened, scale)
+        torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].double(), expected, atol=2e-5,
+                                   rtol=2e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_float16_rounding_is_torchs(isa):
+    """The cache writes' conversion: round to nearest even, overflow to inf, subnormals."""
+    gen = torch.Generator().manual_seed(3)
+    bits = torch.randint(-2**31, 2**31 - 1, (200_000,), generator=gen, dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    x = x[~torch.isnan(x)]
+    edges = torch.tensor([65504.0, 65519.99, 65520.0, 65536.0, -65520.0, 2.0**-24, 2.0**-25,
+                          3 * 2.0**-26, 2.0**-14 - 2.0**-25, 1e-9, 0.0, -0.0, math.inf, -math.inf])
+    x = torch.cat([x, edges, torch.randn(1001, generator=gen) * 1e3])
+    out = torch.empty(x.numel(), dtype=torch.int16)
+    _cpu.to_float16(out.data_ptr(), x.data_ptr(), x.numel(), isa)
+    assert torch.equal(out, x.to(torch.float16).view(torch.int16))

@@ -8,7 +8,8 @@ packed weights, with the same int8 activation rounding; float summation orders d
 agree to a few ulps before the rounding, and occasionally one int8 step after it.
 
 It serves only what it was built for: a single-rank Llama whose every projection is a
-`PackedLinear` (no bias but qkv's), float32 activations and a contiguous float32 KV cache; the
+`PackedLinear` (no bias but qkv's), float32 activations and a contiguous float32 or float16 KV
+cache (float16 by default here: `ops.kv_cache.resolve_kv_cache_dtype`); the
 model falls back to the module path for anything else, and always without the kernels
 (`TINYVLLM_DISABLE_CPU_KERNELS=1`) or with `--dequantize`.
 """
@@ -21,6 +22,7 @@ import torch
 
 from tinyvllm import ops
 from tinyvllm.ops import quantized as q
+from tinyvllm.ops.kv_cache import CPU_KERNEL_KV_DTYPES, kv_dtype_name
 
 LAYER_FIELDS = 12
 """Integers per layer in the kernel's table (core_cpp/cpu/bindings.cpp, kLayerFields)."""
@@ -62,7 +64,7 @@ class PackedDecoder:
         cache = kv_caches[0] if kv_caches else None
         return (q.cpu_kernels() is not None and hidden.dtype == torch.float32
                 and hidden.device.type == "cpu" and hidden.dim() == 2 and cache is not None
-                and cache.dtype == torch.float32 and cache.device.type == "cpu"
+                and cache.dtype in CPU_KERNEL_KV_DTYPES and cache.device.type == "cpu"
                 and all(c.is_contiguous() for c in kv_caches)
                 and self.net.cos_sin_cache.shape[-1] == self.dims[3])
 
@@ -89,7 +91,8 @@ class PackedDecoder:
             net.model.norm.data_ptr(), self.dims, self.eps, self.scale, num_tokens,
             positions.data_ptr(), slots.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[0],
             qsl.data_ptr(), seq_lens.data_ptr(), meta.num_seqs, tables.data_ptr(),
-            tables.shape[1] if tables.dim() == 2 else 0, cache.shape[1], cache.shape[2])
+            tables.shape[1] if tables.dim() == 2 else 0, cache.shape[1], cache.shape[2],
+            kv_dtype_name(cache.dtype))
         return out
 
     def _layer_table(self, kv_caches: list[torch.Tensor]) -> list[int]:

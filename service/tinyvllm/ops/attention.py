@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyvllm.ops._dispatch import use_kernel
-from tinyvllm.ops.kv_cache import dequantize_kv
+from tinyvllm.ops.kv_cache import CPU_KERNEL_KV_DTYPES, dequantize_kv, kv_dtype_name
 
 
 @dataclass
@@ -104,12 +104,12 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
 
 def _cpu_kernel_supported(query: torch.Tensor, kv_cache: torch.Tensor,
                           meta: AttentionMetadata) -> bool:
-    """A float32 batch on the CPU runs the C++ kernel (tinyvllm._cpu), which reads the paged
-    cache in place instead of gathering every context."""
+    """A float32 batch over a float32 or float16 cache on the CPU runs the C++ kernel
+    (tinyvllm._cpu), which reads the paged cache in place instead of gathering every context."""
     from tinyvllm.ops.quantized import cpu_kernels
 
     return (query.device.type == "cpu" and query.dtype == torch.float32
-            and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+            and kv_cache.dtype in CPU_KERNEL_KV_DTYPES and kv_cache.is_contiguous()
             and cpu_kernels() is not None and meta.num_seqs > 0)
 
 
@@ -143,7 +143,7 @@ def _paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atte
     cpu_kernels().paged_decode_attention(
         out.data_ptr(), q.data_ptr(), q.stride(0), kv_cache.data_ptr(), num_blocks, block_size,
         num_kv_heads, head_dim, query.shape[1], tables.data_ptr(), tables.shape[1],
-        seq_lens.data_ptr(), num_rows, scale)
+        seq_lens.data_ptr(), num_rows, scale, kv_dtype_name(kv_cache.dtype))
     if out.shape[0] > num_rows:
         out[num_rows:] = 0
     return out

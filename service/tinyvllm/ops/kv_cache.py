@@ -1,6 +1,9 @@
 """The paged KV cache: its one layout, its element types (optionally FP8), allocation, and writing
 new K/V into it.
 
+A cache of another float type than the model's (`--kv-cache-dtype float32 | float16 | bfloat16`)
+stores K/V rounded to nearest even and reads them back converted to the queries' dtype.
+
 FP8 cache (`--kv-cache-dtype fp8`): elements are `torch.float8_e4m3fn` in the same layout, with a
 float32 scale per layer for keys and one for values (vLLM's `k_scale` / `v_scale`): the stored value
 is `x / scale` saturated to +-FP8_E4M3_MAX, the value read back is `stored * scale`. The scales are
@@ -27,20 +30,36 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0
 """Largest finite E4M3 magnitude: quantised values saturate here (E4M3 'fn' has no infinity)."""
 
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8")
+
+CPU_KERNEL_KV_DTYPES = (torch.float32, torch.float16)
+"""Caches the CPU kernels (tinyvllm._cpu) read and write in place; others take the torch path."""
+
+_NAMED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "fp8": FP8_DTYPE}
 
 
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """`CacheConfig.kv_cache_dtype` -> the cache's torch dtype ("auto": the model's dtype).
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype,
+                           fused_cpu_step: bool = False) -> torch.dtype:
+    """`CacheConfig.kv_cache_dtype` -> the cache's torch dtype.
+
+    "auto" is the model's dtype, except under the fused packed CPU step (`fused_cpu_step`:
+    float32 activations over packed GGUF weights), where it is float16, llama.cpp's default
+    cache type: decode attention there is bound by reading the cache, and half the bytes per
+    token read in half the time (and hold twice the tokens).
 
     Raises:
         ValueError: a name other than KV_CACHE_DTYPES, named.
     """
     if name == "auto":
-        return model_dtype
-    if name == "fp8":
-        return FP8_DTYPE
+        return torch.float16 if fused_cpu_step and model_dtype == torch.float32 else model_dtype
+    if name in _NAMED_DTYPES:
+        return _NAMED_DTYPES[name]
     raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {name!r}")
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """torch.float16 -> "float16": the name the CPU kernels take."""
+    return str(dtype).removeprefix("torch.")
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
