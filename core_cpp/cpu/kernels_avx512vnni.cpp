@@ -3,12 +3,14 @@
 // the running CPU reports those features. The results are bit-identical to the AVX2 and scalar
 // kernels: every tile below follows kernels_avx2.cpp's block dot contract.
 //
-// A zmm register holds four 128-bit lanes, each one (weight row, activation row) pair's four
-// contract lanes: the GEMM puts four activation rows side by side against one weight row
-// broadcast to all four, the GEMV four weight rows against one activation row broadcast. So one
-// vpdpbusd does four pairs' half-block products, and the float scale, FMA and offset terms run
-// sixteen lanes at a time: about 1.25 zmm operations per (block, weight row, activation row)
-// against about 6 xmm operations in the 128-bit tiles.
+// The GEMM (more than kNarrowRows activation rows) puts sixteen pairs side by side: one weight row
+// against sixteen activation rows, one contract lane per zmm. A weight block's four bytes of a
+// contract lane are broadcast to all sixteen lanes, the sixteen rows' bytes come from a layout
+// transposed once per product. The sixteen pairs' block scales are one multiply, shared by the
+// four contract lanes' FMAs; with each pair's four lanes in one 128-bit lane instead, as the GEMV
+// below, a multiply per four pairs made the float multiply pipes the bound (Q4_1 on a Zen 4
+// core: 1.29 against 1.09 cycles per (block, weight row, activation row)). The GEMV (kNarrowRows
+// rows or fewer) puts four weight rows against one activation row broadcast.
 #define TINYVLLM_KERNELS_VNNI 1
 // GCC 12's avx512fintrin.h initialises its "undefined" operands from themselves, which
 // -Wmaybe-uninitialized reports at every inlined intrinsic.
@@ -31,20 +33,24 @@ struct alignas(64) Zmm {  // one 512-bit value in memory (a std::vector of __m51
   void set(__m512 v) { _mm512_store_ps(reinterpret_cast<float*>(bytes), v); }
 };
 
-// A chunk of up to 16 activation rows laid out for the GEMM tile: for block b and group q (rows
-// 4q .. 4q + 3 of the chunk), lo / hi hold the four rows' values 0-15 / 16-31 in 128-bit lanes,
-// dx their scales (lane 4c + l: row 4q + c's d), and for Q8_0 init the term that undoes the
-// weights' +128 (below): -128 times each contract lane's sum of activations. s[b] holds the 16
-// rows' activation sums s (lane c: row c), for the 4-bit types' offset terms. Rows past the
+// Signed bytes w -> unsigned w + 128, for vpdpbusd's unsigned operand.
+inline __m512i flip_sign(__m512i w) {
+  return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));
+}
+
+// A chunk of up to 16 activation rows laid out for the GEMM tile, one lane per row: for block b
+// and contract lane l, lo[b * 4 + l] holds each row's values 4l .. 4l + 3 (one 32-bit word per
+// lane), hi those of 16 + 4l .. 19 + 4l, as vpdpbusd's signed operand (against Q8_0 weights: the
+// values + 128, its unsigned one); dx[b] and s[b] each row's scale d and sum s. Rows past the
 // chunk are zeros: their lanes compute 0 and are not stored.
 struct ChunkLayout {
-  std::vector<Zmm> lo, hi, init, dx;  // [nb * groups]
-  std::vector<Zmm> s;                 // [nb]
-  int groups = 0;
+  std::vector<Zmm> lo, hi;  // [nb * kQuad]
+  std::vector<Zmm> dx, s;   // [nb]
+  int rows = 0;
 };
 
-// -128 * (the contract's lane sums of an activation block's int8 values), for the unsigned Q8_0
-// weights w + 128: sum (w + 128) * x - 128 * sum x = sum w * x, in exact integers.
+// -128 * (the contract's lane sums of activation values lo, hi), for the narrow tile's unsigned
+// Q8_0 weights w + 128: sum (w + 128) * x - 128 * sum x = sum w * x, in exact integers.
 inline __m512i q8_init(__m512i lo, __m512i hi) {
   const __m512i ones = _mm512_set1_epi8(1);
   const __m512i sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, lo),
@@ -54,41 +60,37 @@ inline __m512i q8_init(__m512i lo, __m512i hi) {
 
 // Sizes L for `rows` activation rows (not thread-safe: vectors grow); fill_layout writes it.
 void size_layout(int64_t rows, int64_t nb, ChunkLayout& L) {
-  L.groups = static_cast<int>((rows + kQuad - 1) / kQuad);
-  const size_t size = static_cast<size_t>(nb * L.groups);
+  L.rows = static_cast<int>(rows);
+  const size_t size = static_cast<size_t>(nb * kQuad);
   if (L.lo.size() < size) {
     L.lo.resize(size);
     L.hi.resize(size);
-    L.init.resize(size);
-    L.dx.resize(size);
   }
-  if (L.s.size() < static_cast<size_t>(nb)) L.s.resize(nb);
+  if (L.dx.size() < static_cast<size_t>(nb)) {
+    L.dx.resize(nb);
+    L.s.resize(nb);
+  }
 }
 
 void fill_layout(const ActBlock* x0, int64_t rows, int64_t nb, bool q8, ChunkLayout& L) {
-  const int groups = L.groups;
   for (int64_t b = 0; b < nb; ++b) {
-    float* s = reinterpret_cast<float*>(L.s[b].bytes);
-    if (rows < kActRowsPerChunk) L.s[b].set(_mm512_setzero_ps());
-    for (int q = 0; q < groups; ++q) {
-      const size_t at = static_cast<size_t>(b * groups + q);
-      Zmm &lo = L.lo[at], &hi = L.hi[at];
-      if ((q + 1) * kQuad > rows) {  // a last group with rows past the chunk: zeros there
-        lo.set(_mm512_setzero_si512());
-        hi.set(_mm512_setzero_si512());
-        L.dx[at].set(_mm512_setzero_ps());
-      }
-      float* dx = reinterpret_cast<float*>(L.dx[at].bytes);
-      for (int c = 0; c < kQuad && q * kQuad + c < rows; ++c) {
-        const int64_t row = q * kQuad + c;
-        const ActBlock& xb = x0[row * nb + b];
-        std::memcpy(lo.bytes + 16 * c, xb.qs, 16);
-        std::memcpy(hi.bytes + 16 * c, xb.qs + 16, 16);
-        for (int l = 0; l < 4; ++l) dx[4 * c + l] = xb.d;
-        s[row] = xb.s;
-      }
-      if (q8) L.init[at].set(q8_init(lo.i(), hi.i()));
+    alignas(64) int32_t words[2 * kQuad][kActRowsPerChunk] = {};
+    alignas(64) float d[kActRowsPerChunk] = {}, s[kActRowsPerChunk] = {};
+    for (int64_t row = 0; row < rows; ++row) {
+      const ActBlock& xb = x0[row * nb + b];
+      int32_t w[2 * kQuad];
+      std::memcpy(w, xb.qs, sizeof w);
+      for (int l = 0; l < 2 * kQuad; ++l) words[l][row] = w[l];
+      d[row] = xb.d;
+      s[row] = xb.s;
     }
+    for (int l = 0; l < kQuad; ++l) {
+      const __m512i lo = _mm512_load_si512(words[l]), hi = _mm512_load_si512(words[kQuad + l]);
+      L.lo[b * kQuad + l].set(q8 ? flip_sign(lo) : lo);
+      L.hi[b * kQuad + l].set(q8 ? flip_sign(hi) : hi);
+    }
+    L.dx[b].set(_mm512_load_ps(d));
+    L.s[b].set(_mm512_load_ps(s));
   }
 }
 
@@ -114,30 +116,12 @@ inline void split_nibbles(__m512i t, __m512i& lo, __m512i& hi) {
   hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), mask);
 }
 
-// Signed bytes w -> unsigned w + 128, for vpdpbusd's unsigned operand.
-inline __m512i flip_sign(__m512i w) {
-  return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));
-}
-
 // 16 bytes at offset `off` of four rows `row_bytes` apart, one row per 128-bit lane.
 inline __m512i four_rows(const uint8_t* p, int64_t row_bytes, size_t off) {
   __m512i t = _mm512_castsi128_si512(load16(p + off));
   t = _mm512_inserti32x4(t, load16(p + row_bytes + off), 1);
   t = _mm512_inserti32x4(t, load16(p + 2 * row_bytes + off), 2);
   return _mm512_inserti32x4(t, load16(p + 3 * row_bytes + off), 3);
-}
-
-// One weight block's halves broadcast to all four lanes, unsigned for vpdpbusd: the 4-bit types'
-// nibbles, Q8_0's values + 128 (xor 0x80).
-template <QType T>
-inline void weight_halves(const uint8_t* p, __m512i& lo, __m512i& hi) {
-  if constexpr (T == QType::Q8_0) {
-    const uint8_t* qs = p + qs_offset<T>();
-    lo = flip_sign(_mm512_broadcast_i32x4(load16(qs)));
-    hi = flip_sign(_mm512_broadcast_i32x4(load16(qs + 16)));
-  } else {
-    split_nibbles(_mm512_broadcast_i32x4(load16(p + qs_offset<T>())), lo, hi);
-  }
 }
 
 // A zero for a vpdpbusd accumulator as the zeroing idiom (vpxord x, x, x: no execution unit):
@@ -154,110 +138,99 @@ inline float lane_sum(const float* v, int c) {
   return (v[4 * c] + v[4 * c + 2]) + (v[4 * c + 1] + v[4 * c + 3]);
 }
 
-// The contract's offset terms of R weight rows against the chunk's 16 activation rows, one lane
-// per activation row, summed in block order; zeros for Q8_0 (which has none, but whose sums
-// add them all the same, as the scalar path adds 0). Laid out [i][row] for one weight row,
-// [row][i] for four (the epilogue's 128-bit stores).
-template <QType T, int R>
-void corrections512(const float* wc, const ChunkLayout& L, int64_t nb, float* corr) {
-  __m512 sum[R];
-  for (int i = 0; i < R; ++i) sum[i] = _mm512_setzero_ps();
-  if constexpr (Unpacked<T>::kCorrect) {
-    for (int64_t b = 0; b < nb; ++b) {
-      for (int i = 0; i < R; ++i) {
-        const __m512 term = _mm512_mul_ps(_mm512_set1_ps(wc[i * nb + b]), L.s[b].f());
-        sum[i] = _mm512_add_ps(sum[i], term);
-      }
-    }
-    const __m512 scale = _mm512_set1_ps(Unpacked<T>::kCorrScale);
-    for (int i = 0; i < R; ++i) sum[i] = _mm512_mul_ps(scale, sum[i]);
-  }
-  if constexpr (R == 1) {
-    _mm512_storeu_ps(corr, sum[0]);
-  } else {
-    alignas(64) float t[R][kActRowsPerChunk];
-    for (int i = 0; i < R; ++i) _mm512_store_ps(t[i], sum[i]);
-    for (int row = 0; row < kActRowsPerChunk; ++row)
-      for (int i = 0; i < R; ++i) corr[row * R + i] = t[i][row];
-  }
-}
-
-// The epilogue of a tile of four weight rows, sixteen lanes at a time with store()'s arithmetic:
-// each 128-bit lane's sum (l0 + l2) + (l1 + l3) (two in-lane swaps and adds leave it in all
-// four elements), the four weight rows' sums of an activation row blended into one lane, then
-// + corr, + bias, (+ out), and each activation row's four outputs stored as one 128-bit value.
-// corr: [row][4] (corrections512's transposed layout).
-template <int G>
-inline void store_quads(const __m512 (&acc)[kQuad][G], const float* corr, const GemmArgs& g,
-                        int64_t r, int64_t j0, int64_t rows) {
-  const __m512 bias =
-      g.bias ? _mm512_broadcast_f32x4(_mm_loadu_ps(g.bias + r)) : _mm512_setzero_ps();
-  for (int q = 0; q < G; ++q) {
-    __m512 sums[kQuad];
-    for (int i = 0; i < kQuad; ++i) {
-      // l0 + l2, l1 + l3, then their sum in every element of the lane
-      const __m512 t = _mm512_add_ps(acc[i][q], _mm512_permute_ps(acc[i][q], 0x4e));
-      sums[i] = _mm512_add_ps(t, _mm512_permute_ps(t, 0xb1));
-    }
-    __m512 y = _mm512_mask_blend_ps(0x2222, sums[0], sums[1]);
-    y = _mm512_mask_blend_ps(0x4444, y, sums[2]);
-    y = _mm512_mask_blend_ps(0x8888, y, sums[3]);
-    y = _mm512_add_ps(_mm512_add_ps(y, _mm512_loadu_ps(corr + q * 16)), bias);
-    alignas(64) float v[16];
-    _mm512_store_ps(v, y);
-    for (int c = 0; c < kQuad && q * kQuad + c < rows; ++c) {
-      float* out = g.out + (j0 + q * kQuad + c) * g.out_stride + r;
-      __m128 o = _mm_load_ps(v + 4 * c);
-      if (g.accumulate) o = _mm_add_ps(_mm_loadu_ps(out), o);
-      _mm_storeu_ps(out, o);
-    }
-  }
-}
-
-// out[j0 + row][r + i] for i < R and the chunk's `rows` activation rows (G groups of four).
-template <QType T, int R, int G>
-void tile512(const uint8_t* w_row0, int64_t row_bytes, const ChunkLayout& L, int64_t nb,
-             const float* wd, const float* corr, const GemmArgs& g, int64_t r, int64_t j0,
-             int64_t rows) {
+// R weight rows' blocks laid out once per tile of rows, 32 bytes per block holding values 0-31,
+// so each contract lane's 4-byte words broadcast straight from memory: the 4-bit types' nibbles
+// (vpdpbusd's unsigned operand, against the signed activations), Q8_0's signed values (against
+// the activations + 128, the layout's for Q8_0) with init[(i * nb + b) * 4 + l] = -128 times
+// contract lane l's sum of weights: sum (x + 128) * w - 128 * sum w = sum x * w, exactly.
+template <QType T>
+void unpack_rows(const uint8_t* w_row0, int64_t row_bytes, int rows, int64_t nb, uint8_t* out,
+                 int32_t* init) {
   const int bb = block_bytes(T);
-  __m512 acc[R][G];
-  for (int i = 0; i < R; ++i)
-    for (int q = 0; q < G; ++q) acc[i][q] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    // The chunk's activations of block b stay in registers across the R weight rows (loads, not
-    // the multiplies, bound a tile that reads them per row).
-    __m512i lo[G], hi[G], init[G];
-    __m512 dx[G];
-    for (int q = 0; q < G; ++q) {
-      lo[q] = L.lo[b * G + q].i();
-      hi[q] = L.hi[b * G + q].i();
-      dx[q] = L.dx[b * G + q].f();
-      init[q] = T == QType::Q8_0 ? L.init[b * G + q].i() : _mm512_setzero_si512();
-    }
-    for (int i = 0; i < R; ++i) {
-      __m512i w_lo, w_hi;
-      weight_halves<T>(w_row0 + i * row_bytes + b * bb, w_lo, w_hi);
-      const __m512 dw = _mm512_set1_ps(wd[i * nb + b]);
-      for (int q = 0; q < G; ++q) {
-        const __m512i start = T == QType::Q8_0 ? init[q] : fresh_zero();
-        const __m512i dot =
-            _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, w_lo, lo[q]), w_hi, hi[q]);
-        acc[i][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[q]), acc[i][q]);
+  for (int i = 0; i < rows; ++i) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* qs = w_row0 + i * row_bytes + b * bb + qs_offset<T>();
+      uint8_t* o = out + (i * nb + b) * kBlock;
+      if constexpr (T == QType::Q8_0) {
+        const __m128i lo = load16(qs), hi = load16(qs + 16), ones = _mm_set1_epi8(1);
+        _mm_store_si128(reinterpret_cast<__m128i*>(o), lo);
+        _mm_store_si128(reinterpret_cast<__m128i*>(o + 16), hi);
+        const __m128i sums = _mm_dpbusd_epi32(_mm_dpbusd_epi32(_mm_setzero_si128(), ones, lo),
+                                              ones, hi);  // lane l: its 8 values' sum
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(init + (i * nb + b) * kQuad),
+                         _mm_sub_epi32(_mm_setzero_si128(), _mm_slli_epi32(sums, 7)));
+      } else {
+        const __m128i t = load16(qs), mask = _mm_set1_epi8(0x0f);
+        _mm_store_si128(reinterpret_cast<__m128i*>(o), _mm_and_si128(t, mask));
+        _mm_store_si128(reinterpret_cast<__m128i*>(o + 16),
+                        _mm_and_si128(_mm_srli_epi16(t, 4), mask));
       }
     }
   }
-  if constexpr (R == kQuad) {
-    store_quads<G>(acc, corr, g, r, j0, rows);
-  } else {
+}
+
+inline __m512i broadcast_word(const uint8_t* p) {
+  int32_t w;
+  std::memcpy(&w, p, sizeof w);
+  return _mm512_set1_epi32(w);
+}
+
+// The sums v = ((l0 + l2) + (l1 + l3)) + corr of R weight rows against the C chunks' activation
+// rows, into ys[i][c * 16 + row] (one vector store per weight row and chunk; the caller adds the
+// bias and stores them as store() does): per block, each (weight row, chunk) pair's sixteen
+// block scales are one multiply and its four contract lanes accumulate apart (acc[i][c][l], lane
+// = activation row), as the contract's four lanes; the offset terms sum in block order beside
+// them.
+template <QType T, int R, int C>
+void tile512(const uint8_t* wq, const int32_t* winit, const float* wd, const float* wc,
+             const ChunkLayout* L, int64_t nb, float* ys, int64_t ys_stride) {
+  constexpr bool kCorrect = Unpacked<T>::kCorrect;
+  __m512 acc[R][C][kQuad], corr[R][C];
+  for (int i = 0; i < R; ++i) {
+    for (int c = 0; c < C; ++c) {
+      corr[i][c] = _mm512_setzero_ps();
+      for (int l = 0; l < kQuad; ++l) acc[i][c][l] = _mm512_setzero_ps();
+    }
+  }
+  for (int64_t b = 0; b < nb; ++b) {
     for (int i = 0; i < R; ++i) {
-      for (int q = 0; q < G; ++q) {
-        alignas(64) float v[16];
-        _mm512_store_ps(v, acc[i][q]);
-        for (int c = 0; c < kQuad && q * kQuad + c < rows; ++c) {
-          const int row = q * kQuad + c;
-          store(g, j0 + row, r + i, lane_sum(v, c) + corr[i * kActRowsPerChunk + row]);
+      const uint8_t* w = wq + (i * nb + b) * kBlock;
+      const __m512 dw = _mm512_set1_ps(wd[i * nb + b]);
+      for (int c = 0; c < C; ++c) {
+        const ChunkLayout& x = L[c];
+        const __m512 scale = _mm512_mul_ps(dw, x.dx[b].f());
+        for (int l = 0; l < kQuad; ++l) {
+          __m512i dot;
+          if constexpr (T == QType::Q8_0) {  // x + 128 against the signed weights, broadcast
+            dot = _mm512_dpbusd_epi32(
+                _mm512_dpbusd_epi32(fresh_zero(), x.lo[b * kQuad + l].i(),
+                                    broadcast_word(w + 4 * l)),
+                x.hi[b * kQuad + l].i(), broadcast_word(w + 16 + 4 * l));
+            // the lane term added after (a broadcast operand), not held as each start
+            dot = _mm512_add_epi32(dot, _mm512_set1_epi32(winit[(i * nb + b) * kQuad + l]));
+          } else {
+            dot = _mm512_dpbusd_epi32(
+                _mm512_dpbusd_epi32(fresh_zero(), broadcast_word(w + 4 * l),
+                                    x.lo[b * kQuad + l].i()),
+                broadcast_word(w + 16 + 4 * l), x.hi[b * kQuad + l].i());
+          }
+          acc[i][c][l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i][c][l]);
+        }
+        if constexpr (kCorrect) {
+          const __m512 term = _mm512_mul_ps(_mm512_set1_ps(wc[i * nb + b]), x.s[b].f());
+          corr[i][c] = _mm512_add_ps(corr[i][c], term);
         }
       }
+    }
+  }
+  const __m512 corr_scale = _mm512_set1_ps(Unpacked<T>::kCorrScale);
+  for (int i = 0; i < R; ++i) {
+    for (int c = 0; c < C; ++c) {
+      const __m512 sums = _mm512_add_ps(_mm512_add_ps(acc[i][c][0], acc[i][c][2]),
+                                        _mm512_add_ps(acc[i][c][1], acc[i][c][3]));
+      const __m512 y = _mm512_add_ps(sums, kCorrect ? _mm512_mul_ps(corr_scale, corr[i][c])
+                                                    : _mm512_setzero_ps());
+      _mm512_store_ps(ys + i * ys_stride + c * kActRowsPerChunk, y);
     }
   }
 }
@@ -295,23 +268,34 @@ void load_row_scales512(const uint8_t* w_row0, int64_t row_bytes, int rows, int6
 }
 
 // R weight rows from r against every chunk of a block of activation rows (layouts L[0, chunks),
-// chunk c holding rows j0 + 16 c on): the rows' scales are converted once for all the chunks.
+// chunk c holding rows 16 c on): the rows' scales are converted and their blocks unpacked once
+// for all the chunks, which go two at a time. ys[i][row]: as tile512.
 template <QType T, int R>
 void rows_against_chunks(const GemmArgs& g, int64_t r, const ChunkLayout* L, int chunks,
-                         int64_t j0, float* wd, float* wc) {
+                         float* wd, float* wc, uint8_t* wq, int32_t* winit, float* ys,
+                         int64_t ys_stride) {
   const int64_t row_bytes = g.nb * block_bytes(T);
   const uint8_t* w = g.w + r * row_bytes;
   load_row_scales512<T>(w, row_bytes, R, g.nb, wd, wc);
-  alignas(64) float corr[R * kActRowsPerChunk];
-  for (int c = 0; c < chunks; ++c) {
-    const int64_t j = j0 + c * kActRowsPerChunk;
-    const int64_t rows = std::min<int64_t>(kActRowsPerChunk, g.m - j);
-    corrections512<T, R>(wc, L[c], g.nb, corr);
-    switch (L[c].groups) {
-      case 1: tile512<T, R, 1>(w, row_bytes, L[c], g.nb, wd, corr, g, r, j, rows); break;
-      case 2: tile512<T, R, 2>(w, row_bytes, L[c], g.nb, wd, corr, g, r, j, rows); break;
-      case 3: tile512<T, R, 3>(w, row_bytes, L[c], g.nb, wd, corr, g, r, j, rows); break;
-      default: tile512<T, R, 4>(w, row_bytes, L[c], g.nb, wd, corr, g, r, j, rows); break;
+  unpack_rows<T>(w, row_bytes, R, g.nb, wq, winit);
+  int c = 0;
+  for (; c + 2 <= chunks; c += 2) {
+    tile512<T, R, 2>(wq, winit, wd, wc, L + c, g.nb, ys + c * kActRowsPerChunk, ys_stride);
+  }
+  if (c < chunks) {
+    tile512<T, R, 1>(wq, winit, wd, wc, L + c, g.nb, ys + c * kActRowsPerChunk, ys_stride);
+  }
+}
+
+// out[j0 + j][r0 + i] for i < rows and j < cols from ys[i][j], with store()'s arithmetic:
+// (v + bias), added to out when accumulating. Each activation row's outputs are contiguous.
+void store_transposed(const GemmArgs& g, const float* ys, int64_t ys_stride, int64_t r0,
+                      int64_t rows, int64_t j0, int64_t cols) {
+  for (int64_t j = 0; j < cols; ++j) {
+    float* out = g.out + (j0 + j) * g.out_stride + r0;
+    for (int64_t i = 0; i < rows; ++i) {
+      const float v = ys[i * ys_stride + j] + (g.bias ? g.bias[r0 + i] : 0.0f);
+      out[i] = g.accumulate ? out[i] + v : v;
     }
   }
 }
@@ -456,7 +440,7 @@ void prepare_piece512(const GemmArgs& g, int64_t c) {
 // of 8 (C <= 4) or 4 weight rows, the last few rows (fewer than four) against a chunk layout.
 template <QType T, int C>
 void narrow_rows(const GemmArgs& g, const Prepared& prep, int64_t r, int64_t row_end,
-                 float* wd, float* wc) {
+                 float* wd, float* wc, uint8_t* wq, int32_t* winit) {
   const int64_t row_bytes = g.nb * block_bytes(T);
   const Zmm* xinit = prep.xinit.data();
   if constexpr (C <= 4) {
@@ -470,46 +454,82 @@ void narrow_rows(const GemmArgs& g, const Prepared& prep, int64_t r, int64_t row
   if (r == row_end) return;
   thread_local ChunkLayout rest;
   build_layout(g.xq, C, g.nb, T == QType::Q8_0, rest);
-  for (; r < row_end; ++r) rows_against_chunks<T, 1>(g, r, &rest, 1, 0, wd, wc);
+  alignas(64) float ys[kActRowsPerChunk];
+  for (; r < row_end; ++r) {
+    rows_against_chunks<T, 1>(g, r, &rest, 1, wd, wc, wq, winit, ys, kActRowsPerChunk);
+    store_transposed(g, ys, kActRowsPerChunk, r, 1, 0, C);
+  }
 }
+
+constexpr int kZmmTileRows = 2;  // weight rows per GEMM tile
+
+// A thread's per-tile weight data: kZmmTileRows rows' block scales, offset factors, unpacked
+// values (kBlock bytes per block) and Q8_0 lane terms (unpack_rows), sized for the product's nb.
+struct RowScratch {
+  std::vector<float> wd, wc;
+  std::vector<Zmm> wq;
+  std::vector<int32_t> winit;
+  void fit(int64_t nb) {
+    const size_t rows = std::max(kQuad, kZmmTileRows);
+    if (wd.size() < rows * nb) {
+      wd.resize(rows * nb);
+      wc.resize(rows * nb);
+      wq.resize((kZmmTileRows * nb * kBlock + sizeof(Zmm) - 1) / sizeof(Zmm));
+      winit.resize(kZmmTileRows * nb * kQuad);
+    }
+  }
+  uint8_t* unpacked() { return reinterpret_cast<uint8_t*>(wq.data()); }
+};
 
 template <QType T>
 void gemm_rows512_t(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
   const int64_t row_bytes = g.nb * block_bytes(T);
   const Prepared& prep = *static_cast<const Prepared*>(g.prepared);
-  thread_local std::vector<float> wd, wc;
-  if (wd.size() < static_cast<size_t>(kQuad * g.nb)) {
-    wd.resize(kQuad * g.nb);
-    wc.resize(kQuad * g.nb);
-  }
+  thread_local RowScratch scratch;
+  scratch.fit(g.nb);
+  float *wd = scratch.wd.data(), *wc = scratch.wc.data();
+  uint8_t* wq = scratch.unpacked();
+  int32_t* winit = scratch.winit.data();
   static_assert(kNarrowRows == 8, "one case per row count below");
   switch (g.m) {
-    case 1: return narrow_rows<T, 1>(g, prep, row_begin, row_end, wd.data(), wc.data());
-    case 2: return narrow_rows<T, 2>(g, prep, row_begin, row_end, wd.data(), wc.data());
-    case 3: return narrow_rows<T, 3>(g, prep, row_begin, row_end, wd.data(), wc.data());
-    case 4: return narrow_rows<T, 4>(g, prep, row_begin, row_end, wd.data(), wc.data());
-    case 5: return narrow_rows<T, 5>(g, prep, row_begin, row_end, wd.data(), wc.data());
-    case 6: return narrow_rows<T, 6>(g, prep, row_begin, row_end, wd.data(), wc.data());
-    case 7: return narrow_rows<T, 7>(g, prep, row_begin, row_end, wd.data(), wc.data());
-    case 8: return narrow_rows<T, 8>(g, prep, row_begin, row_end, wd.data(), wc.data());
+    case 1: return narrow_rows<T, 1>(g, prep, row_begin, row_end, wd, wc, wq, winit);
+    case 2: return narrow_rows<T, 2>(g, prep, row_begin, row_end, wd, wc, wq, winit);
+    case 3: return narrow_rows<T, 3>(g, prep, row_begin, row_end, wd, wc, wq, winit);
+    case 4: return narrow_rows<T, 4>(g, prep, row_begin, row_end, wd, wc, wq, winit);
+    case 5: return narrow_rows<T, 5>(g, prep, row_begin, row_end, wd, wc, wq, winit);
+    case 6: return narrow_rows<T, 6>(g, prep, row_begin, row_end, wd, wc, wq, winit);
+    case 7: return narrow_rows<T, 7>(g, prep, row_begin, row_end, wd, wc, wq, winit);
+    case 8: return narrow_rows<T, 8>(g, prep, row_begin, row_end, wd, wc, wq, winit);
     default: break;
   }
+  // Per pass of up to kChunksPerPass chunks, kOutRows weight rows at a time: their sums go to ys
+  // (a weight row's activation rows contiguous), then out, each activation row's kOutRows
+  // outputs together.
+  constexpr int64_t kOutRows = 16, kPassRows = kChunksPerPass * kActRowsPerChunk;
+  alignas(64) float ys[kOutRows * kPassRows];
   const int chunks = static_cast<int>((g.m + kActRowsPerChunk - 1) / kActRowsPerChunk);
   for (int c0 = 0; c0 < chunks; c0 += kChunksPerPass) {
     const int pass = std::min(kChunksPerPass, chunks - c0);
     const ChunkLayout* layouts = &prep.chunks[c0];
-    const int64_t j0 = c0 * kActRowsPerChunk;
-    int64_t r = row_begin;
-    for (; r + kQuad <= row_end; r += kQuad) {
-      // The next tile's rows (contiguous) into the cache while this one computes.
-      const char* next = reinterpret_cast<const char*>(g.w + (r + kQuad) * row_bytes);
-      for (int64_t off = 0; off < kQuad * row_bytes && r + kQuad < row_end; off += 64) {
-        _mm_prefetch(next + off, _MM_HINT_T0);
+    const int64_t j0 = c0 * kActRowsPerChunk, cols = std::min(kPassRows, g.m - j0);
+    for (int64_t r0 = row_begin; r0 < row_end; r0 += kOutRows) {
+      const int64_t r1 = std::min(r0 + kOutRows, row_end);
+      int64_t r = r0;
+      for (; r + kZmmTileRows <= r1; r += kZmmTileRows) {
+        // The next tile's rows (contiguous) into the cache while this one computes.
+        const char* next = reinterpret_cast<const char*>(g.w + (r + kZmmTileRows) * row_bytes);
+        for (int64_t off = 0; off < kZmmTileRows * row_bytes && r + kZmmTileRows < row_end;
+             off += 64) {
+          _mm_prefetch(next + off, _MM_HINT_T0);
+        }
+        rows_against_chunks<T, kZmmTileRows>(g, r, layouts, pass, wd, wc, wq, winit,
+                                              ys + (r - r0) * kPassRows, kPassRows);
       }
-      rows_against_chunks<T, kQuad>(g, r, layouts, pass, j0, wd.data(), wc.data());
-    }
-    for (; r < row_end; ++r) {
-      rows_against_chunks<T, 1>(g, r, layouts, pass, j0, wd.data(), wc.data());
+      for (; r < r1; ++r) {
+        rows_against_chunks<T, 1>(g, r, layouts, pass, wd, wc, wq, winit,
+                                  ys + (r - r0) * kPassRows, kPassRows);
+      }
+      store_transposed(g, ys, kPassRows, r0, r1 - r0, j0, cols);
     }
   }
 }
