@@ -96,7 +96,20 @@ def run_batch(engine: EngineCore, prompts: Sequence[Sequence[int]], output_lens:
     A step returns once its sampled ids are on the host: that is when its tokens count. With
     async scheduling the next step is already running on the device then, so `sync` is taken only
     before the clock starts and before it stops (one between steps would serialise them).
+    The heap from before the run is frozen while it runs, as `tinyvllm serve`'s engine process
+    freezes its start-up heap (engine/core_proc.py), so the cyclic collector walks only what the
+    run makes; thawed after, so a dropped engine's memory can still be collected.
     """
+    gc.collect()
+    gc.freeze()
+    try:
+        return _run_batch(engine, prompts, output_lens, sync)
+    finally:
+        gc.unfreeze()
+
+
+def _run_batch(engine: EngineCore, prompts: Sequence[Sequence[int]], output_lens: Sequence[int],
+               sync: Callable[[], None]) -> BatchRun:
     ids = [str(next(_request_ids)) for _ in prompts]
     timings = {i: RequestTiming(len(p)) for i, p in zip(ids, prompts)}
     sync()

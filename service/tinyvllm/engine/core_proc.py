@@ -18,6 +18,7 @@ SIGTERM (`parent_guard`), so a dead frontend never leaves an engine hanging in a
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import sys
@@ -113,6 +114,11 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         inputs.connect(input_addr)
         outputs.connect(output_addr)
         core = _load_engine(engine_class)(config)
+        # What start-up made (model, torch's and the tokenizer's objects) lives as long as the
+        # process: out of the cyclic collector's sight, a full collection no longer walks it
+        # between steps (vLLM's freeze of the engine core's heap).
+        gc.collect()
+        gc.freeze()
         send_or_exit(outputs, encoder.encode(Ready(runtime_info=core.runtime_info,
                                                    pid=os.getpid())), guard)
         guard.serving = True
