@@ -85,22 +85,36 @@ inline void for_each_block(const PagedRows& a, const int32_t* table, int64_t ctx
   }
 }
 
-// The kernels' helpers for each cache element type.
-inline void dot_tokens(const Kernels& kern, const float* q, const float* k, int64_t stride,
-                       int64_t num, int64_t d, float scale, float* scores) {
-  kern.dot_tokens(q, k, stride, num, d, scale, scores);
+// The kernels' helpers over one cache block for the n query heads of KV head hd: the float32
+// ones a head at a time, the half ones for all n at once (each value widened once). Each call
+// first fetches its share of the next block (`next`, in heads * n slices).
+inline void dot_block(const Kernels& kern, const float* q, int64_t n, const float* k,
+                      int64_t stride, int64_t num, int64_t d, float scale, float* scores,
+                      int64_t scores_stride, const NextBlock& next, int64_t hd, int64_t heads) {
+  for (int64_t g = 0; g < n; ++g) {
+    next.fetch(hd * n + g, heads * n);
+    kern.dot_tokens(q + g * d, k, stride, num, d, scale, scores + g * scores_stride);
+  }
 }
-inline void dot_tokens(const Kernels& kern, const float* q, const uint16_t* k, int64_t stride,
-                       int64_t num, int64_t d, float scale, float* scores) {
-  kern.dot_tokens_f16(q, k, stride, num, d, scale, scores);
+inline void dot_block(const Kernels& kern, const float* q, int64_t n, const uint16_t* k,
+                      int64_t stride, int64_t num, int64_t d, float scale, float* scores,
+                      int64_t scores_stride, const NextBlock& next, int64_t hd, int64_t heads) {
+  for (int64_t g = 0; g < n; ++g) next.fetch(hd * n + g, heads * n);
+  kern.dot_tokens_f16(q, n, k, stride, num, d, scale, scores, scores_stride);
 }
-inline void sum_tokens(const Kernels& kern, const float* p, const float* v, int64_t stride,
-                       int64_t num, int64_t d, float* out) {
-  kern.sum_tokens(p, v, stride, num, d, out);
+inline void sum_block(const Kernels& kern, const float* p, int64_t p_stride, int64_t n,
+                      const float* v, int64_t stride, int64_t num, int64_t d, float* out,
+                      const NextBlock& next, int64_t hd, int64_t heads) {
+  for (int64_t g = 0; g < n; ++g) {
+    next.fetch(hd * n + g, heads * n);
+    kern.sum_tokens(p + g * p_stride, v, stride, num, d, out + g * d);
+  }
 }
-inline void sum_tokens(const Kernels& kern, const float* p, const uint16_t* v, int64_t stride,
-                       int64_t num, int64_t d, float* out) {
-  kern.sum_tokens_f16(p, v, stride, num, d, out);
+inline void sum_block(const Kernels& kern, const float* p, int64_t p_stride, int64_t n,
+                      const uint16_t* v, int64_t stride, int64_t num, int64_t d, float* out,
+                      const NextBlock& next, int64_t hd, int64_t heads) {
+  for (int64_t g = 0; g < n; ++g) next.fetch(hd * n + g, heads * n);
+  kern.sum_tokens_f16(p, p_stride, n, v, stride, num, d, out);
 }
 
 // Query heads [g0, g1) of each KV head in [head0, head0 + heads), for query row `row`: the
@@ -119,11 +133,8 @@ void attend_one(const PagedRows& a, const Kernels& kern, int64_t row, int64_t he
                     [&](int64_t t0, const E* k, int64_t num, const NextBlock& next) {
     for (int64_t hd = 0; hd < heads; ++hd) {
       const float* q0 = q_row + ((head0 + hd) * group + g0) * d;
-      for (int64_t g = 0; g < n; ++g) {
-        next.fetch(hd * n + g, heads * n);
-        dot_tokens(kern, q0 + g * d, k + hd * d, stride, num, d, a.scale,
-                   scores.data() + (hd * n + g) * ctx + t0);
-      }
+      dot_block(kern, q0, n, k + hd * d, stride, num, d, a.scale,
+                scores.data() + hd * n * ctx + t0, ctx, next, hd, heads);
     }
   });
   for (int64_t g = 0; g < heads * n; ++g) {  // softmax per query head
@@ -140,11 +151,8 @@ void attend_one(const PagedRows& a, const Kernels& kern, int64_t row, int64_t he
                     [&](int64_t t0, const E* v, int64_t num, const NextBlock& next) {
     for (int64_t hd = 0; hd < heads; ++hd) {
       float* o0 = out_row + ((head0 + hd) * group + g0) * d;
-      for (int64_t g = 0; g < n; ++g) {
-        next.fetch(hd * n + g, heads * n);
-        sum_tokens(kern, scores.data() + (hd * n + g) * ctx + t0, v + hd * d, stride, num, d,
-                   o0 + g * d);
-      }
+      sum_block(kern, scores.data() + hd * n * ctx + t0, ctx, n, v + hd * d, stride, num, d,
+                o0, next, hd, heads);
     }
   });
 }

@@ -46,12 +46,15 @@ struct Kernels {
                      int64_t d, float scale, float* scores);
   void (*sum_tokens)(const float* p, const float* v, int64_t stride, int64_t num_tokens,
                      int64_t d, float* out);
-  // The same over a half-precision cache (k, v: IEEE half bits), each value widened to float
-  // first: the float32 helpers' arithmetic on the widened values.
-  void (*dot_tokens_f16)(const float* q, const uint16_t* k, int64_t stride, int64_t num_tokens,
-                         int64_t d, float scale, float* scores);
-  void (*sum_tokens_f16)(const float* p, const uint16_t* v, int64_t stride, int64_t num_tokens,
-                         int64_t d, float* out);
+  // The same over a half-precision cache (k, v: IEEE half bits) for n query heads of one KV
+  // head at once (q and out: [n, d]; scores and p: head g's at g * scores_stride / p_stride),
+  // each value widened to float once for all of them: per head the float32 helpers' arithmetic
+  // on the widened values, whatever n is.
+  void (*dot_tokens_f16)(const float* q, int64_t n, const uint16_t* k, int64_t stride,
+                         int64_t num_tokens, int64_t d, float scale, float* scores,
+                         int64_t scores_stride);
+  void (*sum_tokens_f16)(const float* p, int64_t p_stride, int64_t n, const uint16_t* v,
+                         int64_t stride, int64_t num_tokens, int64_t d, float* out);
   // y[i] = x[i] as IEEE half, rounded to nearest even (fp32_to_fp16), for i < n.
   void (*to_f16)(const float* x, uint16_t* y, int64_t n);
   // x[i] = exp(x[i] - shift) for i < n; returns their sum (a softmax's numerators).

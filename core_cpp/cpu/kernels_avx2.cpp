@@ -7,6 +7,7 @@
 // shares each weight unpack across C rows and each activation load across R rows.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -465,17 +466,106 @@ void dot_tokens(const float* q, const float* k, int64_t stride, int64_t num_toke
                 float scale, float* scores) {
   dot_tokens_t(q, k, stride, num_tokens, d, scale, scores);
 }
-void dot_tokens_f16(const float* q, const uint16_t* k, int64_t stride, int64_t num_tokens,
-                    int64_t d, float scale, float* scores) {
-  dot_tokens_t(q, k, stride, num_tokens, d, scale, scores);
-}
 void sum_tokens(const float* p, const float* v, int64_t stride, int64_t num_tokens, int64_t d,
                 float* out) {
   sum_tokens_t(p, v, stride, num_tokens, d, out);
 }
-void sum_tokens_f16(const float* p, const uint16_t* v, int64_t stride, int64_t num_tokens,
-                    int64_t d, float* out) {
-  sum_tokens_t(p, v, stride, num_tokens, d, out);
+
+// The half-precision helpers take a group of N query heads (GQA) and widen each key or value
+// once for all of them; every head's arithmetic is dot_tokens_t's / sum_tokens_t's, so a head's
+// result does not depend on the group it is computed in. N <= 3 keeps the accumulators (8 per
+// head) in the 32 registers.
+constexpr int64_t kMaxGroup = 3;
+
+template <int N>
+void dot_tokens_group(const float* q, const uint16_t* k, int64_t stride, int64_t num_tokens,
+                      int64_t d, float scale, float* scores, int64_t scores_stride) {
+  int64_t t = 0;
+  if (d % 8 == 0) {
+    for (; t + 8 <= num_tokens; t += 8) {
+      __m256 acc[N][8];
+      for (int g = 0; g < N; ++g)
+        for (int j = 0; j < 8; ++j) acc[g][j] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < d; i += 8) {
+        for (int j = 0; j < 8; ++j) {
+          const __m256 kv = load8(k + (t + j) * stride + i);
+          for (int g = 0; g < N; ++g) {
+            acc[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), kv, acc[g][j]);
+          }
+        }
+      }
+      for (int g = 0; g < N; ++g) {
+        const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]),
+                                         _mm256_hadd_ps(acc[g][2], acc[g][3]));
+        const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][4], acc[g][5]),
+                                         _mm256_hadd_ps(acc[g][6], acc[g][7]));
+        const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
+                                          _mm256_permute2f128_ps(h0, h1, 0x31));
+        _mm256_storeu_ps(scores + g * scores_stride + t,
+                         _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+      }
+    }
+  }
+  for (int g = 0; g < N; ++g) {
+    for (int64_t u = t; u < num_tokens; ++u) {
+      scores[g * scores_stride + u] = dot(q + g * d, k + u * stride, d) * scale;
+    }
+  }
+}
+
+template <int N>
+void sum_tokens_group(const float* p, int64_t p_stride, const uint16_t* v, int64_t stride,
+                      int64_t num_tokens, int64_t d, float* out) {
+  constexpr int kRegs = 8;
+  int64_t i = 0;
+  for (; i + 8 * kRegs <= d; i += 8 * kRegs) {
+    __m256 acc[N][kRegs];
+    for (int g = 0; g < N; ++g)
+      for (int r = 0; r < kRegs; ++r) acc[g][r] = _mm256_loadu_ps(out + g * d + i + 8 * r);
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const uint16_t* vt = v + t * stride + i;
+      for (int r = 0; r < kRegs; ++r) {
+        const __m256 vv = load8(vt + 8 * r);
+        for (int g = 0; g < N; ++g) {
+          acc[g][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * p_stride + t), vv, acc[g][r]);
+        }
+      }
+    }
+    for (int g = 0; g < N; ++g)
+      for (int r = 0; r < kRegs; ++r) _mm256_storeu_ps(out + g * d + i + 8 * r, acc[g][r]);
+  }
+  if (i < d) {  // what sum_tokens_t does past its 64-value runs, per head
+    for (int g = 0; g < N; ++g) {
+      sum_tokens_t(p + g * p_stride, v + i, stride, num_tokens, d - i, out + g * d + i);
+    }
+  }
+}
+
+void dot_tokens_f16(const float* q, int64_t n, const uint16_t* k, int64_t stride,
+                    int64_t num_tokens, int64_t d, float scale, float* scores,
+                    int64_t scores_stride) {
+  for (int64_t g = 0; g < n; g += kMaxGroup) {
+    const float* qg = q + g * d;
+    float* sg = scores + g * scores_stride;
+    switch (std::min(kMaxGroup, n - g)) {
+      case 1: dot_tokens_group<1>(qg, k, stride, num_tokens, d, scale, sg, scores_stride); break;
+      case 2: dot_tokens_group<2>(qg, k, stride, num_tokens, d, scale, sg, scores_stride); break;
+      default: dot_tokens_group<3>(qg, k, stride, num_tokens, d, scale, sg, scores_stride);
+    }
+  }
+}
+
+void sum_tokens_f16(const float* p, int64_t p_stride, int64_t n, const uint16_t* v,
+                    int64_t stride, int64_t num_tokens, int64_t d, float* out) {
+  for (int64_t g = 0; g < n; g += kMaxGroup) {
+    const float* pg = p + g * p_stride;
+    float* og = out + g * d;
+    switch (std::min(kMaxGroup, n - g)) {
+      case 1: sum_tokens_group<1>(pg, p_stride, v, stride, num_tokens, d, og); break;
+      case 2: sum_tokens_group<2>(pg, p_stride, v, stride, num_tokens, d, og); break;
+      default: sum_tokens_group<3>(pg, p_stride, v, stride, num_tokens, d, og);
+    }
+  }
 }
 
 void to_f16(const float* x, uint16_t* y, int64_t n) {

@@ -110,24 +110,30 @@ void widen(const uint16_t* x, int64_t n, float* y) {
   for (int64_t i = 0; i < n; ++i) y[i] = fp16_to_fp32(x[i]);
 }
 
-void dot_tokens_f16(const float* q, const uint16_t* k, int64_t stride, int64_t num_tokens,
-                    int64_t d, float scale, float* scores) {
+void dot_tokens_f16(const float* q, int64_t n, const uint16_t* k, int64_t stride,
+                    int64_t num_tokens, int64_t d, float scale, float* scores,
+                    int64_t scores_stride) {
   float kt[kMaxHeadDim];
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int64_t i0 = 0; i0 < d; i0 += kMaxHeadDim) {  // d beyond kMaxHeadDim: in pieces
-      const int64_t n = std::min(kMaxHeadDim, d - i0);
-      widen(k + t * stride + i0, n, kt);
-      const float part = dot_lanes(q + i0, kt, n);
-      scores[t] = i0 == 0 ? part : scores[t] + part;
+      const int64_t m = std::min(kMaxHeadDim, d - i0);
+      widen(k + t * stride + i0, m, kt);
+      for (int64_t g = 0; g < n; ++g) {
+        float& score = scores[g * scores_stride + t];
+        const float part = dot_lanes(q + g * d + i0, kt, m);
+        score = i0 == 0 ? part : score + part;
+      }
     }
-    scores[t] *= scale;
+    for (int64_t g = 0; g < n; ++g) scores[g * scores_stride + t] *= scale;
   }
 }
 
-void sum_tokens_f16(const float* p, const uint16_t* v, int64_t stride, int64_t num_tokens,
-                    int64_t d, float* out) {
-  for (int64_t t = 0; t < num_tokens; ++t)
-    for (int64_t i = 0; i < d; ++i) out[i] += p[t] * fp16_to_fp32(v[t * stride + i]);
+void sum_tokens_f16(const float* p, int64_t p_stride, int64_t n, const uint16_t* v,
+                    int64_t stride, int64_t num_tokens, int64_t d, float* out) {
+  for (int64_t g = 0; g < n; ++g)
+    for (int64_t t = 0; t < num_tokens; ++t)
+      for (int64_t i = 0; i < d; ++i)
+        out[g * d + i] += p[g * p_stride + t] * fp16_to_fp32(v[t * stride + i]);
 }
 
 void to_f16(const float* x, uint16_t* y, int64_t n) {

@@ -133,3 +133,28 @@ def test_float16_rounding_is_torchs(isa):
     out = torch.empty(x.numel(), dtype=torch.int16)
     _cpu.to_float16(out.data_ptr(), x.data_ptr(), x.numel(), isa)
     assert torch.equal(out, x.to(torch.float16).view(torch.int16))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_float16_rows_do_not_depend_on_the_batch(isa, monkeypatch):
+    """A large batch walks each KV head once for its whole query group, a lone row a query head
+    at a time: the same values either way."""
+    monkeypatch.setenv("TINYVLLM_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(21)
+    seqs = [(1, 17 + 5 * i) for i in range(12)]
+    query, cache, meta, _ = _build_batch(seqs, 9, 3, 64, 16, gen)
+    half = cache.to(torch.float16)
+    q.set_num_threads(2)
+    try:
+        batch = _paged_attention_cpu(query, half, meta, 0.125)
+        for i in (0, 7, 11):
+            one = type(meta)(num_tokens=1, slot_mapping=meta.slot_mapping[i:i + 1],
+                             query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                             seq_lens=meta.seq_lens[i:i + 1],
+                             block_tables=meta.block_tables[i:i + 1], max_query_len=1,
+                             max_seq_len=seqs[i][1], query_start_loc_cpu=[0, 1],
+                             seq_lens_cpu=[seqs[i][1]])
+            assert torch.equal(_paged_attention_cpu(query[i:i + 1], half, one, 0.125),
+                               batch[i:i + 1])
+    finally:
+        q.set_num_threads(None)
