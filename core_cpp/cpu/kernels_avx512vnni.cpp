@@ -175,63 +175,58 @@ inline __m512i broadcast_word(const uint8_t* p) {
   return _mm512_set1_epi32(w);
 }
 
-// The sums v = ((l0 + l2) + (l1 + l3)) + corr of R weight rows against the C chunks' activation
-// rows, into ys[i][c * 16 + row] (one vector store per weight row and chunk; the caller adds the
-// bias and stores them as store() does): per block, each (weight row, chunk) pair's sixteen
-// block scales are one multiply and its four contract lanes accumulate apart (acc[i][c][l], lane
-// = activation row), as the contract's four lanes; the offset terms sum in block order beside
-// them.
-template <QType T, int R, int C>
+// The sums v = ((l0 + l2) + (l1 + l3)) + corr of R weight rows against a chunk's activation
+// rows, into ys[i][row] (one vector store per weight row; the caller adds the bias and stores
+// them as store() does): per block, the chunk's activations load once for the R rows, each
+// row's sixteen block scales are one multiply and its four contract lanes accumulate apart
+// (acc[i][l], lane = activation row), as the contract's four lanes; the offset terms sum in
+// block order beside them.
+template <QType T, int R>
 void tile512(const uint8_t* wq, const int32_t* winit, const float* wd, const float* wc,
-             const ChunkLayout* L, int64_t nb, float* ys, int64_t ys_stride) {
+             const ChunkLayout& x, int64_t nb, float* ys, int64_t ys_stride) {
   constexpr bool kCorrect = Unpacked<T>::kCorrect;
-  __m512 acc[R][C][kQuad], corr[R][C];
+  __m512 acc[R][kQuad], corr[R];
   for (int i = 0; i < R; ++i) {
-    for (int c = 0; c < C; ++c) {
-      corr[i][c] = _mm512_setzero_ps();
-      for (int l = 0; l < kQuad; ++l) acc[i][c][l] = _mm512_setzero_ps();
-    }
+    corr[i] = _mm512_setzero_ps();
+    for (int l = 0; l < kQuad; ++l) acc[i][l] = _mm512_setzero_ps();
   }
   for (int64_t b = 0; b < nb; ++b) {
+    __m512i lo[kQuad], hi[kQuad];
+    for (int l = 0; l < kQuad; ++l) {
+      lo[l] = x.lo[b * kQuad + l].i();
+      hi[l] = x.hi[b * kQuad + l].i();
+    }
+    const __m512 dx = x.dx[b].f(), sx = x.s[b].f();
     for (int i = 0; i < R; ++i) {
       const uint8_t* w = wq + (i * nb + b) * kBlock;
-      const __m512 dw = _mm512_set1_ps(wd[i * nb + b]);
-      for (int c = 0; c < C; ++c) {
-        const ChunkLayout& x = L[c];
-        const __m512 scale = _mm512_mul_ps(dw, x.dx[b].f());
-        for (int l = 0; l < kQuad; ++l) {
-          __m512i dot;
-          if constexpr (T == QType::Q8_0) {  // x + 128 against the signed weights, broadcast
-            dot = _mm512_dpbusd_epi32(
-                _mm512_dpbusd_epi32(fresh_zero(), x.lo[b * kQuad + l].i(),
-                                    broadcast_word(w + 4 * l)),
-                x.hi[b * kQuad + l].i(), broadcast_word(w + 16 + 4 * l));
-            // the lane term added after (a broadcast operand), not held as each start
-            dot = _mm512_add_epi32(dot, _mm512_set1_epi32(winit[(i * nb + b) * kQuad + l]));
-          } else {
-            dot = _mm512_dpbusd_epi32(
-                _mm512_dpbusd_epi32(fresh_zero(), broadcast_word(w + 4 * l),
-                                    x.lo[b * kQuad + l].i()),
-                broadcast_word(w + 16 + 4 * l), x.hi[b * kQuad + l].i());
-          }
-          acc[i][c][l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i][c][l]);
+      const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(wd[i * nb + b]), dx);
+      for (int l = 0; l < kQuad; ++l) {
+        __m512i dot;
+        if constexpr (T == QType::Q8_0) {  // x + 128 against the signed weights, broadcast
+          dot = _mm512_dpbusd_epi32(
+              _mm512_dpbusd_epi32(fresh_zero(), lo[l], broadcast_word(w + 4 * l)), hi[l],
+              broadcast_word(w + 16 + 4 * l));
+          // the lane term added after (a broadcast operand), not held as each start
+          dot = _mm512_add_epi32(dot, _mm512_set1_epi32(winit[(i * nb + b) * kQuad + l]));
+        } else {
+          dot = _mm512_dpbusd_epi32(
+              _mm512_dpbusd_epi32(fresh_zero(), broadcast_word(w + 4 * l), lo[l]),
+              broadcast_word(w + 16 + 4 * l), hi[l]);
         }
-        if constexpr (kCorrect) {
-          const __m512 term = _mm512_mul_ps(_mm512_set1_ps(wc[i * nb + b]), x.s[b].f());
-          corr[i][c] = _mm512_add_ps(corr[i][c], term);
-        }
+        acc[i][l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i][l]);
+      }
+      if constexpr (kCorrect) {
+        corr[i] = _mm512_add_ps(corr[i], _mm512_mul_ps(_mm512_set1_ps(wc[i * nb + b]), sx));
       }
     }
   }
   const __m512 corr_scale = _mm512_set1_ps(Unpacked<T>::kCorrScale);
   for (int i = 0; i < R; ++i) {
-    for (int c = 0; c < C; ++c) {
-      const __m512 sums = _mm512_add_ps(_mm512_add_ps(acc[i][c][0], acc[i][c][2]),
-                                        _mm512_add_ps(acc[i][c][1], acc[i][c][3]));
-      const __m512 y = _mm512_add_ps(sums, kCorrect ? _mm512_mul_ps(corr_scale, corr[i][c])
-                                                    : _mm512_setzero_ps());
-      _mm512_store_ps(ys + i * ys_stride + c * kActRowsPerChunk, y);
-    }
+    const __m512 sums = _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][2]),
+                                      _mm512_add_ps(acc[i][1], acc[i][3]));
+    const __m512 y = _mm512_add_ps(sums, kCorrect ? _mm512_mul_ps(corr_scale, corr[i])
+                                                  : _mm512_setzero_ps());
+    _mm512_store_ps(ys + i * ys_stride, y);
   }
 }
 
@@ -269,7 +264,7 @@ void load_row_scales512(const uint8_t* w_row0, int64_t row_bytes, int rows, int6
 
 // R weight rows from r against every chunk of a block of activation rows (layouts L[0, chunks),
 // chunk c holding rows 16 c on): the rows' scales are converted and their blocks unpacked once
-// for all the chunks, which go two at a time. ys[i][row]: as tile512.
+// for all the chunks. ys[i][c * 16 + row]: as tile512.
 template <QType T, int R>
 void rows_against_chunks(const GemmArgs& g, int64_t r, const ChunkLayout* L, int chunks,
                          float* wd, float* wc, uint8_t* wq, int32_t* winit, float* ys,
@@ -278,12 +273,8 @@ void rows_against_chunks(const GemmArgs& g, int64_t r, const ChunkLayout* L, int
   const uint8_t* w = g.w + r * row_bytes;
   load_row_scales512<T>(w, row_bytes, R, g.nb, wd, wc);
   unpack_rows<T>(w, row_bytes, R, g.nb, wq, winit);
-  int c = 0;
-  for (; c + 2 <= chunks; c += 2) {
-    tile512<T, R, 2>(wq, winit, wd, wc, L + c, g.nb, ys + c * kActRowsPerChunk, ys_stride);
-  }
-  if (c < chunks) {
-    tile512<T, R, 1>(wq, winit, wd, wc, L + c, g.nb, ys + c * kActRowsPerChunk, ys_stride);
+  for (int c = 0; c < chunks; ++c) {
+    tile512<T, R>(wq, winit, wd, wc, L[c], g.nb, ys + c * kActRowsPerChunk, ys_stride);
   }
 }
 
@@ -461,7 +452,12 @@ void narrow_rows(const GemmArgs& g, const Prepared& prep, int64_t r, int64_t row
   }
 }
 
-constexpr int kZmmTileRows = 2;  // weight rows per GEMM tile
+// Weight rows per GEMM tile, which share each chunk's activation loads: four, or two for Q8_0,
+// whose lane terms take registers too (measured per type: Q4_1 1.05, Q8_0 1.11-1.14 cycles per
+// pair on a Zen 4 core; either type at the other's count 1.23-1.38).
+constexpr int kMaxTileRows = 4;
+template <QType T>
+constexpr int kZmmTileRows = T == QType::Q8_0 ? 2 : 4;
 
 // A thread's per-tile weight data: kZmmTileRows rows' block scales, offset factors, unpacked
 // values (kBlock bytes per block) and Q8_0 lane terms (unpack_rows), sized for the product's nb.
@@ -470,12 +466,12 @@ struct RowScratch {
   std::vector<Zmm> wq;
   std::vector<int32_t> winit;
   void fit(int64_t nb) {
-    const size_t rows = std::max(kQuad, kZmmTileRows);
+    const size_t rows = std::max(kQuad, kMaxTileRows);
     if (wd.size() < rows * nb) {
       wd.resize(rows * nb);
       wc.resize(rows * nb);
-      wq.resize((kZmmTileRows * nb * kBlock + sizeof(Zmm) - 1) / sizeof(Zmm));
-      winit.resize(kZmmTileRows * nb * kQuad);
+      wq.resize((kMaxTileRows * nb * kBlock + sizeof(Zmm) - 1) / sizeof(Zmm));
+      winit.resize(kMaxTileRows * nb * kQuad);
     }
   }
   uint8_t* unpacked() { return reinterpret_cast<uint8_t*>(wq.data()); }
@@ -515,14 +511,15 @@ void gemm_rows512_t(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
     for (int64_t r0 = row_begin; r0 < row_end; r0 += kOutRows) {
       const int64_t r1 = std::min(r0 + kOutRows, row_end);
       int64_t r = r0;
-      for (; r + kZmmTileRows <= r1; r += kZmmTileRows) {
+      constexpr int kRows = kZmmTileRows<T>;
+      for (; r + kRows <= r1; r += kRows) {
         // The next tile's rows (contiguous) into the cache while this one computes.
-        const char* next = reinterpret_cast<const char*>(g.w + (r + kZmmTileRows) * row_bytes);
-        for (int64_t off = 0; off < kZmmTileRows * row_bytes && r + kZmmTileRows < row_end;
+        const char* next = reinterpret_cast<const char*>(g.w + (r + kRows) * row_bytes);
+        for (int64_t off = 0; off < kRows * row_bytes && r + kRows < row_end;
              off += 64) {
           _mm_prefetch(next + off, _MM_HINT_T0);
         }
-        rows_against_chunks<T, kZmmTileRows>(g, r, layouts, pass, wd, wc, wq, winit,
+        rows_against_chunks<T, kRows>(g, r, layouts, pass, wd, wc, wq, winit,
                                               ys + (r - r0) * kPassRows, kPassRows);
       }
       for (; r < r1; ++r) {
