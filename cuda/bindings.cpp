@@ -92,6 +92,12 @@ PYBIND11_MODULE(_cuda, m) {
                "dtype", "stream");
   def_launcher(m, "quant_dequantize", &tinyvllm::quant_dequantize, "out", "qweight", "scales",
                "zeros", "n", "k", "bits", "group_size", "dtype", "stream");
+  def_launcher(m, "quant_tile_gemv", &tinyvllm::quant_tile_gemv, "out", "x", "tiles",
+               "tile_scales", "bias", "residual", "norm_weight", "m", "n", "k", "x_stride",
+               "out_stride", "residual_stride", "eps", "group_size", "interleaved", "prologue",
+               "silu_mul_out", "dtype", "stream");
+  def_launcher(m, "quant_tile_dequantize", &tinyvllm::quant_tile_dequantize, "out", "tiles",
+               "tile_scales", "n", "k", "group_size", "interleaved", "dtype", "stream");
   def_launcher(m, "gguf_gemv", &tinyvllm::gguf_gemv, "out", "x", "qweight", "bias", "m", "n", "k",
                "x_stride", "out_stride", "qtype", "dtype", "stream");
   def_launcher(m, "gguf_dequantize", &tinyvllm::gguf_dequantize, "out", "qweight", "rows",

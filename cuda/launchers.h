@@ -12,7 +12,7 @@ namespace tinyvllm {
 // The interface version of these launchers. bindings.cpp exports it as `abi_version` and
 // ops/_dispatch.py refuses a module whose version is not its CUDA_ABI_VERSION: bump both when a
 // launcher's arguments change or a function is added, removed or renamed.
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 4;
 
 using ptr_t = std::uintptr_t;  // a device pointer, as torch's data_ptr() gives it
 using stream_t = std::uintptr_t;  // a cudaStream_t, as torch's cuda_stream gives it
@@ -111,6 +111,21 @@ void quant_gemv(ptr_t out, ptr_t x, ptr_t qweight, ptr_t scales, ptr_t zeros, pt
 // quant_dequantize: the weight as dtype [n, k] (for prefill-sized batches and a cuBLAS GEMM).
 void quant_dequantize(ptr_t out, ptr_t qweight, ptr_t scales, ptr_t zeros, int64_t n, int64_t k,
                       int bits, int group_size, int dtype, stream_t stream);
+
+// quant_tiles.cu: W4A16 over the tile layout of ops/quant_tiles.py (tiles uint4 [bands][k / 64]
+// [32], tile_scales uint2 [bands][k / group_size][8]; group_size k or a power of two >= 64;
+// interleaved: band b holds gate rows 8b .. 8b + 7 and up rows n / 2 + 8b ..). quant_tile_gemv:
+// out[m, n] = act(x) . w^T (+ bias) on tensor cores for m <= 8 (m * k <= 32768), with gemv's
+// prologues (prologue, norm_weight, eps) and epilogues (residual in place; silu_mul_out over an
+// interleaved layout: out[m, n / 2]).
+void quant_tile_gemv(ptr_t out, ptr_t x, ptr_t tiles, ptr_t tile_scales, ptr_t bias,
+                     ptr_t residual, ptr_t norm_weight, int64_t m, int64_t n, int64_t k,
+                     int64_t x_stride, int64_t out_stride, int64_t residual_stride, float eps,
+                     int group_size, int interleaved, int prologue, int silu_mul_out, int dtype,
+                     stream_t stream);
+// quant_tile_dequantize: the weight as dtype [n, k] in logical row order (prefill-sized batches).
+void quant_tile_dequantize(ptr_t out, ptr_t tiles, ptr_t tile_scales, int64_t n, int64_t k,
+                           int group_size, int interleaved, int dtype, stream_t stream);
 
 // gguf_gemv.cu: GGUF Q4_0 / Q4_1 / Q8_0 rows read as stored (qweight uint8 [n, k / 32 * block
 // bytes], 4-byte aligned). gguf_gemv: out[m, n] = x . w^T (+ bias) for m <= 8.

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tinyvllm.ops import (_dispatch, attention_cuda, gguf_cuda, kv_cache, layers_cuda, linear,
-                          quant_linear_cuda, sampling_cuda, spec_decode_cuda, w8a8_linear)
+                          quant_linear_cuda, quant_tiles, sampling_cuda, spec_decode_cuda,
+                          w8a8_linear)
 from tinyvllm.ops._dispatch import (CUDA_ABI_VERSION, KERNEL_FUNCTIONS, KERNEL_MIN_CAPABILITY,
                                     KernelSupport, module_problem)
 from tinyvllm.ops.attention import AttentionMetadata, DecodePartitions
@@ -62,7 +63,7 @@ def launches(monkeypatch) -> Launches:
     monkeypatch.setattr(_dispatch, "_cuda_module", lambda: kernels)
     monkeypatch.setattr(_dispatch, "device_support", lambda: support)
     for wrapper in (kv_cache, attention_cuda, layers_cuda, linear, sampling_cuda,
-                    spec_decode_cuda, quant_linear_cuda, gguf_cuda, w8a8_linear):
+                    spec_decode_cuda, quant_linear_cuda, quant_tiles, gguf_cuda, w8a8_linear):
         monkeypatch.setattr(wrapper, "stream_handle", lambda device: STREAM)
     monkeypatch.setattr(attention_cuda, "_sm_count", lambda device: 132)
     record.kernels = kernels
@@ -233,6 +234,29 @@ def test_quantized_linear(launches):
     args = launches.only("quant_dequantize")
     assert (args["out"], args["qweight"], args["n"], args["k"], args["bits"]) == (
         ptr(weight), ptr(qweight), 48, 128, 4)
+
+
+def test_quantized_tiles(launches):
+    qweight = torch.zeros(48, 16, dtype=torch.int32)  # n = 48, k = 128 at 4 bits
+    scales = torch.ones(48, 2).bfloat16()
+    tiles = quant_tiles.repack(qweight, scales, scales.clone(), 64, interleave=True)
+    x, norm = torch.randn(2, 128).bfloat16(), torch.ones(128).bfloat16()
+    out = torch.empty(2, 24).bfloat16()
+    quant_tiles._launch(x, tiles, out, None, norm, 1e-5, False, False, True)
+    args = launches.only("quant_tile_gemv")
+    assert (args["out"], args["x"], args["tiles"], args["tile_scales"], args["bias"],
+            args["residual"], args["norm_weight"]) == (ptr(out), ptr(x), ptr(tiles.tiles),
+                                                       ptr(tiles.tile_scales), 0, 0, ptr(norm))
+    assert (args["m"], args["n"], args["k"], args["x_stride"], args["out_stride"],
+            args["residual_stride"], args["group_size"], args["interleaved"], args["prologue"],
+            args["silu_mul_out"], args["dtype"], args["stream"]) == (
+        2, 48, 128, 128, 24, 24, 64, 1, 1, 1, 2, STREAM)
+    launches.clear()
+    weight = quant_tiles.dequantize_tiles_cuda(tiles)
+    args = launches.only("quant_tile_dequantize")
+    assert (args["out"], args["tiles"], args["tile_scales"], args["n"], args["k"],
+            args["group_size"], args["interleaved"], args["dtype"]) == (
+        ptr(weight), ptr(tiles.tiles), ptr(tiles.tile_scales), 48, 128, 64, 1, 2)
 
 
 def test_gguf_linear(launches):

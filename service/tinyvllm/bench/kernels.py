@@ -277,24 +277,28 @@ QUANT_SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096)
 """Llama-3-8B projections (n, k) for the W4A16 rows."""
 
 
-def _int4pack_mm(q: torch.Tensor, group_size: int, gen) -> Optional[Callable]:
-    """torch._weight_int4pack_mm over the same 4-bit values, or None where this torch lacks it."""
+def _int4pack_mm(q: torch.Tensor, group_size: int, copies: int, gen) -> Optional[Callable]:
+    """torch._weight_int4pack_mm over the same 4-bit values (`copies` copies of the weight, call i
+    reading copy i % copies, as ours do), or None where this torch lacks it."""
     n, k = q.shape
     try:
-        packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8),
-                                                   8)
+        packed = [torch._convert_weight_to_int4pack(
+            (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 8) for _ in range(copies)]
         sz = torch.rand(k // group_size, n, 2, generator=gen, device="cuda").to(DTYPE)
         x = torch.randn(1, k, generator=gen, device="cuda", dtype=DTYPE)
-        torch._weight_int4pack_mm(x, packed, group_size, sz)
+        torch._weight_int4pack_mm(x, packed[0], group_size, sz)
     except (RuntimeError, AttributeError, TypeError):
         return None
-    return lambda x: torch._weight_int4pack_mm(x, packed, group_size, sz)
+    return lambda x, i: torch._weight_int4pack_mm(x, packed[i % copies], group_size, sz)
 
 
 def bench_quant_linear(m, name, n, k, bits, group_size, copy_gbps, gen) -> Row:
-    """ops.quant_linear (GEMV up to 8 rows, dequantize + cuBLAS above) against cuBLAS over the bf16
-    weight and torch's int4 GEMM, as CUDA-graph replays over weight copies L2 cannot hold."""
+    """The W4A16 tile GEMV (ops.quant_tiles, what a QuantLinear runs after load where it serves),
+    else ops.quant_linear (the group layout: its GEMV up to 8 / 16 rows, dequantize + cuBLAS
+    above), against cuBLAS over the bf16 weight, torch's int4 GEMM and the group layout's
+    kernels, as CUDA-graph replays over weight copies L2 cannot hold."""
     from tinyvllm.ops import quant_linear as ql
+    from tinyvllm.ops import quant_tiles as qt
     cuda_ops_or_exit()
     q = torch.randint(0, 1 << bits, (n, k), generator=gen, device="cuda", dtype=torch.int32)
     packed_bytes = n * k * bits // 8 + 2 * 2 * n * (k // group_size)
@@ -310,20 +314,51 @@ def bench_quant_linear(m, name, n, k, bits, group_size, copy_gbps, gen) -> Row:
     baselines = {"cublas_bf16": time_graph_us(
         lambda i: torch.matmul(x, weights[i % bf16_copies].t(), out=out), calls=bf16_copies)}
     if bits == 4:
-        int4 = _int4pack_mm(q, group_size, gen)
+        int4 = _int4pack_mm(q, group_size, copies, gen)
         if int4 is not None:
-            baselines["torch_int4pack"] = time_graph_us(lambda i: int4(x), calls=1)
-    if bits == 4 and m <= 8:  # the other GEMV kernel, to show the auto choice
-        from tinyvllm.ops.quant_linear_cuda import quant_linear_cuda
-        other = "simt" if m >= 3 else "mma"
-        baselines[f"ours_{other}"] = time_graph_us(
-            lambda i: quant_linear_cuda(cuda_ops_or_exit(), x, qweights[i % copies], scales,
-                                        zeros, bits, group_size, method=other), calls=copies)
-    us = time_graph_us(lambda i: ql.quant_linear(x, qweights[i % copies], scales, zeros, bits,
-                                                 group_size), calls=copies)
+            baselines["torch_int4pack"] = time_graph_us(lambda i: int4(x, i), calls=copies)
+    group_us = time_graph_us(lambda i: ql.quant_linear(x, qweights[i % copies], scales, zeros,
+                                                       bits, group_size), calls=copies)
+    tiles = ([qt.repack(w, scales, zeros, group_size) for w in qweights]
+             if qt.tiles_supported(qweights[0], scales, zeros, bits, group_size) else None)
+    if tiles is not None and qt.gemv_serves(x, tiles[0]):  # what QuantLinear runs after load
+        baselines["group_layout"] = group_us
+        if m <= 8:  # the other kernel of the group layout, to show the auto choice
+            from tinyvllm.ops.quant_linear_cuda import quant_linear_cuda
+            other = "simt" if m >= 3 else "mma"
+            baselines[f"group_{other}"] = time_graph_us(
+                lambda i: quant_linear_cuda(cuda_ops_or_exit(), x, qweights[i % copies], scales,
+                                            zeros, bits, group_size, method=other), calls=copies)
+        us = time_graph_us(lambda i: qt.tile_linear(x, tiles[i % copies]), calls=copies)
+    else:
+        us = group_us
     gbps = packed_bytes / us / 1e3
     return Row(f"w{bits}a16 g{group_size}", f"m{m} {name} {n}x{k}", us, gbps,
                frac_copy_bw=gbps / copy_gbps, baselines_us=baselines)
+
+
+def bench_tile_fused(m, name, n, k, prologue, epilogue, copy_gbps, gen) -> Row:
+    """The W4A16 tile GEMV with a decoder layer's fusions (GEMV_SHAPES' names), group 128, as
+    LlamaDecoderLayer.forward_fused runs it (gate_up interleaved, writing the SwiGLU product)."""
+    from tinyvllm.ops import quant_linear as ql
+    from tinyvllm.ops import quant_tiles as qt
+    packed_bytes = n * k // 2 + 2 * 2 * n * (k // 128)
+    copies = max(1, -(-ROTATE_BYTES // packed_bytes))
+    q = torch.randint(0, 16, (n, k), generator=gen, device="cuda", dtype=torch.int32)
+    scales = (torch.rand(n, k // 128, generator=gen, device="cuda") * 0.01).to(DTYPE)
+    zeros = torch.full_like(scales, 8.0)
+    tiles = [qt.repack(ql.pack(q, 4), scales, zeros, 128, epilogue == "silu_mul_out")
+             for _ in range(copies)]
+    x = torch.randn(m, 2 * k if prologue == "silu_mul" else k, generator=gen, device="cuda",
+                    dtype=DTYPE)
+    kwargs = dict(norm_weight=torch.randn(k, generator=gen, device="cuda", dtype=DTYPE)
+                  if prologue == "rms_norm" else None, silu_mul=prologue == "silu_mul",
+                  silu_mul_out=epilogue == "silu_mul_out")
+    res = torch.zeros(m, n, device="cuda", dtype=DTYPE) if epilogue == "residual" else None
+    us = time_graph_us(lambda i: qt.tile_linear(x, tiles[i % copies], residual=res, **kwargs),
+                       calls=copies)
+    gbps = packed_bytes / us / 1e3
+    return Row("w4a16 g128 fused", f"m{m} {name} {n}x{k}", us, gbps, frac_copy_bw=gbps / copy_gbps)
 
 
 GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
@@ -460,6 +495,9 @@ def quant_rows(quick: bool, copy_gbps: float, gen) -> list[Row]:
         for m in ([1, 2, 4, 8, 16] if quick else [1, 2, 4, 8, 16, 64, 256]):
             for name, n, k in QUANT_SHAPES:
                 rows.append(bench_quant_linear(m, name, n, k, bits, 128, copy_gbps, gen))
+    for m in [1, 2]:
+        for name, n, k, prologue, epilogue in GEMV_SHAPES["llama3-8b"][:5]:
+            rows.append(bench_tile_fused(m, name, n, k, prologue, epilogue, copy_gbps, gen))
     for qtype_name in GGUF_TYPES:
         for m in ([1] if quick else [1, 4, 8]):
             for name, n, k in QUANT_SHAPES:

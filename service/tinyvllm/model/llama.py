@@ -144,26 +144,38 @@ class LlamaDecoderLayer(nn.Module):
         [T, hidden] in place; no separate norm, activation or add launches, and o_proj merges a
         split decode's partitions itself."""
         attn, mlp = self.self_attn, self.mlp
-        qkv = ops.fused_linear(residual, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                               norm_weight=self.input_layernorm, eps=self.eps)
+        qkv = _fused_linear(attn.qkv_proj, residual, norm_weight=self.input_layernorm,
+                            eps=self.eps)
+        # A packed o_proj (no `weight`) takes the merged attention output.
         out = attn.attend(positions, qkv, kv_cache, meta, cos_sin_cache,
-                          merge=not ops.kernel_config().merge_in_o_proj)
+                          merge=(not ops.kernel_config().merge_in_o_proj
+                                 or not hasattr(attn.o_proj, "weight")))
         # The attention leaves the memory bus idle: o_proj's weight heads for L2 meanwhile.
-        self._add_row_parallel(out, attn.o_proj.weight, residual, prefetch_weight=True)
+        self._add_row_parallel(out, attn.o_proj, residual, prefetch_weight=True)
         # gate_up_proj writes the SwiGLU product itself: down_proj stages half the values.
-        hidden = ops.fused_linear(residual, mlp.gate_up_proj.weight,
-                                  norm_weight=self.post_attention_layernorm, eps=self.eps,
-                                  silu_mul_out=True)
-        self._add_row_parallel(hidden, mlp.down_proj.weight, residual)
+        hidden = _fused_linear(mlp.gate_up_proj, residual,
+                               norm_weight=self.post_attention_layernorm, eps=self.eps,
+                               silu_mul_out=True)
+        self._add_row_parallel(hidden, mlp.down_proj, residual)
 
-    def _add_row_parallel(self, x, weight: torch.Tensor, residual: torch.Tensor,
+    def _add_row_parallel(self, x, proj: nn.Module, residual: torch.Tensor,
                           **kwargs: Any) -> None:
-        """residual += x @ weight.T summed over the ranks: the GEMV's epilogue at size 1; else
+        """residual += proj(x) summed over the ranks: the GEMV's epilogue at size 1; else
         after the all-reduce, which must see the ranks' partial products alone."""
         if self.tp.size == 1:
-            ops.fused_linear(x, weight, residual=residual, **kwargs)
+            _fused_linear(proj, x, residual=residual, **kwargs)
         else:
-            residual += self.tp.all_reduce(ops.fused_linear(x, weight, **kwargs))
+            residual += self.tp.all_reduce(_fused_linear(proj, x, **kwargs))
+
+
+def _fused_linear(proj: nn.Module, x, **kwargs: Any) -> torch.Tensor:
+    """`ops.fused_linear` over a float projection's weight and bias, or a packed projection's
+    own fused GEMV (`fused_linear`: W4A16 tiles, which prefetch nothing ahead)."""
+    fused = getattr(proj, "fused_linear", None)
+    if fused is None:
+        return ops.fused_linear(x, proj.weight, proj.bias, **kwargs)
+    kwargs.pop("prefetch_weight", None)
+    return fused(x, **kwargs)
 
 
 class LlamaModel(nn.Module):

@@ -54,6 +54,7 @@ def make_random_quantized_model(arch: LlamaArch, seed: int, dtype: torch.dtype,
     method int8 / fp8 (`--quantization`): each projection a W8A8Linear instead, quantized on
     `device` from `make_random_model`'s float weights (the same seed gives the same weights)."""
     from tinyvllm.model.quantization import QuantizationConfig, WeightScheme, swap_in_quant_linears
+    from tinyvllm.model.quantization.layer import use_tiles
     from tinyvllm.model.quantization.schemes import QUANTIZE_AT_LOAD
     from tinyvllm.ops.quant_linear import pack
 
@@ -83,6 +84,7 @@ def make_random_quantized_model(arch: LlamaArch, seed: int, dtype: torch.dtype,
         module.zeros.fill_(zero)
     model.load_weights((n, t) for n, t in random_weights(arch, seed, dtype, device)
                        if _float_part(n, swapped))
+    use_tiles(model)  # the decode GEMV's layout, on a GPU with the kernels
     return model
 
 

@@ -62,13 +62,14 @@ KERNEL_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "fused_linear": ("gemv", "gemv_merge"),
     "sample": ("sample",),
     "rejection_sample": ("rejection_sample",),
-    "quant_linear": ("quant_gemv", "quant_dequantize"),
+    "quant_linear": ("quant_gemv", "quant_dequantize", "quant_tile_gemv",
+                     "quant_tile_dequantize"),
     "gguf_linear": ("gguf_gemv", "gguf_dequantize"),
     "quantize_rows": ("quantize_rows", "rescale_int32"),
 }
 """Op -> the module's functions its CUDA path calls (same keys as KERNEL_MIN_CAPABILITY)."""
 
-CUDA_ABI_VERSION = 3
+CUDA_ABI_VERSION = 4
 """The launcher interface this package calls; a module must report it as its `abi_version`
 (cuda/launchers.h kAbiVersion: the two are bumped together)."""
 

@@ -48,12 +48,20 @@ def use_fused_decode(x: torch.Tensor, *projections: torch.nn.Module) -> bool:
     """Whether a decoder layer over activations like x [num_tokens, hidden] runs these
     projections as `fused_linear` GEMV launches with the norms, SwiGLU and residual adds folded
     in: the engine's choice (`KernelConfig.fused_gemv`) where the kernel serves the batch and
-    every projection is a plain weight (not, say, packed GGUF rows)."""
+    every projection is a plain weight (not, say, packed GGUF rows) or has a fused GEMV of its own
+    that serves it (`fused_serves(x)` / `fused_linear(x, **kwargs)`: W4A16 tiles,
+    model/quantization/layer.py)."""
     if not kernel_config().fused_gemv or not x.is_cuda:
         return False
-    weights = [getattr(p, "weight", None) for p in projections]
-    return (all(isinstance(w, torch.Tensor) for w in weights)
-            and fused_linear_supported(x, *weights))
+    for p in projections:
+        serves = getattr(p, "fused_serves", None)  # a packed projection with its own GEMV
+        if serves is not None:
+            if not serves(x):
+                return False
+        elif not (isinstance(getattr(p, "weight", None), torch.Tensor)
+                  and fused_linear_supported(x, p.weight)):
+            return False
+    return True
 
 
 def fused_linear_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:

@@ -10,7 +10,10 @@ import torch
 from torch import nn
 
 from tinyvllm.model.quantization.schemes import QuantizationConfig, WeightScheme
+from tinyvllm.ops._dispatch import use_kernel
 from tinyvllm.ops.quant_linear import pack_factor, quant_linear
+from tinyvllm.ops.quant_tiles import (QuantTiles, gemv_serves, repack, tile_linear,
+                                      tiles_supported)
 from tinyvllm.ops.w8a8_linear import FP8_DTYPE, w8a8_linear
 
 W8A8_DTYPES = {"int-quantized": torch.int8, "float-quantized": FP8_DTYPE}
@@ -30,7 +33,11 @@ class QuantLinear(nn.Module):
         zeros    [out_features, in_features / group_size] (same dtype; zero points as floats)
         perm     int64 [in_features] or None (act-order)
     bias: a float Parameter [out_features] or None, loaded like a float projection's.
-    No `weight` attribute: the fused float GEMV path (`ops.use_fused_decode`) stays off.
+
+    After `use_tiles` (at load, on a GPU with the kernels): the weight lives in the tile layout of
+    the tensor-core decode GEMV instead (`tiles`, `tile_scales`: `ops.quant_tiles`), qweight,
+    scales and zeros are None, and `fused_linear` runs the projection with the decoder's
+    prologues and epilogues folded in (`ops.use_fused_decode` asks `fused_serves`).
     """
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int,
@@ -48,12 +55,53 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, groups))
         self.register_buffer("zeros", torch.empty(out_features, groups))
         self.register_buffer("perm", None)
+        self.register_buffer("tiles", None)
+        self.register_buffer("tile_scales", None)
+        self.interleaved = False
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in_features] -> [..., out_features]."""
-        return quant_linear(x, self.qweight, self.scales, self.zeros, self.bits,
-                            self.group_size, self.perm, self.bias)
+        if self.tiles is None:
+            return quant_linear(x, self.qweight, self.scales, self.zeros, self.bits,
+                                self.group_size, self.perm, self.bias)
+        x2 = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
+        return tile_linear(x2, self._tiles(), self.bias).view(*x.shape[:-1], self.out_features)
+
+    @torch.no_grad()
+    def use_tiles(self, interleave: bool = False) -> bool:
+        """Repack the weight into `ops.quant_tiles`' layout where the GEMV kernel serves it (the
+        CUDA kernels on its device, `tiles_supported`); interleave: gate rows with up rows (a
+        gate_up_proj, whose GEMV then writes the SwiGLU product). Returns whether it did."""
+        if self.tiles is not None:
+            return True
+        if (use_kernel("quant_linear", self.qweight) is None
+                or not tiles_supported(self.qweight, self.scales, self.zeros, self.bits,
+                                       self.group_size)):
+            return False
+        t = repack(self.qweight, self.scales, self.zeros, self.group_size,
+                   interleave and self.out_features % 16 == 0)
+        self.tiles, self.tile_scales, self.interleaved = t.tiles, t.tile_scales, t.interleaved
+        self.qweight = self.scales = self.zeros = None
+        return True
+
+    def _tiles(self) -> QuantTiles:
+        return QuantTiles(self.tiles, self.tile_scales, self.out_features, self.in_features,
+                          self.group_size, self.interleaved)
+
+    def fused_serves(self, x: torch.Tensor) -> bool:
+        """Whether `fused_linear` over activations like x [m, in_features] is one GEMV launch."""
+        return self.tiles is not None and self.perm is None and gemv_serves(x, self._tiles())
+
+    def fused_linear(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        """`ops.fused_linear(x, weight, bias, **kwargs)` over this weight (norm_weight, eps,
+        silu_mul, residual, silu_mul_out; see `ops.quant_tiles.tile_linear`); needs `use_tiles`
+        and no act-order permutation."""
+        if self.tiles is None or self.perm is not None:
+            raise ValueError("fused_linear: needs the tile layout and no act-order permutation")
+        return tile_linear(x, self._tiles(), self.bias, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -90,6 +138,16 @@ class W8A8Linear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"dtype={self.qweight.dtype}, static_input={self.input_scale is not None}, "
                 f"bias={self.bias is not None}")
+
+
+def use_tiles(net: nn.Module) -> int:
+    """Every QuantLinear of `net` into the tile layout where the GEMV kernel serves it (gate_up
+    projections interleaved); returns how many were repacked. Call once all weights are in."""
+    count = 0
+    for name, module in net.named_modules():
+        if isinstance(module, QuantLinear):
+            count += module.use_tiles(interleave=name.endswith("gate_up_proj"))
+    return count
 
 
 def _new_linear(old: nn.Linear, scheme: WeightScheme) -> nn.Module:

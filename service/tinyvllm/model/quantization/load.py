@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from tinyvllm.model.quantization import formats
-from tinyvllm.model.quantization.layer import MERGED, W8A8_DTYPES, QuantLinear, W8A8Linear
+from tinyvllm.model.quantization.layer import (MERGED, W8A8_DTYPES, QuantLinear, W8A8Linear,
+                                              use_tiles)
 from tinyvllm.model.quantization.schemes import WeightScheme
 from tinyvllm.ops.quant_linear import pack
 from tinyvllm.ops.w8a8_linear import quantize_weight
@@ -77,6 +78,7 @@ def load_quantized_weights(net: nn.Module, weights: Iterable[tuple[str, Any]],
         else:
             _set_perm(layer, ours, values)
         loaded.add(ours)
+    use_tiles(net)  # the decode GEMV's layout, on a GPU with the kernels
     return loaded
 
 

@@ -1,0 +1,181 @@
+// Launchers of the W4A16 tile-layout GEMV and its dequantize (quant_tiles.cuh): size checks and
+// the choice of instantiation, {float16, bfloat16} x M {1, 2, 4, 8} x prologue {none, rmsnorm,
+// silu_mul}, and the SwiGLU-product epilogue after {none, rmsnorm}.
+#include <algorithm>
+#include <mutex>
+#include <string>
+
+#include "launchers.h"
+#include "quant_tiles.cuh"
+
+namespace tinyvllm {
+namespace {
+
+constexpr int kTileMaxM = 8;                    // the mma's 8 columns
+constexpr int kTileActBytes = 64 * 1024;   // the staged activations, M x k
+constexpr int kTileSumBytes = 16 * 1024;   // x's sums per tile: 8 floats per 64 values of k
+// Per CTA, the warps' rings of STAGES tiles (512 bytes of weights and 64 of scales each) and
+// x's sums per tile (8 floats per 64 values of k).
+constexpr int ring_bytes(int stages) { return kTileWarps * stages * 32 * (16 + 2); }
+int tile_smem_bytes(int m, int k, int stages) {
+  return m * k * 2 + ring_bytes(stages) + (k / kTileK) * 8 * 4;
+}
+
+int num_sms() {
+  static const int value = [] {
+    int device = 0, sms = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "sm count");
+    return sms;
+  }();
+  return value;
+}
+
+// Each CTA takes ceil(bands / resident CTAs) bands (strided), so that all CTAs are resident at
+// once and none has a band more than the others but the last few.
+template <typename T, int M, int P, bool S>
+void launch(T* out, const T* x, const uint4* tiles, const uint2* scales, const T* bias,
+            const T* residual, const T* norm_weight, int m, int n, int k, int64_t x_stride,
+            int64_t out_stride, int64_t residual_stride, float eps, int group_size,
+            bool interleaved, cudaStream_t stream) {
+  const int groups = k / group_size;
+  // Power-of-two groups: the group of tile i is (64 i) >> shift; one group: any shift > log2(k).
+  int shift = 31;
+  if (groups > 1) {
+    shift = 0;
+    while ((1 << shift) < group_size) ++shift;
+  }
+  constexpr int stages = kTileStages;
+  auto kernel = quant_tile_gemv_kernel<T, M, P, S, stages>;
+  static std::once_flag once;
+  std::call_once(once, [&] {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    kTileActBytes + ring_bytes(stages) + kTileSumBytes),
+               "quant_tile_gemv: cudaFuncSetAttribute");
+  });
+  const int smem = tile_smem_bytes(M, k, stages);
+  int resident = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kTileWarps * 32,
+                                                           smem),
+             "quant_tile_gemv: occupancy");
+  const int bands = (n + kTileRows - 1) / kTileRows;
+  const int slots = num_sms() * std::max(1, resident);
+  const int per_cta = (bands + slots - 1) / slots;
+  const int grid = (bands + per_cta - 1) / per_cta;
+  launch_pdl(kernel, dim3(grid), dim3(kTileWarps * 32), smem, stream, out, x, tiles, scales,
+             bias, residual, norm_weight, m, n, k, x_stride, out_stride, residual_stride, eps,
+             groups, shift, interleaved);
+}
+
+template <typename T, int P, bool S = false>
+void launch_m(int m, T* out, const T* x, const uint4* tiles, const uint2* scales, const T* bias,
+              const T* residual, const T* norm_weight, int n, int k, int64_t x_stride,
+              int64_t out_stride, int64_t residual_stride, float eps, int group_size,
+              bool interleaved, cudaStream_t s) {
+#define TINYVLLM_TILE_LAUNCH(MM)                                                              \
+  launch<T, MM, P, S>(out, x, tiles, scales, bias, residual, norm_weight, m, n, k, x_stride, \
+                      out_stride, residual_stride, eps, group_size, interleaved, s)
+  if (m == 1) {
+    TINYVLLM_TILE_LAUNCH(1);
+  } else if (m == 2) {
+    TINYVLLM_TILE_LAUNCH(2);
+  } else if (m <= 4) {
+    TINYVLLM_TILE_LAUNCH(4);
+  } else {
+    TINYVLLM_TILE_LAUNCH(8);
+  }
+#undef TINYVLLM_TILE_LAUNCH
+}
+
+// What both entry points check ("quant_tile_gemv: ..." / "quant_tile_dequantize: ...").
+void check_tiles(const std::string& where, int64_t n, int64_t k, int group_size, bool interleaved,
+                 ptr_t tiles, ptr_t scales) {
+  require(n > 0 && n <= INT32_MAX / 2, where + "n=" + std::to_string(n) + " out of range");
+  require(k > 0 && k % kTileK == 0 && k <= INT32_MAX / 2,
+          where + "k=" + std::to_string(k) + " must be a positive multiple of 64");
+  require(group_size > 0 && group_size % kTileK == 0 && k % group_size == 0 &&
+              (group_size == k || (group_size & (group_size - 1)) == 0),
+          where + "group_size=" + std::to_string(group_size) +
+              " must be k or a power of two of at least 64 that divides k=" + std::to_string(k));
+  require(!interleaved || n % kTileRows == 0,
+          where + "an interleaved layout needs n=" + std::to_string(n) + " a multiple of 16");
+  require(aligned16(reinterpret_cast<void*>(tiles)) && aligned16(reinterpret_cast<void*>(scales)),
+          where + "tiles and tile_scales must be 16-byte aligned");
+}
+
+}  // namespace
+
+void quant_tile_gemv(ptr_t out, ptr_t x, ptr_t tiles, ptr_t tile_scales, ptr_t bias,
+                     ptr_t residual, ptr_t norm_weight, int64_t m, int64_t n, int64_t k,
+                     int64_t x_stride, int64_t out_stride, int64_t residual_stride, float eps,
+                     int group_size, int interleaved, int prologue, int silu_mul_out, int dtype,
+                     stream_t stream) {
+  const std::string where = "quant_tile_gemv: ";
+  check_tiles(where, n, k, group_size, interleaved != 0, tiles, tile_scales);
+  require(m >= 0 && m <= kTileMaxM, where + "m=" + std::to_string(m) + " rows; at most " +
+                                        std::to_string(kTileMaxM) + " are served");
+  const int64_t padded_m = m <= 2 ? m : m <= 4 ? 4 : 8;  // the instantiation's M
+  require(padded_m * k * 2 <= kTileActBytes,
+          where + "m * k = " + std::to_string(padded_m * k) +
+              " activations (m rounded up to 1, 2, 4 or 8) exceed the staging buffer (" +
+              std::to_string(kTileActBytes / 2) + ")");
+  require(prologue >= kGemvNone && prologue <= kGemvSiluMul,
+          where + "prologue=" + std::to_string(prologue) + " unknown");
+  require(!silu_mul_out || (interleaved && residual == 0 && prologue != kGemvSiluMul),
+          where + "silu_mul_out needs an interleaved layout, no residual and no silu_mul "
+                  "prologue");
+  require(prologue != kGemvRmsNorm || norm_weight != 0, where + "rmsnorm needs norm_weight");
+  require(x_stride % 8 == 0 && aligned16(reinterpret_cast<void*>(x)) &&
+              (norm_weight == 0 || aligned16(reinterpret_cast<void*>(norm_weight))),
+          where + "x and norm_weight must be 16-byte aligned with x_stride a multiple of 8 (got " +
+              std::to_string(x_stride) + ")");
+  if (m == 0) return;
+  const cudaStream_t s = as_stream(stream);
+  TINYVLLM_DISPATCH_HALF(dtype, "quant_tile_gemv", {
+    auto* o = reinterpret_cast<scalar_t*>(out);
+    auto* xi = reinterpret_cast<const scalar_t*>(x);
+    auto* tl = reinterpret_cast<const uint4*>(tiles);
+    auto* sc = reinterpret_cast<const uint2*>(tile_scales);
+    auto* b = reinterpret_cast<const scalar_t*>(bias);
+    auto* r = reinterpret_cast<const scalar_t*>(residual);
+    auto* nw = reinterpret_cast<const scalar_t*>(norm_weight);
+    const int mi = int(m), ni = int(n), ki = int(k);
+    const bool il = interleaved != 0;
+    if (silu_mul_out && prologue == kGemvNone) {
+      launch_m<scalar_t, kGemvNone, true>(mi, o, xi, tl, sc, b, r, nw, ni, ki, x_stride,
+                                          out_stride, residual_stride, eps, group_size, il, s);
+    } else if (silu_mul_out) {
+      launch_m<scalar_t, kGemvRmsNorm, true>(mi, o, xi, tl, sc, b, r, nw, ni, ki, x_stride,
+                                             out_stride, residual_stride, eps, group_size, il, s);
+    } else if (prologue == kGemvNone) {
+      launch_m<scalar_t, kGemvNone>(mi, o, xi, tl, sc, b, r, nw, ni, ki, x_stride, out_stride,
+                                    residual_stride, eps, group_size, il, s);
+    } else if (prologue == kGemvRmsNorm) {
+      launch_m<scalar_t, kGemvRmsNorm>(mi, o, xi, tl, sc, b, r, nw, ni, ki, x_stride, out_stride,
+                                       residual_stride, eps, group_size, il, s);
+    } else {
+      launch_m<scalar_t, kGemvSiluMul>(mi, o, xi, tl, sc, b, r, nw, ni, ki, x_stride, out_stride,
+                                       residual_stride, eps, group_size, il, s);
+    }
+  });
+}
+
+void quant_tile_dequantize(ptr_t out, ptr_t tiles, ptr_t tile_scales, int64_t n, int64_t k,
+                           int group_size, int interleaved, int dtype, stream_t stream) {
+  const std::string where = "quant_tile_dequantize: ";
+  check_tiles(where, n, k, group_size, interleaved != 0, tiles, tile_scales);
+  require(aligned16(reinterpret_cast<void*>(out)), where + "out must be 16-byte aligned");
+  const cudaStream_t s = as_stream(stream);
+  const int64_t threads_total = n * (k / 8);
+  const int threads = 256;
+  const unsigned grid = unsigned((threads_total + threads - 1) / threads);
+  TINYVLLM_DISPATCH_HALF(dtype, "quant_tile_dequantize", {
+    quant_tile_dequantize_kernel<scalar_t><<<grid, threads, 0, s>>>(
+        reinterpret_cast<scalar_t*>(out), reinterpret_cast<const uint32_t*>(tiles),
+        reinterpret_cast<const uint32_t*>(tile_scales), int(n), int(k), group_size,
+        interleaved != 0);
+    check_launch("quant_tile_dequantize");
+  });
+}
+
+}  // namespace tinyvllm

@@ -1,0 +1,351 @@
+// W4A16 decode GEMV on tensor cores over the tile layout of service/tinyvllm/ops/quant_tiles.py,
+// made once at load from the integer-group layout (quant_gemv.cuh) when the zero points are
+// integers and group_size is k or a power of two of at least 64:
+//
+//   tiles        uint4 [bands][k / 64][32 lanes]  band b: 16 weight rows; tile: 64 values of k
+//   tile_scales  uint2 [bands][groups][8]         per group, lane row g's word (.x) and row
+//                                                 g + 8's (.y): scale | (magic + zero) << 16,
+//                                                 both as T bits
+//
+// One 16-byte word per lane per tile holds exactly that lane's A fragments of the tile's four
+// mma.m16n8k16 (one 32-bit word each): lane (g, t) = (lane / 4, lane % 4), word j (k0 + 16j ..
+// + 16) has nibbles 0, 4, 2, 6 = row g at k0 + 16j + 4t + 0, 1, 2, 3 and nibbles 1, 5, 3, 7 the
+// same columns of row g + 8. `(word >> 4i) & 0x000F000F | magic` (i = 0..3, one shift and one
+// lop3) is then fragment register a_i as the pair (magic + q), magic = 128 (bf16) or 1024 (fp16)
+// so that the nibble lands in the mantissa exactly. The mma multiplies by x (B: column c = row c
+// of x, so up to 8 rows of x in one mma; b0 / b1 = x at k0 + 16j + 4t + {0, 1} / {2, 3}, one
+// 8-byte shared-memory load) and sums in fp32; the zero point is applied once per group:
+// sum x (q - zero) = sum x (magic + q) - (magic + zero) sum x, with sum x of the same tiles
+// taken from per-tile sums of x made at staging. fp16's magic (1024) costs too much precision
+// over long groups, so there the pair (magic, magic) is subtracted first (exact) and the mma sums
+// x q. The dequantized weight is never rounded: the result is sum_g scale_g sum x (q - zero) in
+// fp32, which the tests hold to the reference's dequantize-then-matmul.
+//
+// Work split: CTAs are all resident and stride over the bands (CTA c: bands c, c + grid, ...);
+// in every band, warp w takes the tiles [k_tiles * w / 8, k_tiles * (w + 1) / 8), and the warps
+// add their sums through shared memory (one barrier per band, double-buffered). Each warp streams
+// its tiles, band after band, through a ring of kTileStages tiles in shared memory filled by
+// cp.async (the weight's 16 bytes per lane and the group's scale words), the first ones requested
+// before the PDL wait. x is staged in shared memory by gemv.cuh's prologues (plain, RMSNorm,
+// SwiGLU), so the projections of a decoder layer fold their neighbours in as gemv.cuh does: the
+// residual add (out = residual + round(y), in place) and, over an interleaved layout (band b:
+// gate rows 8b .. 8b + 7 as rows 0-7, up rows n / 2 + 8b .. as rows 8-15), gate_up writing
+// silu(gate) * up (the lane holds gate and up of one output in c0 / c2).
+#pragma once
+
+#include "common.cuh"
+#include "gemv.cuh"
+#include "mma.cuh"
+
+namespace tinyvllm {
+
+constexpr int kTileK = 64;       // k values per tile (four mma k-steps)
+constexpr int kTileRows = 16;    // weight rows per band (the mma's M)
+constexpr int kTileWarps = kGemvWarps;  // the staging helpers reduce over kGemvWarps warps
+constexpr int kTileStages = 8;   // tiles in flight per warp (a ring in shared memory)
+
+// A nibble q ORed into the mantissa of kValue gives kValue + q exactly: (128 | q) as bf16,
+// (1024 | q) as fp16.
+template <typename T> struct TileMagic;
+template <> struct TileMagic<__nv_bfloat16> {
+  static constexpr uint32_t kPair = 0x43004300u;
+  static constexpr float kValue = 128.f;
+  static constexpr bool kSubtract = false;
+};
+template <> struct TileMagic<__half> {
+  static constexpr uint32_t kPair = 0x64006400u;
+  static constexpr float kValue = 1024.f;
+  static constexpr bool kSubtract = true;
+};
+
+template <typename T> __device__ __forceinline__ uint32_t sub_pair(uint32_t a, uint32_t b);
+template <> __device__ __forceinline__ uint32_t sub_pair<__nv_bfloat16>(uint32_t a, uint32_t b) {
+  __nv_bfloat162 r = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&a),
+                             *reinterpret_cast<__nv_bfloat162*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+template <> __device__ __forceinline__ uint32_t sub_pair<__half>(uint32_t a, uint32_t b) {
+  __half2 r = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+// 8-byte global -> shared copy (cp.async's .cg form takes 16 bytes only).
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+
+// (a & 0x000F000F) | magic in one lop3.
+__device__ __forceinline__ uint32_t nibble_pair(uint32_t a, uint32_t magic) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(a), "r"(0x000F000Fu), "r"(magic));
+  return r;
+}
+
+// Logical weight row of row r (0..15) of band b.
+__device__ __forceinline__ int tile_row(int band, int r, int n, bool interleaved) {
+  if (!interleaved) return band * kTileRows + r;
+  return r < 8 ? band * 8 + r : n / 2 + band * 8 + r - 8;
+}
+
+// A group's scale and magic + zero of one row, from its tile_scales word (two T values).
+template <typename T>
+__device__ __forceinline__ void tile_scale(uint32_t word, float& scale, float& zero) {
+  const uint16_t lo = uint16_t(word & 0xFFFFu), hi = uint16_t(word >> 16);
+  scale = to_float<T>(*reinterpret_cast<const T*>(&lo));
+  zero = to_float<T>(*reinterpret_cast<const T*>(&hi));
+}
+
+// The outputs of one band from the lane's four sums (rows g, g + 8 x columns 2t, 2t + 1):
+// bias, then the residual add (in place) or, interleaved with SILU_MUL, silu(gate) * up of
+// output 8 * band + g (gate in rows 0-7, up in rows 8-15), rounded as the unfused ops round.
+template <typename T, bool SILU_MUL>
+__device__ __forceinline__ void quant_tile_epilogue(const float (&y)[4], int band, int g, int t,
+                                                    T* out, const T* bias, const T* residual,
+                                                    int m, int n, int64_t out_stride,
+                                                    int64_t residual_stride, bool interleaved) {
+  if constexpr (SILU_MUL) {
+    const int o = band * 8 + g;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int col = 2 * t + c;
+      if (col < m) {
+        const float gate = round_to<T>(y[c] + (bias ? to_float(bias[o]) : 0.f));
+        const float up = round_to<T>(y[c + 2] + (bias ? to_float(bias[n / 2 + o]) : 0.f));
+        out[col * out_stride + o] = from_float<T>(round_to<T>(gate / (1.f + __expf(-gate))) * up);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int r = g + (c >= 2 ? 8 : 0), col = 2 * t + (c & 1);
+      const int row = tile_row(band, r, n, interleaved);
+      if (col < m && row < n) {
+        float v = y[c] + (bias ? to_float(bias[row]) : 0.f);
+        if (residual) v = to_float(residual[col * residual_stride + row]) + round_to<T>(v);
+        out[col * out_stride + row] = from_float<T>(v);
+      }
+    }
+  }
+}
+
+// sx[i][c] = the sum of act row c over tile i (64 values) in fp32, for c < M (other columns are
+// left unwritten: they only feed the accumulators of unused columns). A thread per (tile, row),
+// each starting at a different vector of its tile (fewer bank conflicts).
+template <typename T, int M>
+__device__ __forceinline__ void tile_sums(float* sx, const uint4* act, int k) {
+  constexpr int kVectors = kTileK / 8;
+  for (int p = threadIdx.x; p < (k / kTileK) * M; p += blockDim.x) {
+    const int tile = p / M, c = p % M;
+    const uint4* v = act + c * (k / 8) + tile * kVectors;
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < kVectors; ++i) {
+      float f[8];
+      unpack8<T>(v[(i + p) % kVectors], f);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s += f[e];
+    }
+    sx[tile * 8 + c] = s;
+  }
+}
+
+template <typename T, int M, int P, bool SILU_MUL, int STAGES = kTileStages>
+__global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
+    T* out,                               // [m, out_stride]: n columns (SILU_MUL: n / 2)
+    const T* __restrict__ x,              // [m, x_stride]: k columns (2k for kGemvSiluMul)
+    const uint4* __restrict__ tiles,      // [bands][k / 64][32]
+    const uint2* __restrict__ tile_scales,  // [bands][groups][8]: rows g, g + 8
+    const T* __restrict__ bias,           // [n] or null
+    const T* residual,                    // [m, residual_stride] or null; may be `out` itself
+    const T* __restrict__ norm_weight,    // [k] (kGemvRmsNorm)
+    int m, int n, int k, int64_t x_stride, int64_t out_stride, int64_t residual_stride, float eps,
+    int groups, int group_shift,          // group of tile i: (64 i) >> group_shift
+    bool interleaved) {
+  // Dynamic shared memory: act [M][k / 8] (x after the prologue); per warp a ring of STAGES
+  // tiles (32 lanes x 16 bytes) and of their scale words (8 rows g x 8 bytes); sx [k / 64][8].
+  extern __shared__ uint4 act[];
+  __shared__ float inv_rms[M];
+  __shared__ float partial[2][kTileWarps][4][32];  // double-buffered: one barrier per band
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int k8 = k / 8, k_tiles = k / kTileK;
+  uint4* ring = act + M * k8 + warp * STAGES * 32;
+  uint2* ring_sc = reinterpret_cast<uint2*>(act + M * k8 + kTileWarps * STAGES * 32) +
+                   warp * STAGES * 8;
+  float* sx = reinterpret_cast<float*>(act + M * k8 + kTileWarps * STAGES * (32 + 4));
+  const int bands = (n + kTileRows - 1) / kTileRows;
+  // CTA c owns bands c, c + grid, ...; in each, warp w the tiles [tile_begin, tile_end).
+  const int my_bands = int(blockIdx.x) < bands ? (bands - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int tile_begin = k_tiles * warp / kTileWarps, tile_end = k_tiles * (warp + 1) / kTileWarps;
+  const int per_band = tile_end - tile_begin;
+  const int total = per_band * my_bands;  // this warp's tiles, flattened over its bands
+
+  // Item i of the warp's stream (its tile's weight and the group's scale words) goes to ring
+  // slot i % STAGES; one commit group per item, empty past the end, so that after
+  // wait_group<STAGES - 1> item i has landed. Sources advance incrementally (no divisions).
+  const uint4* next_w = tiles + (int64_t(blockIdx.x) * k_tiles + tile_begin) * 32 + lane;
+  const uint2* next_sc = tile_scales + int64_t(blockIdx.x) * groups * 8 + g;
+  const int64_t band_step_w = (int64_t(gridDim.x) * k_tiles - per_band) * 32;
+  const int64_t band_step_sc = int64_t(gridDim.x) * groups * 8;
+  int next_tile = tile_begin;
+  auto issue = [&](int i) {
+    if (i < total) {
+      const unsigned slot = unsigned(i) % STAGES;
+      cp_async16(ring + slot * 32 + lane, next_w, 16);
+      if (t == 0) {
+        cp_async8(ring_sc + slot * 8 + g, next_sc + ((next_tile << 6) >> group_shift) * 8);
+      }
+      next_w += 32;
+      if (++next_tile == tile_end) {
+        next_tile = tile_begin;
+        next_w += band_step_w;
+        next_sc += band_step_sc;
+      }
+    }
+    cp_async_commit();
+  };
+  // The weights do not depend on the previous kernel: request them before waiting on it.
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) issue(i);
+  wait_for_previous_grid();
+
+  if constexpr (P == kGemvRmsNorm) {
+    if (M * k8 <= kStageBatch * int(blockDim.x)) {
+      gemv_stage_rmsnorm_one_pass<T, M>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps);
+    } else {
+      gemv_row_scale<T, M>(inv_rms, x, x_stride, k8, m, eps);
+      gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m);
+    }
+  } else {
+    gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m);
+  }
+  __syncthreads();
+  allow_next_grid();
+  tile_sums<T, M>(sx, act, k);
+  __syncthreads();
+
+  constexpr uint32_t kMagic = TileMagic<T>::kPair;
+  // bf16: the mma sums x (magic + q) over the group, and sum x (q - zero) = that - (magic +
+  // zero) sum x, within fp32 rounding of a sum 128 + q times larger than each x q. fp16's magic
+  // is 1024: over long groups (per channel) that loses too much, so the pair (magic, magic) is
+  // subtracted first (exact) and the mma sums x q.
+  constexpr bool kSubtractMagic = TileMagic<T>::kSubtract;
+  constexpr float kMagicValue = TileMagic<T>::kValue;
+  // Column g of B is row g of x; lanes past the M staged rows read row 0 (unused columns).
+  const T* xrow = reinterpret_cast<const T*>(act) + (g < M ? g : 0) * k + 4 * t;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};  // this group's: rows g, g + 8 x columns 2t, 2t + 1
+  float sum[4] = {0.f, 0.f, 0.f, 0.f};  // this band's, scaled
+  float scale_lo = 0.f, scale_hi = 0.f, zero_lo = 0.f, zero_hi = 0.f;  // zero: magic + zero
+  // sum x over the tiles this warp has summed into acc (columns 2t, 2t + 1): a group may
+  // straddle two warps' slices of k, each of which corrects for its own part.
+  float2 sx_acc = make_float2(0.f, 0.f);
+  int group = -1;
+  auto flush = [&]() {
+    sum[0] = fmaf(scale_lo, fmaf(-zero_lo, sx_acc.x, acc[0]), sum[0]);
+    sum[1] = fmaf(scale_lo, fmaf(-zero_lo, sx_acc.y, acc[1]), sum[1]);
+    sum[2] = fmaf(scale_hi, fmaf(-zero_hi, sx_acc.x, acc[2]), sum[2]);
+    sum[3] = fmaf(scale_hi, fmaf(-zero_hi, sx_acc.y, acc[3]), sum[3]);
+    acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+    sx_acc = make_float2(0.f, 0.f);
+  };
+
+  for (int bi = 0, i = 0; bi < my_bands; ++bi) {
+    for (int tile = tile_begin; tile < tile_end; ++tile, ++i) {
+      issue(i + STAGES - 1);  // into the slot item i - 1 left (already used)
+      cp_async_wait<STAGES - 1>();
+      __syncwarp();  // the scale words came through other lanes' copies
+      const unsigned slot = unsigned(i) % STAGES;
+      const uint4 w = ring[slot * 32 + lane];
+      const uint2 sc = ring_sc[slot * 8 + g];
+      __syncwarp();  // every lane has read the slot before any refills it
+      const int gi = (tile << 6) >> group_shift;
+      if (gi != group) {  // a new group: scale the last one's sums
+        flush();
+        group = gi;
+        tile_scale<T>(sc.x, scale_lo, zero_lo);
+        tile_scale<T>(sc.y, scale_hi, zero_hi);
+        if constexpr (kSubtractMagic) zero_lo -= kMagicValue, zero_hi -= kMagicValue;
+      }
+      const float2 tile_sx = *reinterpret_cast<const float2*>(sx + tile * 8 + 2 * t);
+      sx_acc.x += tile_sx.x;
+      sx_acc.y += tile_sx.y;
+      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint2 b = *reinterpret_cast<const uint2*>(xrow + tile * kTileK + 16 * j);
+        const uint32_t q = words[j];
+        uint32_t a[4] = {nibble_pair(q, kMagic), nibble_pair(q >> 4, kMagic),
+                         nibble_pair(q >> 8, kMagic), nibble_pair(q >> 12, kMagic)};
+        if constexpr (kSubtractMagic) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) a[r] = sub_pair<T>(a[r], kMagic);
+        }
+        mma_16816<T>(acc, a, b.x, b.y);
+      }
+    }
+    // The end of band bi: the warps' sums meet in shared memory, one warp writes the outputs.
+    flush();
+    group = -1;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      partial[bi & 1][warp][c][lane] = sum[c];
+      sum[c] = 0.f;
+    }
+    __syncthreads();
+    if (warp == bi % kTileWarps) {
+      float y[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        y[c] = 0.f;
+#pragma unroll
+        for (int w = 0; w < kTileWarps; ++w) y[c] += partial[bi & 1][w][c][lane];
+      }
+      quant_tile_epilogue<T, SILU_MUL>(y, blockIdx.x + bi * gridDim.x, g, t, out, bias, residual,
+                                       m, n, out_stride, residual_stride, interleaved);
+    }
+  }
+  cp_async_wait<0>();  // no copy outlives the kernel
+}
+
+// The weight as T [n, k] (logical row order), one thread per 8 consecutive values of a row:
+// exactly ops/quant_linear.py `dequantize` of the layout it was made from.
+template <typename T>
+__global__ void quant_tile_dequantize_kernel(T* __restrict__ out,
+                                             const uint32_t* __restrict__ tiles,
+                                             const uint32_t* __restrict__ tile_scales, int n,
+                                             int k, int group_size, bool interleaved) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int k8 = k / 8;
+  if (idx >= int64_t(n) * k8) return;
+  const int row = int(idx / k8), c = int(idx % k8) * 8;
+  int band, r;
+  if (!interleaved) {
+    band = row / kTileRows, r = row % kTileRows;
+  } else if (row < n / 2) {
+    band = row / 8, r = row % 8;
+  } else {
+    band = (row - n / 2) / 8, r = 8 + (row - n / 2) % 8;
+  }
+  const int k_tiles = k / kTileK, g = r & 7, hi = r >> 3;
+  const int tile = c / kTileK, j = (c % kTileK) / 16, t0 = (c % 16) / 4;  // t0: 0 or 2
+  float scale, zero;
+  tile_scale<T>(tile_scales[((int64_t(band) * (k / group_size) + c / group_size) * 8 + g) * 2 + hi],
+                scale, zero);
+  const uint16_t mbits = uint16_t(TileMagic<T>::kPair & 0xFFFFu);
+  zero -= to_float<T>(*reinterpret_cast<const T*>(&mbits));  // exact: integers below 2^11
+  constexpr int kNibble[4] = {0, 4, 2, 6};  // value e of a lane's four in word j
+  float v[8];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int lane = g * 4 + t0 + h;
+    const uint32_t word = tiles[((int64_t(band) * k_tiles + tile) * 32 + lane) * 4 + j];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float q = float((word >> (4 * (kNibble[e] + hi))) & 0xFu);
+      v[4 * h + e] = (q - zero) * scale;
+    }
+  }
+  *reinterpret_cast<uint4*>(out + int64_t(row) * k + c) = pack8<T>(v);
+}
+
+}  // namespace tinyvllm

@@ -1,0 +1,198 @@
+"""W4A16 weights in the tile layout of the tensor-core decode GEMV (cuda/quant_tiles.cuh), made
+once at load from `ops.quant_linear`'s integer-group layout where the zero points are integers:
+
+    tiles        int32 [bands, k / 64, 32, 4]   band b: 16 weight rows (rows 16b .. 16b + 15, or,
+                                                interleaved, gate rows 8b .. 8b + 7 and up rows
+                                                n / 2 + 8b ..); per 64 values of k, lane
+                                                (g, t) = (l / 4, l % 4) holds in word j the 4-bit
+                                                values of rows g and g + 8 at k0 + 16j + 4t + e
+                                                (e = 0..3): row g in nibbles 0, 4, 2, 6, row g + 8
+                                                in nibbles 1, 5, 3, 7, which is the order of the
+                                                mma.m16n8k16 A fragments after one mask each
+    tile_scales  [bands, k / group, 8, 2, 2]    the scales' dtype: (scale, magic + zero) of rows
+                                                g and g + 8 per group (so a lane reads its two
+                                                rows' in one 8-byte load); magic = 128 (bf16) /
+                                                1024 (fp16); group_size a multiple of 64
+
+Rows past n (n not a multiple of 16) are zero. `dequantize_tiles` is the torch inverse (equal to
+`quant_linear.dequantize` of the source); `tile_linear` runs a projection over the layout, with
+`ops.fused_linear`'s prologues and epilogues: the GEMV kernel where it serves, else the weight
+dequantized and the torch reference of the fused ops.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from tinyvllm.ops._dispatch import cuda_ops, dtype_code, kernel_enabled, stream_handle
+from tinyvllm.ops.layers import silu_and_mul
+from tinyvllm.ops.linear import fused_linear_ref
+from tinyvllm.ops.quant_linear import unpack
+
+TILE_K, TILE_ROWS = 64, 16
+GEMV_MAX_ROWS = 8
+"""Rows of x one GEMV launch serves (cuda/quant_tiles.cu kTileMaxM)."""
+MAX_LAUNCHES = 2
+"""Launches over the same weight (slices of x's rows) before dequantizing for cuBLAS pays:
+two reads of 4-bit weights cost less than one of the bf16 weight."""
+_SMEM_BYTES = 64 * 1024  # cuda/quant_tiles.cu kTileSmemBytes: the staged x
+_MAGIC = {torch.bfloat16: 128.0, torch.float16: 1024.0}
+_NIBBLE = (0, 4, 2, 6)  # nibble of value e = 0..3 of a lane's four in a word (row g; +1: row g + 8)
+_PROLOGUE = {None: 0, "rms_norm": 1, "silu_mul": 2}
+
+
+class QuantTiles(NamedTuple):
+    """A weight in the tile layout; n, k: the logical [n, k] weight."""
+    tiles: torch.Tensor        # int32 [bands, k / 64, 32, 4]
+    tile_scales: torch.Tensor  # [bands, k / group_size, 8, 2, 2] (the activations' dtype)
+    n: int
+    k: int
+    group_size: int
+    interleaved: bool
+
+
+def tiles_supported(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                    group_size: int) -> bool:
+    """Whether `repack` takes this weight: 4 bits, float16 / bfloat16 scales, group_size k or a
+    power of two of at least 64 (a group holds whole tiles) dividing k, and zero points that are
+    integers magic + zero keeps exact."""
+    k = qweight.shape[1] * 8
+    if bits != 4 or scales.dtype not in _MAGIC or group_size % TILE_K or k % group_size:
+        return False
+    if group_size != k and group_size & (group_size - 1):
+        return False
+    z = zeros.float()
+    magic = _MAGIC[scales.dtype]
+    return bool(((z == z.round()) & (z >= -magic) & (z < magic)).all())
+
+
+def _band_rows(n: int, interleaved: bool, device) -> torch.Tensor:
+    """[bands, 16] logical row of each band row (n: a padding row, reading zeros)."""
+    bands = -(-n // TILE_ROWS)
+    if interleaved:
+        half = torch.arange(bands * 8, device=device).view(bands, 8)
+        return torch.cat([half, half + n // 2], dim=1)
+    rows = torch.arange(bands * TILE_ROWS, device=device).view(bands, TILE_ROWS)
+    return rows.clamp(max=n)
+
+
+def repack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+           interleave: bool = False) -> QuantTiles:
+    """`quant_linear`'s 4-bit layout -> the tile layout (see `tiles_supported`). interleave: the
+    weight is gate rows then up rows (n even, n / 2 a multiple of 8), for the GEMV that writes
+    silu(gate) * up."""
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    if interleave and n % TILE_ROWS:
+        raise ValueError(f"interleave: n={n} must be a multiple of {TILE_ROWS}")
+    rows = _band_rows(n, interleave, qweight.device)  # [bands, 16]
+    bands = rows.shape[0]
+    pad = torch.zeros(1, k, dtype=torch.int32, device=qweight.device)
+    q = torch.cat([unpack(qweight, 4), pad])[rows]  # [bands, 16 (hi, g), k]
+    q = q.view(bands, 2, 8, k // TILE_K, 4, 4, 4)  # (b, hi, g, tile, j, t, e)
+    q = q.permute(0, 3, 2, 5, 4, 1, 6).to(torch.int64)  # (b, tile, g, t, j, hi, e)
+    shifts = 4 * (torch.tensor(_NIBBLE, device=q.device).view(1, 4)
+                  + torch.arange(2, device=q.device).view(2, 1))  # [hi, e]
+    words = (q << shifts).sum(dim=(-2, -1))  # [bands, tiles, 8, 4, 4]
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    tiles = words.reshape(bands, k // TILE_K, 32, 4).contiguous()
+
+    groups = k // group_size
+    s = torch.cat([scales, scales.new_zeros(1, groups)])[rows]  # [bands, 16, groups]
+    z = torch.cat([zeros, zeros.new_zeros(1, groups)])[rows] + _MAGIC[scales.dtype]
+    sz = torch.stack([s, z.to(scales.dtype)], dim=-1)  # [bands, 16 (hi, g), groups, 2]
+    tile_scales = sz.view(bands, 2, 8, groups, 2).permute(0, 3, 2, 1, 4).contiguous()
+    return QuantTiles(tiles, tile_scales, n, k, group_size, interleave)
+
+
+def dequantize_tiles(w: QuantTiles) -> torch.Tensor:
+    """The weight [n, k] in the scales' dtype, logical row order (torch; the oracle of the CUDA
+    dequantize)."""
+    bands, groups = w.tiles.shape[0], w.k // w.group_size
+    words = w.tiles.view(bands, w.k // TILE_K, 8, 4, 4).to(torch.int64) & 0xFFFFFFFF
+    shifts = 4 * (torch.tensor(_NIBBLE, device=words.device).view(1, 4)
+                  + torch.arange(2, device=words.device).view(2, 1))
+    q = (words[..., None, None] >> shifts) & 0xF  # (b, tile, g, t, j, hi, e)
+    q = q.permute(0, 5, 2, 1, 4, 3, 6).reshape(bands, TILE_ROWS, w.k).float()
+    sz = w.tile_scales.float().permute(0, 3, 2, 1, 4).reshape(bands, TILE_ROWS, groups, 2)
+    zero = sz[..., 1] - _MAGIC[w.tile_scales.dtype]
+    deq = (q.view(bands, TILE_ROWS, groups, w.group_size) - zero[..., None]) * sz[..., 0, None]
+    deq = deq.reshape(bands * TILE_ROWS, w.k).to(w.tile_scales.dtype)
+    out = torch.empty(w.n, w.k, dtype=deq.dtype, device=deq.device)
+    rows = _band_rows(w.n, w.interleaved, deq.device).reshape(-1)
+    keep = rows < w.n
+    out[rows[keep]] = deq[keep]
+    return out
+
+
+def dequantize_tiles_cuda(w: QuantTiles) -> torch.Tensor:
+    out = torch.empty(w.n, w.k, dtype=w.tile_scales.dtype, device=w.tiles.device)
+    cuda_ops().quant_tile_dequantize(
+        out=out.data_ptr(), tiles=w.tiles.data_ptr(), tile_scales=w.tile_scales.data_ptr(),
+        n=w.n, k=w.k, group_size=w.group_size, interleaved=int(w.interleaved),
+        dtype=dtype_code(out.dtype), stream=stream_handle(out.device))
+    return out
+
+
+def rows_per_launch(w: QuantTiles) -> int:
+    """Rows of x one GEMV launch serves over w: 8, 4, 2, 1 or 0, as the staged activations fit
+    the kernel's shared memory."""
+    return next((m for m in (GEMV_MAX_ROWS, 4, 2, 1) if m * w.k * 2 <= _SMEM_BYTES), 0)
+
+
+def gemv_serves(x: torch.Tensor, w: QuantTiles) -> bool:
+    """Whether `tile_linear` over x [m, k] (or [m, 2k] with silu_mul) runs the GEMV kernel: at
+    most MAX_LAUNCHES launches of `rows_per_launch` rows, each reading the whole weight."""
+    rows = rows_per_launch(w)
+    return (x.is_cuda and x.dtype == w.tile_scales.dtype and rows > 0
+            and 1 <= x.shape[0] <= MAX_LAUNCHES * rows and kernel_enabled("quant_linear"))
+
+
+def tile_linear(x: torch.Tensor, w: QuantTiles, bias: Optional[torch.Tensor] = None, *,
+                norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                silu_mul: bool = False, residual: Optional[torch.Tensor] = None,
+                silu_mul_out: bool = False) -> torch.Tensor:
+    """`ops.fused_linear` over a tile-layout weight (same arguments and results).
+
+    Shape: x [m, k] ([m, 2k] with silu_mul), rows contiguous -> [m, n] ([m, n / 2] with
+    silu_mul_out; `residual` itself, updated, when given).
+    """
+    if silu_mul_out and not w.interleaved:  # gate and up rows apart: the product afterwards
+        return silu_and_mul(tile_linear(x, w, bias, norm_weight=norm_weight, eps=eps))
+    if not gemv_serves(x, w):
+        weight = (dequantize_tiles_cuda(w) if x.is_cuda and kernel_enabled("quant_linear")
+                  else dequantize_tiles(w)).to(x.dtype)
+        return fused_linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps,
+                                silu_mul=silu_mul, residual=residual, silu_mul_out=silu_mul_out)
+    m = x.shape[0]
+    if x.stride(-1) != 1 or (m > 1 and x.stride(0) % 8) or x.data_ptr() % 16:
+        x = x.contiguous()
+    n_out = w.n // 2 if silu_mul_out else w.n
+    out = residual if residual is not None else torch.empty(m, n_out, dtype=x.dtype,
+                                                             device=x.device)
+    rows = rows_per_launch(w)
+    for start in range(0, m, rows):
+        _launch(x[start:start + rows], w, out[start:start + rows], bias, norm_weight, eps,
+                silu_mul, residual is not None, silu_mul_out)
+    return out
+
+
+def _launch(x: torch.Tensor, w: QuantTiles, out: torch.Tensor, bias: Optional[torch.Tensor],
+            norm_weight: Optional[torch.Tensor], eps: float, silu_mul: bool, residual: bool,
+            silu_mul_out: bool) -> None:
+    """One GEMV over x [m, k] into out [m, n] (out itself the residual when `residual`)."""
+    m = x.shape[0]
+    out_stride = out.stride(0) if m > 1 else out.shape[1]
+    cuda_ops().quant_tile_gemv(
+        out=out.data_ptr(), x=x.data_ptr(), tiles=w.tiles.data_ptr(),
+        tile_scales=w.tile_scales.data_ptr(), bias=0 if bias is None else bias.data_ptr(),
+        residual=out.data_ptr() if residual else 0,
+        norm_weight=0 if norm_weight is None else norm_weight.data_ptr(), m=m, n=w.n, k=w.k,
+        x_stride=x.stride(0) if m > 1 else x.shape[1], out_stride=out_stride,
+        residual_stride=out_stride, eps=eps, group_size=w.group_size,
+        interleaved=int(w.interleaved),
+        prologue=_PROLOGUE["rms_norm" if norm_weight is not None else
+                           "silu_mul" if silu_mul else None],
+        silu_mul_out=int(silu_mul_out), dtype=dtype_code(x.dtype),
+        stream=stream_handle(x.device))

@@ -1,0 +1,202 @@
+"""The W4A16 tile layout (ops/quant_tiles.py): the repack against the integer-group layout it is
+made from (CPU), and the tensor-core GEMV / dequantize kernels (cuda/quant_tiles.cuh) against the
+torch reference of ops/quant_linear.py and ops/linear.py (GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinyvllm.ops import quant_linear as ql
+from tinyvllm.ops import quant_tiles as qt
+from tinyvllm.ops.linear import fused_linear_ref
+
+
+def make_weight(n, k, group_size, dtype, seed, device="cpu"):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen, device=device, dtype=torch.int32)
+    groups = k // group_size
+    scales = (torch.rand(n, groups, generator=gen, device=device) * 0.02 + 0.001).to(dtype)
+    zeros = torch.randint(0, 16, (n, groups), generator=gen, device=device).to(dtype)
+    return ql.pack(q, 4), scales, zeros
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,k,group_size,interleave", [(7, 64, 64, False), (48, 192, 64, False),
+                                                       (33, 128, 128, False),
+                                                       (32, 256, 64, True), (64, 128, 128, True)])
+def test_repack_round_trips_to_the_dequantized_weight(dtype, n, k, group_size, interleave):
+    qweight, scales, zeros = make_weight(n, k, group_size, dtype, n + k)
+    assert qt.tiles_supported(qweight, scales, zeros, 4, group_size)
+    tiles = qt.repack(qweight, scales, zeros, group_size, interleave)
+    bands = -(-n // 16)
+    assert tiles.tiles.shape == (bands, k // 64, 32, 4) and tiles.tiles.dtype == torch.int32
+    assert tiles.tile_scales.shape == (bands, k // group_size, 8, 2, 2)
+    assert torch.equal(qt.dequantize_tiles(tiles), ql.dequantize(qweight, scales, zeros, 4,
+                                                                 group_size))
+
+
+def test_lane_words_hold_the_mma_fragments():
+    # Row r, column c holds r * 64 + c mod 16: lane (g, t) word j nibble 0 is row g, column
+    # 16j + 4t; nibble 1 is row g + 8 at the same column; nibble 4 is row g, column 16j + 4t + 1.
+    n, k = 16, 64
+    q = (torch.arange(n).view(n, 1) * 64 + torch.arange(k).view(1, k)) % 16
+    scales = torch.ones(n, 1, dtype=torch.bfloat16)
+    tiles = qt.repack(ql.pack(q.to(torch.int32), 4), scales, torch.zeros_like(scales), 64)
+    words = tiles.tiles[0, 0]  # [32 lanes, 4 words]
+    for g, t, j in [(0, 0, 0), (3, 2, 1), (7, 3, 3)]:
+        w = int(words[4 * g + t, j]) & 0xFFFFFFFF
+        nib = [(w >> (4 * i)) & 0xF for i in range(8)]
+        col = 16 * j + 4 * t
+        assert nib[0] == q[g, col] and nib[4] == q[g, col + 1]
+        assert nib[2] == q[g, col + 2] and nib[6] == q[g, col + 3]
+        assert nib[1] == q[g + 8, col] and nib[7] == q[g + 8, col + 3]
+
+
+def test_unsupported_weights_are_declined():
+    qweight, scales, zeros = make_weight(16, 128, 64, torch.bfloat16, 0)
+    assert not qt.tiles_supported(qweight, scales, zeros + 0.5, 4, 64)  # not an integer
+    assert not qt.tiles_supported(qweight, scales.float(), zeros.float(), 4, 64)
+    q8 = ql.pack(torch.zeros(16, 128, dtype=torch.int32), 8)
+    assert not qt.tiles_supported(q8, scales, zeros, 8, 64)
+    q96, s96, z96 = make_weight(16, 96, 32, torch.bfloat16, 0)
+    assert not qt.tiles_supported(q96, s96, z96, 4, 32)  # k not a multiple of 64
+    q32, s32, z32 = make_weight(16, 128, 32, torch.bfloat16, 0)
+    assert not qt.tiles_supported(q32, s32, z32, 4, 32)  # groups smaller than a tile
+    q192, s192, z192 = make_weight(16, 384, 192, torch.bfloat16, 0)
+    assert not qt.tiles_supported(q192, s192, z192, 4, 192)  # not a power of two
+    assert qt.tiles_supported(q192, s192[:, :1], z192[:, :1], 4, 384)  # per channel
+
+
+def test_cpu_linear_runs_the_reference():
+    qweight, scales, zeros = make_weight(40, 128, 64, torch.bfloat16, 5)
+    tiles = qt.repack(qweight, scales, zeros, 64)
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    want = ql.quant_linear_ref(x, qweight, scales, zeros, 4, 64)
+    assert torch.equal(qt.tile_linear(x, tiles), want)
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+def rel_err(out, ref):
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16, 17])
+@pytest.mark.parametrize("n,k,group_size", [(7, 64, 64), (1001, 576, 64), (4104, 4096, 128),
+                                            (96, 14336, 14336), (333, 4160, 64),
+                                            (6144, 4096, 128), (4096, 14336, 128),
+                                            (200, 1280, 256), (64, 1280, 1280)])
+def test_gemv_matches_reference(dtype, m, n, k, group_size):
+    seed = m * 7919 + n * 31 + k
+    qweight, scales, zeros = make_weight(n, k, group_size, dtype, seed, "cuda")
+    tiles = qt.repack(qweight, scales, zeros, group_size)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+    bias = torch.randn(n, generator=gen, device="cuda").to(dtype) if n % 2 else None
+    out = qt.tile_linear(x, tiles, bias)
+    ref = ql.quant_linear_ref(x.float(), qweight, scales.float(), zeros.float(), 4, group_size,
+                              bias=None if bias is None else bias.float())
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, ref) < (3e-3 if dtype == torch.float16 else 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("fusion", ["rms_norm", "silu_mul", "residual", "silu_mul_out",
+                                    "rms_norm+silu_mul_out", "silu_mul_out_plain_layout"])
+def test_fused_prologues_and_epilogues_match_reference(dtype, m, fusion):
+    n, k, group_size = 1024, 1024, 128
+    qweight, scales, zeros = make_weight(n, k, group_size, dtype, m + len(fusion), "cuda")
+    interleave = fusion.startswith("rms_norm+") or fusion == "silu_mul_out"
+    tiles = qt.repack(qweight, scales, zeros, group_size, interleave)
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 2 * k if fusion == "silu_mul" else k, generator=gen,
+                    device="cuda").to(dtype)
+    kwargs = {}
+    if fusion.startswith("rms_norm"):
+        kwargs.update(norm_weight=torch.randn(k, generator=gen, device="cuda").to(dtype),
+                      eps=1e-5)
+    if fusion == "silu_mul":
+        kwargs["silu_mul"] = True
+    if "silu_mul_out" in fusion:
+        kwargs["silu_mul_out"] = True
+    weight = ql.dequantize(qweight, scales, zeros, 4, group_size)
+    if fusion == "residual":
+        res = torch.randn(m, n, generator=gen, device="cuda").to(dtype)
+        want = fused_linear_ref(x, weight, residual=res.clone())
+        out = qt.tile_linear(x, tiles, residual=res)
+        assert out.data_ptr() == res.data_ptr()
+    else:
+        want = fused_linear_ref(x, weight, **kwargs)
+        out = qt.tile_linear(x, tiles, **kwargs)
+    assert out.shape == want.shape
+    assert rel_err(out, want) < (5e-3 if dtype == torch.float16 else 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("interleave", [False, True])
+def test_dequantize_kernel_is_exact(interleave):
+    qweight, scales, zeros = make_weight(160, 256, 64, torch.bfloat16, 1, "cuda")
+    tiles = qt.repack(qweight, scales, zeros, 64, interleave)
+    assert torch.equal(qt.dequantize_tiles_cuda(tiles),
+                       ql.dequantize(qweight, scales, zeros, 4, 64))
+    assert torch.equal(qt.dequantize_tiles(tiles), ql.dequantize(qweight, scales, zeros, 4, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decoder_fused_path_matches_unfused_on_tiles(batch):
+    """A decode step of a random W4A16 model: its projections in the tile layout (gate_up
+    interleaved), the fused GEMVs (norms, SwiGLU, residual adds folded in) give the logits of the
+    unfused path."""
+    from tinyvllm import ops
+    from tinyvllm.config import KernelConfig
+    from tinyvllm.model.quantization import QuantLinear
+    from tinyvllm.model.synthetic import make_random_quantized_model, tiny_arch
+
+    dtype = torch.bfloat16
+    arch = tiny_arch(hidden_size=256, intermediate_size=640, num_heads=4, num_kv_heads=2,
+                     head_dim=64, vocab_size=1000, num_layers=3)
+    model = make_random_quantized_model(arch, 3, dtype, torch.device("cuda"))
+    layer = model.model.layers[0]
+    assert isinstance(layer.mlp.gate_up_proj, QuantLinear)
+    assert layer.mlp.gate_up_proj.tiles is not None and layer.mlp.gate_up_proj.interleaved
+    block_size, context = 16, 37
+    num_blocks = batch * 3 + 1
+    positions = torch.full((batch,), context, dtype=torch.int64, device="cuda")
+    ids = torch.randint(0, arch.vocab_size, (batch,), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(1))
+    tables = torch.arange(1, num_blocks, dtype=torch.int32, device="cuda").view(batch, 3)
+    slots = (tables[:, context // block_size].long() * block_size + context % block_size)
+    meta = ops.AttentionMetadata(
+        num_tokens=batch, slot_mapping=slots,
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.full((batch,), context + 1, dtype=torch.int32, device="cuda"),
+        block_tables=tables, max_query_len=1, max_seq_len=context + 1,
+        query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[context + 1] * batch)
+
+    def step(fused: bool) -> torch.Tensor:
+        ops.configure(KernelConfig(fused_gemv=fused))
+        caches = ops.allocate_kv_caches(arch.num_layers, num_blocks, block_size,
+                                        arch.num_kv_heads, arch.head_dim, dtype, "cuda")
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        for c in caches:  # the same random context for both runs
+            c.copy_(torch.randn(c.shape, generator=gen, device="cuda").to(dtype))
+        assert model._use_fused_decode(model.model.embed_tokens(ids)) == fused
+        return model.compute_logits(model(ids, positions, caches, meta))
+
+    try:
+        fused, unfused = step(True), step(False)
+    finally:
+        ops.configure(KernelConfig())
+    assert rel_err(fused, unfused) <= 2e-2
+    assert torch.equal(fused.argmax(-1), unfused.argmax(-1))
