@@ -384,7 +384,10 @@ void narrow512(const uint8_t* w_row0, int64_t row_bytes, const ActBlock* x, cons
   }
 }
 
-constexpr int kChunksPerPass = 4;  // activation chunks (64 rows) per pass over the weight rows
+// Activation chunks per pass over the weight rows (256 rows): each weight row's scales and
+// unpacked blocks serve all of them (Q4_1 at 256 rows: 1.06 -> 1.00 cycles per pair against
+// passes of 4 chunks).
+constexpr int kChunksPerPass = 16;
 
 constexpr int kNarrowRows = 8;  // products of up to this many activation rows take narrow512
 

@@ -132,11 +132,12 @@ def test_a_rows_result_does_not_depend_on_its_batch(type_name, qtype, isa, threa
 def test_scalar_and_simd_paths_agree_bit_for_bit(type_name, qtype, isa):
     """All follow one block dot contract (four lanes per block, kernels_avx2.cpp), so the scalar
     path is an exact oracle for the SIMD tiles (AVX2, and AVX-512 VNNI where the CPU has it):
-    GEMV (m = 1), GEMM with tail rows, 2 to 8 activation rows (the narrow tiles) and a product
-    past 64 rows (a second pass over the weights)."""
+    GEMV (m = 1), GEMM with tail rows, 2 to 8 activation rows (the narrow tiles), products past
+    64 and 256 rows (a second pass over the weights on the AVX2 and AVX-512 paths) and more
+    weight rows than one output group (16) holds."""
     for n, k, m in [(37, 96, 1), (130, 576, 9), (5, 1536, 4), (66, 576, 2), (9, 64, 3),
                     (40, 576, 19), (37, 96, 5), (131, 576, 7), (6, 64, 8), (13, 576, 6),
-                    (70, 192, 65)]:
+                    (70, 192, 65), (45, 96, 301)]:
         qweight, _ = _packed(n, k, qtype, seed=n)
         bias = torch.randn(n)
         x = _activations(m, k, seed=k)
