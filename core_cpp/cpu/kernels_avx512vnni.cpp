@@ -230,6 +230,56 @@ void tile512(const uint8_t* wq, const int32_t* winit, const float* wd, const flo
   }
 }
 
+// kernels_avx2.cpp's quantize_row a block per two zmm: the same amax, d, rounding (the default
+// round-to-nearest-even conversion) and sum, so the same blocks.
+void quantize_row512(const float* x, int64_t nb, ActBlock* out) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 v0 = _mm512_loadu_ps(x + b * kBlock), v1 = _mm512_loadu_ps(x + b * kBlock + 16);
+    const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))) /
+                    127.0f;
+    const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+    _mm_store_si128(reinterpret_cast<__m128i*>(out[b].qs), _mm512_cvtsepi32_epi8(q0));
+    _mm_store_si128(reinterpret_cast<__m128i*>(out[b].qs + 16), _mm512_cvtsepi32_epi8(q1));
+    out[b].d = d;
+    out[b].s = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+  }
+}
+
+// exp256 sixteen lanes at a time: the same operations, so the same values.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n),
+                                                       _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// kernels_avx2.cpp's silu_mul sixteen lanes at a time, the rest as it does them.
+void silu_mul512(const float* gate, const float* up, float* y, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    const __m512 minus_g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
+    const __m512 den = _mm512_add_ps(one, exp512(minus_g));
+    _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_div_ps(g, den), _mm512_loadu_ps(up + i)));
+  }
+  silu_mul(gate + i, up + i, y + i, n - i);
+}
+
 // load_row_scales with 16 blocks at a time: a gather of each block's first 32 bits (fp16 d, then
 // Q4_1's m, or the first values, unused), narrowed to 16-bit halves and converted in one
 // vcvtph2ps each. The same floats.
@@ -545,9 +595,9 @@ void gemm_rows512(const GemmArgs& g, int64_t row_begin, int64_t row_end) {
 }  // namespace
 
 const Kernels& avx512vnni_kernels() {
-  static const Kernels k{"avx512vnni",   quantize_row,   prepare512,     prepare_piece512,
-                         gemm_rows512,   dot_tokens,     sum_tokens,     dot_tokens_f16,
-                         sum_tokens_f16, to_f16,         exp_sum,        silu_mul};
+  static const Kernels k{"avx512vnni",   quantize_row512, prepare512,    prepare_piece512,
+                         gemm_rows512,   dot_tokens,      sum_tokens,    dot_tokens_f16,
+                         sum_tokens_f16, to_f16,          exp_sum,       silu_mul512};
   return k;
 }
 

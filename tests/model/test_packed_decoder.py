@@ -131,6 +131,22 @@ def test_fused_step_over_a_float16_cache_matches_the_module_path(type_name, isa,
         _assert_close(got.float(), want.float())
 
 
+@pytest.mark.skipif("avx512vnni" not in ISAS, reason="needs a CPU with AVX-512 VNNI")
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_0", "Q8_0"])
+def test_avx512_step_equals_the_avx2_step(type_name, kv_dtype, monkeypatch):
+    """The 512-bit tiles follow the block dot contract and the 512-bit quantize_row and SwiGLU
+    the 256-bit arithmetic: the whole fused step gives the same bits on either."""
+    net = _packed_model(ARCHS["gqa-bias"], q.KERNEL_TYPES[type_name], seed=9)
+    runs = {}
+    for isa in ("avx2", "avx512vnni"):
+        monkeypatch.setenv("TINYVLLM_CPU_ISA", isa)
+        runs[isa] = _run(net, fused=True, kv_dtype=kv_dtype)
+    (logits, caches), (logits512, caches512) = runs["avx2"], runs["avx512vnni"]
+    assert all(torch.equal(a, b) for a, b in zip(logits, logits512))
+    assert all(torch.equal(a, b) for a, b in zip(caches, caches512))
+
+
 def test_the_dequantized_model_has_no_fused_step(tiny_model):
     assert PackedDecoder.for_model(tiny_model.model) is None  # nn.Linear projections
 
