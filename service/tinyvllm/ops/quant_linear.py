@@ -16,7 +16,9 @@ and the torch reference both read:
     y = x[..., perm] @ w.T + bias
 
 A per-channel format is group_size = k. `quant_linear` runs the CUDA kernel where it serves the
-inputs and the reference otherwise (the CPU path dequantizes per call).
+inputs and the reference otherwise (the CPU path dequantizes per call). On a GPU with the kernels,
+most 4-bit weights go one step further at load: `QuantLinear.use_tiles` repacks them into the
+tensor-core GEMV's layout (ops/quant_tiles.py) and frees this one.
 """
 
 from __future__ import annotations
