@@ -29,6 +29,15 @@ void linear(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t bias, int qtype, 
                         n, k, isa);
 }
 
+void int8_linear(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t w_scale, uintptr_t input_scale,
+                 uintptr_t bias, int64_t m, int64_t n, int64_t k, int64_t x_stride,
+                 int64_t out_stride, const std::string& isa) {
+  cpu::int8_linear(ptr<const float>(x), x_stride, ptr<const int8_t>(w), ptr<const float>(w_scale),
+                   input_scale ? ptr<const float>(input_scale) : nullptr,
+                   bias ? ptr<const float>(bias) : nullptr, ptr<float>(out), out_stride, m, n, k,
+                   isa);
+}
+
 void dequantize_rows(uintptr_t out, uintptr_t w, int qtype, int64_t num_rows, int64_t k,
                      uintptr_t row_ids, int64_t num_ids) {
   cpu::dequantize_rows(ptr<const uint8_t>(w), qtype, num_rows, k, ptr<const int64_t>(row_ids),
@@ -114,6 +123,10 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("linear", &linear, py::arg("out"), py::arg("x"), py::arg("w"), py::arg("bias"),
         py::arg("qtype"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("x_stride"),
         py::arg("out_stride"), py::arg("isa") = "auto", py::call_guard<py::gil_scoped_release>());
+  m.def("int8_linear", &int8_linear, py::arg("out"), py::arg("x"), py::arg("w"),
+        py::arg("w_scale"), py::arg("input_scale"), py::arg("bias"), py::arg("m"), py::arg("n"),
+        py::arg("k"), py::arg("x_stride"), py::arg("out_stride"), py::arg("isa") = "auto",
+        py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows", &dequantize_rows, py::arg("out"), py::arg("w"), py::arg("qtype"),
         py::arg("num_rows"), py::arg("k"), py::arg("row_ids"), py::arg("num_ids"),
         py::call_guard<py::gil_scoped_release>());

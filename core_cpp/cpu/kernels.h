@@ -21,6 +21,20 @@ struct GemmArgs {
   const void* prepared = nullptr;  // what Kernels::prepare made of xq, for gemm_rows
 };
 
+// A W8A8 int8 product (ops/w8a8_linear.py's layout): int8 weights [n, k] with a float scale per
+// output row, activations quantized per row to int8 with a scale per row, accumulated exactly
+// in int32: out[j, r] = (float(sum_k xq[j] * w[r]) * x_scale[j]) * w_scale[r] (+ bias[r]).
+struct Int8Args {
+  const int8_t* xq;       // [m, k] activations, quantized per row
+  const int32_t* x_sum;   // [m] each row's sum of xq
+  const float* x_scale;   // [m]
+  const int8_t* w;        // [n, k]
+  const float* w_scale;   // [n]
+  const float* bias;      // [n] or nullptr
+  float* out;             // [m, out_stride], columns [0, n) written
+  int64_t out_stride, m, k;
+};
+
 // The element type of a paged KV cache the CPU kernels read and write: float32, or IEEE half
 // (stored as its bits; converted to float32 on reading, rounded to nearest even on writing).
 enum class KvType : int { F32 = 0, F16 = 1 };
@@ -57,6 +71,8 @@ struct Kernels {
                          int64_t stride, int64_t num_tokens, int64_t d, float* out);
   // y[i] = x[i] as IEEE half, rounded to nearest even (fp32_to_fp16), for i < n.
   void (*to_f16)(const float* x, uint16_t* y, int64_t n);
+  // out[j, r] for every j < m and r in [row_begin, row_end) (Int8Args).
+  void (*int8_rows)(const Int8Args& args, int64_t row_begin, int64_t row_end);
   // x[i] = exp(x[i] - shift) for i < n; returns their sum (a softmax's numerators).
   float (*exp_sum)(float* x, int64_t n, float shift);
   // y[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i].
@@ -66,6 +82,13 @@ struct Kernels {
 // sum_i a[i] * b[i] in eight running sums (the AVX2 path's lanes) added pairwise at the end, so
 // that the compiler may vectorise it without reassociating; the scalar dot of every float helper.
 float dot_lanes(const float* a, const float* b, int64_t n);
+
+// The rescale every int8_rows path ends with: (float(acc) * x_scale) * w_scale (+ bias).
+inline float int8_output(int32_t acc, float x_scale, float w_scale, const float* bias,
+                         int64_t r) {
+  const float y = (static_cast<float>(acc) * x_scale) * w_scale;
+  return bias ? y + bias[r] : y;
+}
 
 const Kernels& scalar_kernels();
 #if defined(TINYVLLM_HAVE_AVX2)

@@ -140,6 +140,18 @@ void to_f16(const float* x, uint16_t* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = fp32_to_fp16(x[i]);
 }
 
+void int8_rows(const Int8Args& a, int64_t row_begin, int64_t row_end) {
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const int8_t* w = a.w + r * a.k;
+    for (int64_t j = 0; j < a.m; ++j) {
+      const int8_t* x = a.xq + j * a.k;
+      int32_t acc = 0;
+      for (int64_t i = 0; i < a.k; ++i) acc += static_cast<int32_t>(x[i]) * w[i];
+      a.out[j * a.out_stride + r] = int8_output(acc, a.x_scale[j], a.w_scale[r], a.bias, r);
+    }
+  }
+}
+
 float exp_sum(float* x, int64_t n, float shift) {
   float sum = 0.0f;
   for (int64_t i = 0; i < n; ++i) sum += (x[i] = std::exp(x[i] - shift));
@@ -155,7 +167,8 @@ void silu_mul(const float* gate, const float* up, float* y, int64_t n) {
 const Kernels& scalar_kernels() {
   static const Kernels k{"scalar",       quantize_row,   nullptr,        nullptr,
                          gemm_rows,      dot_tokens,     sum_tokens,     dot_tokens_f16,
-                         sum_tokens_f16, to_f16,         exp_sum,        silu_mul};
+                         sum_tokens_f16, to_f16,         int8_rows,      exp_sum,
+                         silu_mul};
   return k;
 }
 

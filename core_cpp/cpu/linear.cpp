@@ -1,6 +1,7 @@
 #include "linear.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <stdexcept>
 #include <vector>
@@ -64,6 +65,62 @@ void gemm_parallel(const Kernels& kern, GemmArgs args, int64_t n, ThreadPool& wo
   workers.run(tiles, grain, [&](int64_t begin, int64_t end) {
     kern.gemm_rows(args, begin * kRowAlign, std::min(end * kRowAlign, n));
   });
+}
+
+void int8_linear(const float* x, int64_t x_stride, const int8_t* w, const float* w_scale,
+                 const float* input_scale, const float* bias, float* out, int64_t out_stride,
+                 int64_t m, int64_t n, int64_t k, const std::string& isa) {
+  if (k <= 0 || n <= 0 || m < 0 || x_stride < k || out_stride < n) {
+    throw std::invalid_argument(
+        "int8_linear: need k > 0, n > 0, m >= 0, x_stride >= k and out_stride >= n; got m=" +
+        std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+        " x_stride=" + std::to_string(x_stride) + " out_stride=" + std::to_string(out_stride));
+  }
+  const Kernels& kern = select_kernels(isa);
+  if (m == 0) return;
+  std::lock_guard<std::mutex> lock(kernel_mutex());
+  ThreadPool& workers = pool();
+  static std::vector<int8_t> xq;  // reused: guarded by kernel_mutex()
+  static std::vector<int32_t> x_sum;
+  static std::vector<float> x_scale;
+  if (static_cast<int64_t>(xq.size()) < m * k) xq.resize(m * k);
+  if (static_cast<int64_t>(x_sum.size()) < m) {
+    x_sum.resize(m);
+    x_scale.resize(m);
+  }
+  constexpr float kMinAbsmax = 1e-10f, kInvQmax = static_cast<float>(1.0 / 127.0);
+  auto quantize = [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const float* row = x + j * x_stride;
+      float scale;
+      if (input_scale) {
+        scale = *input_scale;
+      } else {
+        float absmax = 0.0f;
+        for (int64_t i = 0; i < k; ++i) absmax = std::max(absmax, std::fabs(row[i]));
+        scale = std::max(absmax, kMinAbsmax) * kInvQmax;
+      }
+      int32_t sum = 0;
+      for (int64_t i = 0; i < k; ++i) {
+        const float v = std::nearbyint(std::min(std::max(row[i] / scale, -128.0f), 127.0f));
+        xq[j * k + i] = static_cast<int8_t>(v);
+        sum += static_cast<int32_t>(v);
+      }
+      x_sum[j] = sum;
+      x_scale[j] = scale;
+    }
+  };
+  if (m < kParallelQuantizeRows || workers.num_threads() == 1) {
+    quantize(0, m);
+  } else {
+    workers.run(m, kQuantizeGrain, quantize);
+  }
+  const Int8Args args{xq.data(), x_sum.data(), x_scale.data(), w, w_scale, bias, out,
+                      out_stride, m, k};
+  if (n < 2 * kMinRowsPerThread || workers.num_threads() == 1) return kern.int8_rows(args, 0, n);
+  const int64_t grain = std::max<int64_t>(kMinRowsPerThread,
+                                          n / (kChunksPerThread * workers.num_threads()));
+  workers.run(n, grain, [&](int64_t begin, int64_t end) { kern.int8_rows(args, begin, end); });
 }
 
 std::mutex& kernel_mutex() {

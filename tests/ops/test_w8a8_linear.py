@@ -1,11 +1,13 @@
 """ops/w8a8_linear.py on the CPU: the activation quantization (rounding, clamping, zero rows,
-static scales), the reference's arithmetic against exact integer products, and layout errors."""
+static scales), the reference's arithmetic against exact integer products, layout errors, and
+the C++ int8 kernel (every instruction set this machine runs) against the reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tinyvllm.ops import quantized as q
 from tinyvllm.ops import w8a8_linear as w8
 
 FP8 = torch.float8_e4m3fn
@@ -99,3 +101,42 @@ def test_gemm_path_on_torchs_cpu_kernels(dtype, m):
         want = w8.w8a8_linear_ref(x.float(), qweight, weight_scale, input_scale, bias.float())
         assert got.shape == (m, 48) and got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-3)
+
+
+CPU_ISAS = ["scalar"] + [isa for isa in ("avx2", "avx512vnni") if q.isa_available(isa)]
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("m,n,k", [(1, 24, 64), (3, 37, 100), (8, 16, 576), (9, 5, 33),
+                                   (17, 130, 1000), (40, 9, 200)])
+def test_cpu_int8_kernel_equals_the_reference(isa, m, n, k):
+    """`_cpu.int8_linear` quantizes the rows as the reference does and sums the products
+    exactly: the same float32 bits while k * 127^2 < 2^24 (the reference's sums exact too), on
+    awkward m, n and k (tails of the 64- and 16-value steps), dynamic and static scales (the
+    static one clamping some values to -128), with and without a bias."""
+    pytest.importorskip("tinyvllm._cpu")
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen) * 3
+    x[0, :3] = torch.tensor([0.0, -100.0, 2.5])
+    qweight, weight_scale = w8.quantize_weight(torch.randn(n, k, generator=gen), torch.int8)
+    qweight[0, 0] = -128  # the full int8 range on the weight side too
+    bias = torch.randn(n, generator=gen)
+    for input_scale in (None, torch.tensor(0.05)):
+        for b in (None, bias):
+            want = w8.w8a8_linear_ref(x, qweight, weight_scale, input_scale, b)
+            got = w8.int8_linear_cpu(x, qweight, weight_scale, input_scale, b, isa=isa)
+            assert torch.equal(got, want)
+    assert w8.cpu_supported(x, qweight, weight_scale)
+
+
+def test_cpu_int8_kernel_past_exact_float_sums():
+    """k = 4096: the kernel's int32 sums are exact, the reference's float32 ones round in
+    their own order; they agree to float32 summation error."""
+    pytest.importorskip("tinyvllm._cpu")
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 4096, generator=gen).to(torch.bfloat16)
+    qweight, weight_scale = w8.quantize_weight(torch.randn(20, 4096, generator=gen), torch.int8)
+    got = w8.w8a8_linear(x, qweight, weight_scale)
+    assert got.dtype == torch.bfloat16 and got.shape == (6, 20)
+    want = w8.w8a8_linear_ref(x, qweight, weight_scale)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)

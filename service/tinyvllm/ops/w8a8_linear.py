@@ -2,7 +2,8 @@
 
 Every W8A8 format (compressed-tensors `int-quantized` / `float-quantized`, and a float checkpoint
 quantized at load by `--quantization int8|fp8`) is turned at load into this one layout, which the
-CUDA path (cuBLAS through `torch._int_mm` / `torch._scaled_mm`) and the torch reference both read:
+CUDA path (cuBLAS through `torch._int_mm` / `torch._scaled_mm`), the CPU kernels (int8:
+`_cpu.int8_linear`, exact int32 sums) and the torch reference all read:
 
     qweight       [n, k] int8 or float8_e4m3fn, row-major: its transpose is the column-major
                   [k, n] operand that torch._int_mm and torch._scaled_mm take
@@ -153,9 +154,51 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tens
     16 (fp8). The one entry point of the model's W8A8 layers; [..., k] -> [..., n] in x's dtype.
     """
     check_layout(qweight, weight_scale, input_scale)
-    if not cuda_supported(x, qweight):
-        return w8a8_linear_ref(x, qweight, weight_scale, input_scale, bias)
-    return scaled_gemm(x, qweight, weight_scale, input_scale, bias)
+    if cuda_supported(x, qweight):
+        return scaled_gemm(x, qweight, weight_scale, input_scale, bias)
+    if cpu_supported(x, qweight, weight_scale):
+        return int8_linear_cpu(x, qweight, weight_scale, input_scale, bias)
+    return w8a8_linear_ref(x, qweight, weight_scale, input_scale, bias)
+
+
+def cpu_supported(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+    """int8 weights on the CPU with the C++ kernels (tinyvllm._cpu) present."""
+    from tinyvllm.ops.quantized import cpu_kernels
+
+    return (x.device.type == "cpu" and qweight.device.type == "cpu" and qweight.dtype == torch.int8
+            and qweight.is_contiguous() and weight_scale.is_contiguous()
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and cpu_kernels() is not None)
+
+
+def int8_linear_cpu(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+                    input_scale: Optional[torch.Tensor] = None,
+                    bias: Optional[torch.Tensor] = None, *, isa: str = "auto") -> torch.Tensor:
+    """`w8a8_linear_ref` for int8 weights on the CPU kernels (`_cpu.int8_linear`): the same
+    quantized rows and scales, the products summed exactly in int32 (the reference's float32 sums
+    are exact while k * 127^2 < 2^24), then the same float32 rescale; [..., k] -> [..., n].
+
+    Args:
+        isa: "auto" (env TINYVLLM_CPU_ISA overrides), "avx512vnni", "avx2" or "scalar".
+    """
+    from tinyvllm.ops.quantized import cpu_kernels
+
+    n, k = check_layout(qweight, weight_scale, input_scale)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).float()
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    if bias is not None:
+        bias = bias.float().contiguous()
+    if input_scale is not None:
+        input_scale = input_scale.float().reshape(1).contiguous()
+    cpu_kernels().int8_linear(
+        out.data_ptr(), x2.data_ptr(), qweight.data_ptr(), weight_scale.data_ptr(),
+        0 if input_scale is None else input_scale.data_ptr(),
+        0 if bias is None else bias.data_ptr(), m, n, k, x2.stride(0), n, isa)
+    return out.to(x.dtype).view(*lead, n)
 
 
 def scaled_gemm(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
