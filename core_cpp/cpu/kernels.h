@@ -39,8 +39,6 @@ struct Int8Args {
 // (stored as its bits; converted to float32 on reading, rounded to nearest even on writing).
 enum class KvType : int { F32 = 0, F16 = 1 };
 
-inline int64_t kv_elem_bytes(KvType t) { return t == KvType::F16 ? 2 : 4; }
-
 struct Kernels {
   const char* name;
   // One row of k = nb * kBlock floats -> nb activation blocks (round half to even, as torch.round).
