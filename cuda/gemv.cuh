@@ -223,6 +223,25 @@ __device__ __forceinline__ void gemv_stage_rmsnorm_one_pass(uint4* act, int k8, 
   }
 }
 
+// x's first m rows into act with prologue P (none, SiLU-and-mul, RMSNorm: in one pass when each
+// thread stages at most kStageBatch vectors, else the row scales first); kMergeSplits stages
+// elsewhere (gemv_stage_merged).
+template <typename T, int M, int P>
+__device__ __forceinline__ void gemv_stage_x(uint4* act, int k8, const T* x, int64_t x_stride,
+                                             const T* norm_weight, float* inv_rms, int m,
+                                             float eps) {
+  if constexpr (P == kGemvRmsNorm) {
+    if (M * k8 <= kStageBatch * int(blockDim.x)) {
+      gemv_stage_rmsnorm_one_pass<T, M>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps);
+    } else {
+      gemv_row_scale<T, M>(inv_rms, x, x_stride, k8, m, eps);
+      gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m);
+    }
+  } else {
+    gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m);
+  }
+}
+
 template <int R, int U>
 __device__ __forceinline__ void gemv_load(uint4 (&w)[R][U], const uint4* const (&rows)[R],
                                           const bool (&live)[R], int v0, int k8) {
@@ -307,17 +326,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(
   }
   wait_for_previous_grid();
 
-  if constexpr (P == kGemvRmsNorm) {
-    if (M * k8 <= kStageBatch * int(blockDim.x)) {
-      gemv_stage_rmsnorm_one_pass<T, M>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps);
-    } else {
-      gemv_row_scale<T, M>(inv_rms, x, x_stride, k8, m, eps);
-      gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m);
-    }
-  } else if constexpr (P == kGemvMergeSplits) {
+  if constexpr (P == kGemvMergeSplits) {
     gemv_stage_merged<T, M>(act, k8, parts, m);
   } else {
-    gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m);
+    gemv_stage_x<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps);
   }
   __syncthreads();
   allow_next_grid();  // every CTA of this grid is resident: the next one may launch and prefetch

@@ -209,16 +209,7 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   for (int i = 0; i < STAGES - 1; ++i) issue(i);
   wait_for_previous_grid();
 
-  if constexpr (P == kGemvRmsNorm) {
-    if (M * k8 <= kStageBatch * int(blockDim.x)) {
-      gemv_stage_rmsnorm_one_pass<T, M>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps);
-    } else {
-      gemv_row_scale<T, M>(inv_rms, x, x_stride, k8, m, eps);
-      gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m);
-    }
-  } else {
-    gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m);
-  }
+  gemv_stage_x<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps);
   __syncthreads();
   allow_next_grid();
   tile_sums<T, M>(sx, act, k);

@@ -134,15 +134,11 @@ def test_fused_linear_rejects_what_it_cannot_serve():
         fused_linear(x16, w16, silu_mul=True)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("batch", [1, 2])
-def test_decoder_fused_path_matches_unfused(dtype, batch):
-    """A decode step through the fused projections gives the logits of the cuBLAS + ops path."""
-    from tinyvllm.model.synthetic import make_random_model, tiny_arch
-
-    arch = tiny_arch(hidden_size=256, intermediate_size=640, num_heads=4, num_kv_heads=2,
-                     head_dim=64, vocab_size=1000, num_layers=3, attention_bias=True)
-    model = make_random_model(arch, seed=3, dtype=dtype, device=torch.device("cuda"))
+def fused_and_unfused_logits(model, batch: int, dtype: torch.dtype
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of one decode step of `model` (each sequence at context 37, the same random
+    cache contents) with the fused projections and without them."""
+    arch = model.arch
     block_size, context = 16, 37
     num_blocks = batch * 3 + 1
     positions = torch.full((batch,), context, dtype=torch.int64, device="cuda")
@@ -167,9 +163,21 @@ def test_decoder_fused_path_matches_unfused(dtype, batch):
         return model.compute_logits(model(ids, positions, caches, meta))
 
     try:
-        fused, unfused = step(True), step(False)
+        return step(True), step(False)
     finally:
         ops.configure(KernelConfig())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decoder_fused_path_matches_unfused(dtype, batch):
+    """A decode step through the fused projections gives the logits of the cuBLAS + ops path."""
+    from tinyvllm.model.synthetic import make_random_model, tiny_arch
+
+    arch = tiny_arch(hidden_size=256, intermediate_size=640, num_heads=4, num_kv_heads=2,
+                     head_dim=64, vocab_size=1000, num_layers=3, attention_bias=True)
+    model = make_random_model(arch, seed=3, dtype=dtype, device=torch.device("cuda"))
+    fused, unfused = fused_and_unfused_logits(model, batch, dtype)
     assert rel_err(fused, unfused) <= REL_TOL[dtype]
     assert torch.equal(fused.argmax(-1), unfused.argmax(-1))
 

@@ -158,10 +158,9 @@ def test_decoder_fused_path_matches_unfused_on_tiles(batch):
     """A decode step of a random W4A16 model: its projections in the tile layout (gate_up
     interleaved), the fused GEMVs (norms, SwiGLU, residual adds folded in) give the logits of the
     unfused path."""
-    from tinyvllm import ops
-    from tinyvllm.config import KernelConfig
     from tinyvllm.model.quantization import QuantLinear
     from tinyvllm.model.synthetic import make_random_quantized_model, tiny_arch
+    from tests.ops.test_linear_cuda import fused_and_unfused_logits
 
     dtype = torch.bfloat16
     arch = tiny_arch(hidden_size=256, intermediate_size=640, num_heads=4, num_kv_heads=2,
@@ -170,33 +169,6 @@ def test_decoder_fused_path_matches_unfused_on_tiles(batch):
     layer = model.model.layers[0]
     assert isinstance(layer.mlp.gate_up_proj, QuantLinear)
     assert layer.mlp.gate_up_proj.tiles is not None and layer.mlp.gate_up_proj.interleaved
-    block_size, context = 16, 37
-    num_blocks = batch * 3 + 1
-    positions = torch.full((batch,), context, dtype=torch.int64, device="cuda")
-    ids = torch.randint(0, arch.vocab_size, (batch,), device="cuda",
-                        generator=torch.Generator(device="cuda").manual_seed(1))
-    tables = torch.arange(1, num_blocks, dtype=torch.int32, device="cuda").view(batch, 3)
-    slots = (tables[:, context // block_size].long() * block_size + context % block_size)
-    meta = ops.AttentionMetadata(
-        num_tokens=batch, slot_mapping=slots,
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.full((batch,), context + 1, dtype=torch.int32, device="cuda"),
-        block_tables=tables, max_query_len=1, max_seq_len=context + 1,
-        query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[context + 1] * batch)
-
-    def step(fused: bool) -> torch.Tensor:
-        ops.configure(KernelConfig(fused_gemv=fused))
-        caches = ops.allocate_kv_caches(arch.num_layers, num_blocks, block_size,
-                                        arch.num_kv_heads, arch.head_dim, dtype, "cuda")
-        gen = torch.Generator(device="cuda").manual_seed(7)
-        for c in caches:  # the same random context for both runs
-            c.copy_(torch.randn(c.shape, generator=gen, device="cuda").to(dtype))
-        assert model._use_fused_decode(model.model.embed_tokens(ids)) == fused
-        return model.compute_logits(model(ids, positions, caches, meta))
-
-    try:
-        fused, unfused = step(True), step(False)
-    finally:
-        ops.configure(KernelConfig())
+    fused, unfused = fused_and_unfused_logits(model, batch, dtype)
     assert rel_err(fused, unfused) <= 2e-2
     assert torch.equal(fused.argmax(-1), unfused.argmax(-1))
