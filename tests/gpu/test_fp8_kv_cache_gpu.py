@@ -182,3 +182,21 @@ def test_fp8_with_float32_on_cuda_raises_naming_the_field():
                                           kv_cache_dtype="fp8", num_kv_blocks=64,
                                           max_model_len=256)
         ModelRunner(config)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "float32"])
+def test_a_cache_of_another_16_or_32_bit_dtype_on_cuda_raises_before_the_load(kv_cache_dtype,
+                                                                              monkeypatch):
+    """The CUDA kernels read a cache of the queries' dtype: a bfloat16 model over a float16 or
+    float32 cache is refused, naming the field, before any weight is loaded."""
+    import tinyvllm.worker.model_runner as runner
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the check")
+
+    monkeypatch.setattr(runner, "load_model", no_load)
+    with pytest.raises(ValueError, match=f"kv_cache_dtype: {kv_cache_dtype} on CUDA needs"):
+        config = EngineConfig.from_kwargs(model=MODEL, device="cuda", dtype="bfloat16",
+                                          kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64,
+                                          max_model_len=256)
+        ModelRunner(config)

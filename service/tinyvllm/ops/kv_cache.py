@@ -35,7 +35,8 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8")
 CPU_KERNEL_KV_DTYPES = (torch.float32, torch.float16)
 """Caches the CPU kernels (tinyvllm._cpu) read and write in place; others take the torch path."""
 
-_NAMED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "fp8": FP8_DTYPE}
+_NAMED_DTYPES = {"float32": torch.float32, "float16": torch.float16,
+                 "bfloat16": torch.bfloat16, "fp8": FP8_DTYPE}
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype,

@@ -25,7 +25,7 @@ from tinyvllm.model.loader import LoadedModel, load_model
 from tinyvllm.ops import AttentionMetadata, allocate_kv_caches
 from tinyvllm.ops._dispatch import configure, cuda_ops, device_support
 from tinyvllm.ops.quantized import configure_cpu_threads, cpu_kernels
-from tinyvllm.ops.kv_cache import FP8_DTYPE, resolve_kv_cache_dtype
+from tinyvllm.ops.kv_cache import FP8_DTYPE, kv_dtype_name, resolve_kv_cache_dtype
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.draft_model import (DraftModelProposer, check_draft,
                                          draft_kv_bytes_per_block, separate_draft,
@@ -123,6 +123,9 @@ class ModelRunner:
             device_support()  # checks the GPU once; warns about kernels that cannot run on it
         if self.device.type == "cpu":
             configure_cpu_threads(config.model.threads)
+        # Refused before the load; "auto" moves only on the CPU (below).
+        self._check_kv_cache_dtype(resolve_kv_cache_dtype(config.cache.kv_cache_dtype,
+                                                          self.dtype))
         self.loaded = loaded or load_model(config.model.model, self.dtype, self.device,
                                            seed=config.model.seed,
                                            packed=keep_gguf_packed(config.model.dequantize,
@@ -134,7 +137,6 @@ class ModelRunner:
                           and getattr(self.model, "packed_decoder", None) is not None)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype,
                                                      fused_cpu_step)
-        self._check_kv_cache_dtype()
         # A separate draft checkpoint (speculative_config.model; tests may pass one loaded).
         self.draft_loaded = draft_loaded or self._load_draft()
         check_draft(config.speculative, self.loaded, self.draft_loaded)
@@ -170,20 +172,20 @@ class ModelRunner:
             self._capture_graphs()
         logger.info("KV cache: %d blocks of %d tokens on %s (%s, %d bytes per block)",
                     self.num_blocks, self.block_size, self.device,
-                    str(self.kv_cache_dtype).removeprefix("torch."), self.kv_bytes_per_block())
+                    kv_dtype_name(self.kv_cache_dtype), self.kv_bytes_per_block())
 
-    def _check_kv_cache_dtype(self) -> None:
+    def _check_kv_cache_dtype(self, kv_dtype: torch.dtype) -> None:
         """The CUDA kernels read a cache of the queries' dtype or FP8 (with 16-bit queries)."""
         if self.device.type != "cuda" or cuda_ops() is None:
             return
         name = self.config.cache.kv_cache_dtype
-        if self.kv_cache_dtype == FP8_DTYPE and self.dtype == torch.float32:
+        if kv_dtype == FP8_DTYPE and self.dtype == torch.float32:
             raise ValueError("kv_cache_dtype: fp8 on CUDA needs dtype bfloat16 or float16 "
                              "(the attention kernels take 16-bit queries), got float32")
-        if self.kv_cache_dtype != FP8_DTYPE and self.kv_cache_dtype != self.dtype:
-            raise ValueError(f"kv_cache_dtype: {name} on CUDA needs the model dtype "
-                             f"{name} (the attention kernels read a cache of the queries' dtype "
-                             f"or fp8), got dtype {str(self.dtype).removeprefix('torch.')}")
+        if kv_dtype != FP8_DTYPE and kv_dtype != self.dtype:
+            raise ValueError(f"kv_cache_dtype: {name} on CUDA needs the model dtype {name} (the "
+                             f"attention kernels read a cache of the queries' dtype or fp8), got "
+                             f"dtype {kv_dtype_name(self.dtype)}")
 
     def _make_drafter(self) -> Optional[DraftModelProposer]:
         """The draft-model proposer (`--speculative-config` method draft_model), else None."""
