@@ -1,9 +1,14 @@
-// Launcher for paged prefill attention: checks sizes, picks the instantiation.
+// Launcher for paged prefill attention: checks sizes, picks the kernel and its instantiation.
 //
-// Instantiations: {float16, bfloat16} x cache {same, FP8 E4M3} x head_dim {64, 128} (8 kernels),
-// block size 16 (the engine's shapes).
+// Kernels: the wgmma kernel (attention_prefill_sm90.cuh) where the sm_90a image runs and the
+// cache has the query's dtype; the mma.sync kernel (attention_prefill.cuh) everywhere else, or
+// when asked for (prefill_kernel = 1: tests and benches compare the two).
+// Instantiations: {float16, bfloat16} x cache {same, FP8 E4M3} x head_dim {64, 128} (8 kernels)
+// of the mma.sync kernel, {float16, bfloat16} x head_dim {64, 128} of the wgmma one; block size
+// 16 (the engine's shapes).
 #include "attention_args.h"
 #include "attention_prefill.cuh"
+#include "attention_prefill_sm90.cuh"
 #include "launchers.h"
 
 namespace tinyvllm {
@@ -24,9 +29,32 @@ void launch_prefill(const PrefillParams& p, int num_seqs, int max_query_len,
   check_launch("paged_prefill_kernel");
 }
 
+template <typename T, int HEAD_DIM>
+void launch_prefill_sm90(const PrefillParams& p, int num_seqs, int max_query_len,
+                         cudaStream_t stream) {
+  constexpr size_t smem = Sm90PrefillSmem<HEAD_DIM>::kBytes;
+  auto kernel = paged_prefill_sm90_kernel<T, HEAD_DIM>;
+  static const cudaError_t smem_ok = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  check_cuda(smem_ok, "paged_prefill_sm90_kernel: shared memory");
+  const dim3 grid(p.num_heads, (max_query_len + kSm90BlockM - 1) / kSm90BlockM, num_seqs);
+  kernel<<<grid, kSm90Threads, smem, stream>>>(p);
+  check_launch("paged_prefill_sm90_kernel");
+}
+
 template <typename T, typename Cache>
 void dispatch_head_dim(const PrefillParams& p, int num_seqs, int head_dim, int max_query_len,
-                       cudaStream_t stream) {
+                       bool sm90, cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, Cache>) {
+    if (sm90) {
+      if (head_dim == 64) {
+        launch_prefill_sm90<T, 64>(p, num_seqs, max_query_len, stream);
+      } else {
+        launch_prefill_sm90<T, 128>(p, num_seqs, max_query_len, stream);
+      }
+      return;
+    }
+  }
   if (head_dim == 64) {
     launch_prefill<T, Cache, 64>(p, num_seqs, max_query_len, stream);
   } else {
@@ -35,11 +63,14 @@ void dispatch_head_dim(const PrefillParams& p, int num_seqs, int head_dim, int m
 }
 
 void check_prefill_args(const PrefillParams& p, int num_seqs, int head_dim, int block_size,
-                        int max_query_len, int dtype, int cache_dtype) {
+                        int max_query_len, int dtype, int cache_dtype, int prefill_kernel) {
   const std::string where = "paged_attention_prefill: ";
   check_attention_args(p, where, num_seqs, head_dim, block_size, dtype, cache_dtype);
   require(max_query_len > 0, where + "max_query_len=" + std::to_string(max_query_len) +
                                  " must be positive");
+  require(prefill_kernel == 0 || prefill_kernel == 1,
+          where + "prefill_kernel=" + std::to_string(prefill_kernel) +
+              " must be 0 (the fastest for the device) or 1 (mma.sync)");
 }
 
 }  // namespace
@@ -57,7 +88,9 @@ void paged_attention_prefill(
     float scale,
     ptr_t k_scale,          // [1] float32, read when cache_dtype is FP8
     ptr_t v_scale,          // [1] float32, read when cache_dtype is FP8
-    int dtype, int cache_dtype, stream_t stream) {
+    int dtype, int cache_dtype,
+    int prefill_kernel,     // 0: the wgmma kernel where it applies; 1: the mma.sync kernel
+    stream_t stream) {
   PrefillParams p{};
   p.out = reinterpret_cast<void*>(out);
   p.query = reinterpret_cast<const void*>(query);
@@ -75,13 +108,16 @@ void paged_attention_prefill(
   p.q_stride_head = q_stride_head;
   p.max_num_blocks_per_seq = max_num_blocks_per_seq;
   p.scale_log2 = scale * kLog2e;
-  check_prefill_args(p, num_seqs, head_dim, block_size, max_query_len, dtype, cache_dtype);
+  check_prefill_args(p, num_seqs, head_dim, block_size, max_query_len, dtype, cache_dtype,
+                     prefill_kernel);
   const cudaStream_t s = as_stream(stream);
+  // The sm_90a image runs on compute capability 9.0 (the build's default architectures).
+  const bool sm90 = prefill_kernel == 0 && device_has_pdl_code();
   TINYVLLM_DISPATCH_HALF(dtype, "paged_attention_prefill", {
     if (cache_dtype == kFloat8E4M3) {
-      dispatch_head_dim<scalar_t, fp8_e4m3>(p, num_seqs, head_dim, max_query_len, s);
+      dispatch_head_dim<scalar_t, fp8_e4m3>(p, num_seqs, head_dim, max_query_len, false, s);
     } else {
-      dispatch_head_dim<scalar_t, scalar_t>(p, num_seqs, head_dim, max_query_len, s);
+      dispatch_head_dim<scalar_t, scalar_t>(p, num_seqs, head_dim, max_query_len, sm90, s);
     }
   });
 }

@@ -48,7 +48,7 @@ PYBIND11_MODULE(_cuda, m) {
                "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc",
                "num_seqs", "num_heads", "num_kv_heads", "head_dim", "block_size", "q_stride_token",
                "q_stride_head", "max_num_blocks_per_seq", "max_query_len", "scale", "k_scale",
-               "v_scale", "dtype", "cache_dtype", "stream");
+               "v_scale", "dtype", "cache_dtype", "prefill_kernel", "stream");
 
   def_launcher(m, "paged_attention_decode", &tinyvllm::paged_attention_decode, "out", "query",
                "key_cache", "value_cache", "block_tables", "seq_lens", "split_out", "split_max",

@@ -12,7 +12,7 @@ namespace tinyvllm {
 // The interface version of these launchers. bindings.cpp exports it as `abi_version` and
 // ops/_dispatch.py refuses a module whose version is not its CUDA_ABI_VERSION: bump both when a
 // launcher's arguments change or a function is added, removed or renamed.
-constexpr int kAbiVersion = 4;
+constexpr int kAbiVersion = 5;
 
 using ptr_t = std::uintptr_t;  // a device pointer, as torch's data_ptr() gives it
 using stream_t = std::uintptr_t;  // a cudaStream_t, as torch's cuda_stream gives it
@@ -52,7 +52,7 @@ void paged_attention_prefill(ptr_t out, ptr_t query, ptr_t key_cache, ptr_t valu
                              int block_size, int64_t q_stride_token, int64_t q_stride_head,
                              int max_num_blocks_per_seq, int max_query_len, float scale,
                              ptr_t k_scale, ptr_t v_scale, int dtype, int cache_dtype,
-                             stream_t stream);
+                             int prefill_kernel, stream_t stream);
 
 // quant_act.cu: each row of x (dtype) to int8 or fp8 e4m3 (qdtype) with one float32 scale,
 // as ops/w8a8_linear.py `quantize_rows`: dynamic (static_scale 0: max|row| / qmax, at least

@@ -86,7 +86,8 @@ def make_batch(seqs, num_heads, num_kv_heads, head_dim, dtype, seed, fp8=False):
     return query.to(dev), cache.to(dev), meta
 
 
-def check_against_reference(kernels, seqs, heads, head_dim, dtype, seed, fp8=False):
+def check_against_reference(kernels, seqs, heads, head_dim, dtype, seed, fp8=False,
+                            prefill_kernel="auto"):
     from tinyvllm.ops.attention_cuda import paged_attention_cuda
     num_heads, num_kv_heads = heads
     batch = make_batch(seqs, num_heads, num_kv_heads, head_dim, dtype, seed, fp8)
@@ -96,10 +97,11 @@ def check_against_reference(kernels, seqs, heads, head_dim, dtype, seed, fp8=Fal
     if fp8:  # the reference dequantises the same FP8 cache to float32
         k_scale, v_scale = batch[3]
         paged_attention_cuda(kernels, query, cache, meta, scale, out=out, k_scale=k_scale,
-                             v_scale=v_scale)
+                             v_scale=v_scale, prefill_kernel=prefill_kernel)
         ref = paged_attention_ref(query.float(), cache, meta, scale, k_scale, v_scale)
     else:
-        paged_attention_cuda(kernels, query, cache, meta, scale, out=out)
+        paged_attention_cuda(kernels, query, cache, meta, scale, out=out,
+                             prefill_kernel=prefill_kernel)
         ref = paged_attention_ref(query.float(), cache.float(), meta, scale)
     rows = meta.num_seqs if meta.max_query_len == 1 else meta.num_tokens
     out, ref = out[:rows].float(), ref[:rows]
@@ -126,19 +128,31 @@ def test_decode_matches_reference(kernels, case, heads, head_dim, dtype, kv):
 
 
 PREFILL_CASES = {
-    # prefill, chunked prefill over a cached prefix, a decode row, a q tile boundary
+    # prefill, chunked prefill over a cached prefix, a decode row, q and key tile boundaries
+    # (64 and 128 rows, 64 and 128 keys), a chunk whose second warpgroup has rows and one whose
+    # first warpgroup finishes its keys tiles before the second
     "ragged": [(7, 7), (3, 41), (1, 17), (20, 33), (65, 65), (70, 200)],
     "long": [(300, 1000), (129, 129)],
     "one_row_tiles": [(2, 2), (2, 64), (2, 65)],
+    "key_tiles": [(128, 128), (129, 257), (200, 200), (256, 385), (1, 129)],
 }
 
 
 @every_variant
+@pytest.mark.parametrize("prefill_kernel", ["auto", "mma_sync"])
 @pytest.mark.parametrize("case", list(PREFILL_CASES))
-def test_prefill_matches_reference(kernels, case, heads, head_dim, dtype, kv):
+def test_prefill_matches_reference(kernels, case, prefill_kernel, heads, head_dim, dtype, kv):
+    """"auto" is the wgmma kernel on Hopper (same-dtype caches), so both kernels are checked."""
     seed = hash((case, heads, head_dim, str(dtype), "prefill")) % 2**31
     check_against_reference(kernels, PREFILL_CASES[case], heads, head_dim, dtype, seed,
-                            fp8=kv == "fp8")
+                            fp8=kv == "fp8", prefill_kernel=prefill_kernel)
+
+
+def test_unknown_prefill_kernel_raises(kernels):
+    from tinyvllm.ops.attention_cuda import paged_attention_cuda
+    query, cache, meta = make_batch([(5, 40)], 8, 2, 128, torch.bfloat16, seed=3)
+    with pytest.raises(ValueError, match="prefill_kernel='wgmma'"):
+        paged_attention_cuda(kernels, query, cache, meta, 0.1, prefill_kernel="wgmma")
 
 
 def test_public_op_dispatches_to_kernel(kernels):

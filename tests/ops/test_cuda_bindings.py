@@ -121,7 +121,12 @@ def test_prefill_attention(launches):
         ptr(out), ptr(meta.query_start_loc), 0.25)
     assert (args["num_seqs"], args["num_heads"], args["num_kv_heads"], args["max_query_len"],
             args["q_stride_token"], args["max_num_blocks_per_seq"]) == (2, 4, 2, 3, 64, 2)
-    assert (args["k_scale"], args["dtype"], args["cache_dtype"]) == (0, 1, 1)
+    assert (args["k_scale"], args["dtype"], args["cache_dtype"], args["prefill_kernel"]) == (
+        0, 1, 1, 0)
+    launches.clear()
+    attention_cuda.paged_attention_cuda(launches.kernels, query, cache, meta, 0.25,
+                                        prefill_kernel="mma_sync")
+    assert launches.only("paged_attention")["prefill_kernel"] == 1
 
 
 def test_fused_decode_attention_with_partitions_merged_by_o_proj(launches):

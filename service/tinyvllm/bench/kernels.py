@@ -168,6 +168,9 @@ def bench_prefill(kernels, seqs, num_heads, num_kv_heads, head_dim, gen, fp8=Fal
     flops = 4 * pairs * num_heads * head_dim
     baselines = {"torch_ref": time_us(lambda i: paged_attention_ref(query, cache, metas[0], scale),
                                       reps=5)}
+    if not fp8:  # on Hopper the default is the wgmma kernel: the mma.sync one beside it
+        baselines["mma_sync"] = time_us(lambda i: paged_attention_cuda(
+            kernels, query, cache, metas[0], scale, prefill_kernel="mma_sync"))
     if all(q == s for q, s in seqs) and len(set(s for _, s in seqs)) == 1:
         b, s = len(seqs), seqs[0][1]  # equal full prefills: SDPA causal on contiguous tensors
         q4 = query.view(b, s, num_heads, head_dim).transpose(1, 2)

@@ -4,8 +4,9 @@ Decode (every sequence has one new query) runs the split-K kernel: the context i
 partitions so that even a few long sequences fill the GPU, and a second kernel merges them.
 `rotary_paged_attention_cuda` is the same launch with the step's new token fused in (rotary,
 cache write, attention).
-Anything else runs the flash-attention-style prefill kernel, which also serves mixed batches.
-Both read a cache of the query's dtype or an FP8 (E4M3) one with per-layer K/V scales.
+Anything else runs a flash-attention-style prefill kernel, which also serves mixed batches: on
+Hopper (the sm_90a image) the warpgroup-MMA kernel over a cache of the query's dtype, elsewhere
+and for an FP8 cache the mma.sync one. Both read a cache of the query's dtype or an FP8 (E4M3) one with per-layer K/V scales.
 """
 
 from __future__ import annotations
@@ -28,12 +29,17 @@ MIN_PARTITION = 64
 CTAS_PER_SM = 2
 """Decode launches at least this many CTAs per multiprocessor when partitions allow it."""
 
+PREFILL_KERNELS = {"auto": 0, "mma_sync": 1}
+"""`prefill_kernel` choices: the fastest kernel the device runs, or the mma.sync one (which every
+GPU runs; tests and benches compare the two on Hopper)."""
+
 
 def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float,
                          out: Optional[torch.Tensor] = None,
                          k_scale: Optional[torch.Tensor] = None,
-                         v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         v_scale: Optional[torch.Tensor] = None,
+                         prefill_kernel: str = "auto") -> torch.Tensor:
     """Causal attention of new queries over their sequences' paged K/V.
 
     Args:
@@ -45,6 +51,7 @@ def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
         scale: softmax scale.
         out: optional contiguous output buffer shaped like query (static buffers, tests).
         k_scale, v_scale: one-element float32 device tensors (None: 1.0), FP8 cache only.
+        prefill_kernel: a key of PREFILL_KERNELS (prefill and mixed batches only).
     Returns:
         [num_tokens, num_heads, head_dim]; on pure decode only the first num_seqs rows are written.
     """
@@ -53,11 +60,15 @@ def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     elif out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
         raise ValueError(f"out: expected a contiguous {query.dtype} {tuple(query.shape)} tensor")
+    if prefill_kernel not in PREFILL_KERNELS:
+        raise ValueError(f"prefill_kernel={prefill_kernel!r}: expected one of "
+                         f"{sorted(PREFILL_KERNELS)}")
     scales = kv_scale_ptrs(kv_cache, k_scale, v_scale)
     if meta.max_query_len == 1:
         _decode(kernel, out, query, kv_cache, meta, scale, scales)
     else:
-        _prefill(kernel, out, query, kv_cache, meta, scale, scales)
+        _prefill(kernel, out, query, kv_cache, meta, scale, scales,
+                 PREFILL_KERNELS[prefill_kernel])
     return out
 
 
@@ -183,7 +194,7 @@ def rotary_paged_attention_cuda(kernel, positions: torch.Tensor, query: torch.Te
 
 
 def _prefill(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
-             scales: tuple[int, int]) -> None:
+             scales: tuple[int, int], prefill_kernel: int = 0) -> None:
     num_heads, head_dim = query.shape[1], query.shape[2]
     kernel.paged_attention(
         out=out.data_ptr(), query=query.data_ptr(), key_cache=kv_cache[0].data_ptr(),
@@ -194,7 +205,7 @@ def _prefill(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float
         q_stride_head=query.stride(1), max_num_blocks_per_seq=meta.block_tables.shape[1],
         max_query_len=meta.max_query_len, scale=scale, k_scale=scales[0], v_scale=scales[1],
         dtype=dtype_code(query.dtype), cache_dtype=dtype_code(kv_cache.dtype),
-        stream=stream_handle(query.device))
+        prefill_kernel=prefill_kernel, stream=stream_handle(query.device))
 
 
 def decode_partition(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int,

@@ -1,0 +1,273 @@
+// Paged prefill attention for Hopper (sm_90a): the same contract as attention_prefill.cuh (every
+// new query of a sequence attends causally to the cached keys before it and the new keys up to
+// itself), on warpgroup MMA. Framework-free device code; caches of the query's dtype only (an FP8
+// cache keeps the mma.sync kernel).
+//
+// A CTA owns kSm90BlockM = 128 consecutive new queries of one head: two warpgroups of 64 rows.
+// Keys come in tiles of kSm90BlockN = 128, gathered from the paged cache with cp.async into
+// 128-byte-swizzled shared tiles (wgmma.cuh), double-buffered: tile t + 1's K and tile t's V fly
+// while tile t computes. Per warpgroup and tile (FlashAttention 3's intra-warpgroup overlap):
+//   S_t = Q K_t^T         wgmma, Q and K from shared memory, fp32 in registers
+//   O  += P_{t-1} V_{t-1} wgmma, P from registers (bf16/fp16), V read transposed, issued right
+//                         after S_t so that it runs while the softmax of S_t does
+//   online softmax of S_t (log2 domain) gives P_t and the rescale of O, applied once PV is done.
+// The registers of S's accumulator are the A fragments of P V (same layout), so P never touches
+// shared memory. A warpgroup whose rows are all done (causal) idles through the remaining tiles.
+// CTAs take the query tiles last-first: the long causal rows start first.
+#pragma once
+
+#include <math_constants.h>
+
+#include "attention_prefill.cuh"
+#include "mma.cuh"
+#include "wgmma.cuh"
+
+namespace tinyvllm {
+
+constexpr int kSm90Warpgroups = 2;
+constexpr int kSm90Threads = 128 * kSm90Warpgroups;
+constexpr int kSm90BlockM = 64 * kSm90Warpgroups;
+constexpr int kSm90BlockN = 128;
+
+template <int HEAD_DIM>
+struct Sm90PrefillSmem {
+  static constexpr uint32_t kQBytes = uint32_t(kSm90BlockM) * HEAD_DIM * 2;
+  static constexpr uint32_t kKvBytes = uint32_t(kSm90BlockN) * HEAD_DIM * 2;  // one K or V tile
+  // Q, K x 2, V x 2, and room to align the start to the 1024-byte swizzle atom.
+  static constexpr size_t kBytes = kQBytes + 4 * size_t(kKvBytes) + 1024;
+};
+
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(kSm90Threads, 1)
+paged_prefill_sm90_kernel(const PrefillParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Smem = Sm90PrefillSmem<HEAD_DIM>;
+  constexpr int kChunks = HEAD_DIM / 8;       // 16-byte chunks per row
+  constexpr int kKSteps = HEAD_DIM / 16;      // k-steps of Q K^T
+  constexpr int kPSteps = kSm90BlockN / 16;   // k-steps of P V
+  constexpr int kS = kSm90BlockN / 2;         // S accumulator floats per thread
+  constexpr int kO = HEAD_DIM / 2;            // O accumulator floats per thread
+  constexpr uint32_t kRowBytes = 128;         // one swizzled row of a 64-element column block
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t smem0 = (smem_addr(smem_raw) + 1023) & ~1023u;
+  unsigned char* const smem_gen = smem_raw + (smem0 - smem_addr(smem_raw));
+  const uint32_t sq = smem0;
+  // Stage i of the K and V tiles (i = tile index % 2).
+  auto sk = [&](int i) { return sq + Smem::kQBytes + uint32_t(i % 2) * Smem::kKvBytes; };
+  auto sv = [&](int i) { return sq + Smem::kQBytes + uint32_t(2 + i % 2) * Smem::kKvBytes; };
+
+  const int head = blockIdx.x;
+  const int seq = blockIdx.z;
+  const int q_start = p.query_start_loc[seq];
+  const int q_len = p.query_start_loc[seq + 1] - q_start;
+  const int m0 = (gridDim.y - 1 - blockIdx.y) * kSm90BlockM;
+  if (m0 >= q_len) return;
+  const int seq_len = p.seq_lens[seq];
+  const int ctx = seq_len - q_len;
+  const int rows = min(kSm90BlockM, q_len - m0);
+  const int kv_end = min(seq_len, ctx + m0 + rows);
+  const int kv_head = head / p.group_size;
+  const int* table = p.block_tables + int64_t(seq) * p.max_num_blocks_per_seq;
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;
+  const int warp = (tid % 128) / 32;
+  const int lane = tid % 32;
+
+  auto load_q = [&]() {
+    const T* base = static_cast<const T*>(p.query) + int64_t(q_start + m0) * p.q_stride_token +
+                    int64_t(head) * p.q_stride_head;
+    for (int idx = tid; idx < kSm90BlockM * kChunks; idx += kSm90Threads) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      const bool valid = r < rows;
+      const T* src = valid ? base + r * p.q_stride_token + c * 8 : base;
+      cp_async16(smem_gen + (sq - smem0) + sw128_offset(r, c, kSm90BlockM), src, valid ? 16 : 0);
+    }
+  };
+  // Keys n0..n0 + kSm90BlockN - 1 of K or V into the tile at dst; rows at or past kv_end are
+  // zero-filled (their V rows meet P = 0, and 0 * garbage could be NaN).
+  auto load_kv = [&](uint32_t dst, const void* cache, int n0) {
+    const T* base = static_cast<const T*>(cache);
+    const int64_t token_stride = int64_t(p.num_kv_heads) * HEAD_DIM;
+    for (int idx = tid; idx < kSm90BlockN * kChunks; idx += kSm90Threads) {
+      const int r = idx / kChunks, c = idx % kChunks, j = n0 + r;
+      const bool valid = j < kv_end;
+      const T* src = base;
+      if (valid) {
+        const int64_t slot = int64_t(table[j / kPrefillBlockSize]) * kPrefillBlockSize +
+                             j % kPrefillBlockSize;
+        src = base + slot * token_stride + kv_head * HEAD_DIM + c * 8;
+      }
+      cp_async16(smem_gen + (dst - smem0) + sw128_offset(r, c, kSm90BlockN), src,
+                 valid ? 16 : 0);
+    }
+  };
+  // Waits for this thread's copies, publishes every thread's to the tensor cores.
+  auto publish = [&]() {
+    cp_async_wait<0>();
+    fence_proxy_async_smem();
+    __syncthreads();
+  };
+
+  // This warpgroup's rows, its key range, and each thread's two rows (mma C layout).
+  const int wg_rows = max(0, min(64, rows - wg * 64));
+  const int wg_kv_end = min(kv_end, ctx + m0 + wg * 64 + wg_rows);
+  const int wg_tiles = wg_rows > 0 ? (wg_kv_end + kSm90BlockN - 1) / kSm90BlockN : 0;
+  const int wg_first_pos = ctx + m0 + wg * 64;  // keys up to it need no mask for any row here
+  int row_pos[2];  // rows past q_len compute on the last valid position (finite, never written)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_pos[h] = min(ctx + m0 + wg * 64 + warp * 16 + lane / 4 + h * 8, kv_end - 1);
+  }
+  const int n_tiles = (kv_end + kSm90BlockN - 1) / kSm90BlockN;
+
+  // A k-step of 16 elements is 32 bytes into a swizzled row; every 4 steps the next column block.
+  auto kstep = [](int ks, int rows_of_tile) {
+    return uint32_t(ks / 4) * rows_of_tile * kRowBytes + (ks % 4) * 32;
+  };
+  const uint32_t q_wg = sq + wg * 64 * kRowBytes;  // this warpgroup's 64 rows of Q
+  auto issue_qk = [&](float (&s)[kS], uint32_t k_tile) {
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      wgmma_ss<T, kSm90BlockN>(s, sw128_desc(q_wg + kstep(ks, kSm90BlockM), 16, 1024),
+                               sw128_desc(k_tile + kstep(ks, kSm90BlockN), 16, 1024), ks > 0);
+    }
+  };
+  auto issue_pv = [&](float (&o)[kO], const uint32_t (&pf)[kPSteps][4], uint32_t v_tile) {
+#pragma unroll
+    for (int kk = 0; kk < kPSteps; ++kk) {
+      wgmma_rs<T, HEAD_DIM>(o, pf[kk],
+                            sw128_desc(v_tile + kk * 16 * kRowBytes, kSm90BlockN * kRowBytes,
+                                       1024));
+    }
+  };
+  float m_row[2] = {-CUDART_INF_F, -CUDART_INF_F}, l_row[2] = {0.f, 0.f};
+  // Masks tile n0 of s, updates the running max and sum, turns s into P (unnormalised) and
+  // returns the factors that rescale O for the new max.
+  auto softmax = [&](float (&s)[kS], int n0, float (&alpha)[2]) {
+    const bool mask = n0 + kSm90BlockN - 1 > wg_first_pos;
+    float mx[2] = {m_row[0], m_row[1]};
+#pragma unroll
+    for (int j = 0; j < kS / 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = n0 + j * 8 + (lane % 4) * 2 + (e & 1);
+        const float v = !mask || key <= row_pos[e >> 1] ? s[4 * j + e] * p.scale_log2
+                                                         : -CUDART_INF_F;
+        s[4 * j + e] = v;
+        mx[e >> 1] = fmaxf(mx[e >> 1], v);
+      }
+    }
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      alpha[h] = exp2f(m_row[h] - mx[h]);  // 0 on the first tile (m_row = -inf, mx finite)
+      m_row[h] = mx[h];
+    }
+#pragma unroll
+    for (int j = 0; j < kS / 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[4 * j + e] = exp2f(s[4 * j + e] - mx[e >> 1]);
+        sum[e >> 1] += s[4 * j + e];
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l_row[h] = l_row[h] * alpha[h] + sum[h];
+  };
+  // P as the 16-bit A fragments of P V: S's accumulator layout is theirs.
+  auto pack_p = [](const float (&s)[kS], uint32_t (&pf)[kPSteps][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kPSteps; ++kk) {
+      pf[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+      pf[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+      pf[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+      pf[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+  };
+
+  load_q();
+  load_kv(sk(0), p.key_cache, 0);
+  cp_async_commit();
+  publish();
+  if (n_tiles > 1) load_kv(sk(1), p.key_cache, kSm90BlockN);
+  load_kv(sv(0), p.value_cache, 0);
+  cp_async_commit();
+
+  float s[kS];
+  float o[kO];
+#pragma unroll
+  for (int i = 0; i < kO; ++i) o[i] = 0.f;
+  uint32_t pc[kPSteps][4];  // P of the tile whose P V is next
+  float alpha[2];
+  if (wg_tiles > 0) {
+    wgmma_fence();
+    issue_qk(s, sk(0));
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(s);
+    softmax(s, 0, alpha);
+    pack_p(s, pc);
+  }
+  for (int t = 1; t < n_tiles; ++t) {
+    publish();  // K(t) and V(t - 1) have landed; every warpgroup is done with K(t - 1), V(t - 2)
+    if (t + 1 < n_tiles) load_kv(sk(t + 1), p.key_cache, (t + 1) * kSm90BlockN);
+    load_kv(sv(t), p.value_cache, t * kSm90BlockN);
+    cp_async_commit();
+    if (t < wg_tiles) {
+      wgmma_fence();
+      issue_qk(s, sk(t));
+      wgmma_commit();
+      wgmma_fence();  // P V a stage of its own: the softmax below rewrites S's registers only
+      issue_pv(o, pc, sv(t - 1));
+      wgmma_commit();
+      wgmma_wait<1>();  // S_t is done; P_{t-1} V_{t-1} may still run
+      reg_fence(s);
+      softmax(s, t * kSm90BlockN, alpha);
+      wgmma_wait<0>();
+      reg_fence(o);
+      reg_fence(pc);
+#pragma unroll
+      for (int i = 0; i < kO; ++i) o[i] *= alpha[i / 2 % 2];
+      pack_p(s, pc);
+    } else if (t == wg_tiles) {  // this warpgroup's last P V, then it idles
+      wgmma_fence();
+      issue_pv(o, pc, sv(t - 1));
+      wgmma_commit();
+      wgmma_wait<0>();
+      reg_fence(o);
+    }
+  }
+  publish();  // V(n_tiles - 1)
+  if (wg_tiles == n_tiles && wg_tiles > 0) {
+    wgmma_fence();
+    issue_pv(o, pc, sv(n_tiles - 1));
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(o);
+  }
+
+  T* out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = l_row[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int r = wg * 64 + warp * 16 + lane / 4 + h * 8;
+    if (r >= rows) continue;
+    T* dst = out + (int64_t(q_start + m0 + r) * p.num_heads + head) * HEAD_DIM + (lane % 4) * 2;
+#pragma unroll
+    for (int j = 0; j < kO / 4; ++j) {
+      *reinterpret_cast<uint32_t*>(dst + j * 8) =
+          pack2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+    }
+  }
+#else
+  __trap();  // launched only where the sm_90a image runs (paged_attention_prefill)
+#endif
+}
+
+}  // namespace tinyvllm
