@@ -24,17 +24,27 @@
 
 namespace tinyvllm {
 
-constexpr int kSm90Warpgroups = 2;
-constexpr int kSm90Threads = 128 * kSm90Warpgroups;
-constexpr int kSm90BlockM = 64 * kSm90Warpgroups;
+constexpr int kSm90Consumers = 2;                     // warpgroups that compute
+constexpr int kSm90Threads = 128 * (1 + kSm90Consumers);  // and one that loads
+constexpr int kSm90BlockM = 64 * kSm90Consumers;
 constexpr int kSm90BlockN = 128;
+// Registers per thread after setmaxnreg: the loader gives up what the consumers take. Both stay
+// within what the launch granted the CTA (65536 / kSm90Threads each, in steps of 8), or the
+// consumers' setmaxnreg.inc would wait forever.
+constexpr int kSm90LoaderRegs = 80;
+constexpr int kSm90ConsumerRegs = 208;
+static_assert(128 * kSm90LoaderRegs + 128 * kSm90Consumers * kSm90ConsumerRegs <=
+                  kSm90Threads * (65536 / kSm90Threads / 8 * 8),
+              "setmaxnreg budget exceeds the launch's registers");
 
 template <int HEAD_DIM>
 struct Sm90PrefillSmem {
   static constexpr uint32_t kQBytes = uint32_t(kSm90BlockM) * HEAD_DIM * 2;
   static constexpr uint32_t kKvBytes = uint32_t(kSm90BlockN) * HEAD_DIM * 2;  // one K or V tile
-  // Q, K x 2, V x 2, and room to align the start to the 1024-byte swizzle atom.
-  static constexpr size_t kBytes = kQBytes + 4 * size_t(kKvBytes) + 1024;
+  static constexpr uint32_t kTileBytes = kQBytes + 4 * kKvBytes;  // Q, K x 2, V x 2
+  static constexpr int kBarriers = 9;  // Q full; K full x 2, V full x 2; K empty x 2, V empty x 2
+  // The tiles from a 1024-byte aligned start (the swizzle atom), then the barriers.
+  static constexpr size_t kBytes = kTileBytes + 8 * kBarriers + 1024;
 };
 
 template <typename T, int HEAD_DIM>
@@ -48,14 +58,22 @@ paged_prefill_sm90_kernel(const PrefillParams p) {
   constexpr int kS = kSm90BlockN / 2;         // S accumulator floats per thread
   constexpr int kO = HEAD_DIM / 2;            // O accumulator floats per thread
   constexpr uint32_t kRowBytes = 128;         // one swizzled row of a 64-element column block
+  constexpr int kConsumerThreads = 128 * kSm90Consumers;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t smem0 = (smem_addr(smem_raw) + 1023) & ~1023u;
   unsigned char* const smem_gen = smem_raw + (smem0 - smem_addr(smem_raw));
   const uint32_t sq = smem0;
-  // Stage i of the K and V tiles (i = tile index % 2).
+  // Stage i % 2 of the K and V tiles, and the barriers: full ones (the loader's copies of a tile
+  // have landed) and empty ones (every consumer is done reading the stage).
   auto sk = [&](int i) { return sq + Smem::kQBytes + uint32_t(i % 2) * Smem::kKvBytes; };
   auto sv = [&](int i) { return sq + Smem::kQBytes + uint32_t(2 + i % 2) * Smem::kKvBytes; };
+  const uint32_t bars = smem0 + Smem::kTileBytes;
+  const uint32_t full_q = bars;
+  auto full_k = [&](int i) { return bars + 8 * (1 + i % 2); };
+  auto full_v = [&](int i) { return bars + 8 * (3 + i % 2); };
+  auto empty_k = [&](int i) { return bars + 8 * (5 + i % 2); };
+  auto empty_v = [&](int i) { return bars + 8 * (7 + i % 2); };
 
   const int head = blockIdx.x;
   const int seq = blockIdx.z;
@@ -67,47 +85,92 @@ paged_prefill_sm90_kernel(const PrefillParams p) {
   const int ctx = seq_len - q_len;
   const int rows = min(kSm90BlockM, q_len - m0);
   const int kv_end = min(seq_len, ctx + m0 + rows);
-  const int kv_head = head / p.group_size;
-  const int* table = p.block_tables + int64_t(seq) * p.max_num_blocks_per_seq;
+  const int n_tiles = (kv_end + kSm90BlockN - 1) / kSm90BlockN;
   const int tid = threadIdx.x;
-  const int wg = tid / 128;
+  // The warpgroup index through a shuffle, so that the compiler knows it is the same across the
+  // warp: its branches and the MMAs in them are then not divergent.
+  const int warpgroup = __shfl_sync(0xffffffffu, tid / 128, 0);
+
+  if (tid == 0) {
+    mbarrier_init(full_q, 128);
+    for (int i = 0; i < 2; ++i) {
+      mbarrier_init(full_k(i), 128);
+      mbarrier_init(full_v(i), 128);
+      mbarrier_init(empty_k(i), kConsumerThreads);
+      mbarrier_init(empty_v(i), kConsumerThreads);
+    }
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---- Loader warpgroup: Q once, then K and V tiles through two stages each. ----------------
+    setmaxnreg_dec<kSm90LoaderRegs>();
+    const int kv_head = head / p.group_size;
+    const int* table = p.block_tables + int64_t(seq) * p.max_num_blocks_per_seq;
+    const int64_t token_stride = int64_t(p.num_kv_heads) * HEAD_DIM;
+    // Thread tid copies chunk c = tid % kChunks of rows r0 + i * kRowStep, i < kChunks: row i
+    // of a tile lies in its KV block i * kRowStep / 16, at r0 + i * kRowStep within the block
+    // (modulo 16; r0 < kRowStep <= 16).
+    constexpr int kRowStep = 128 / kChunks;
+    constexpr int kTileBlocks = kSm90BlockN / kPrefillBlockSize;
+    const int c = tid % kChunks;
+    const int r0 = tid / kChunks;
+    {
+      const T* base = static_cast<const T*>(p.query) + int64_t(q_start + m0) * p.q_stride_token +
+                      int64_t(head) * p.q_stride_head + c * 8;
+#pragma unroll
+      for (int i = 0; i < kSm90BlockM / kRowStep; ++i) {
+        const int r = r0 + i * kRowStep;
+        const bool valid = r < rows;
+        cp_async16(smem_gen + sw128_offset(r, c, kSm90BlockM),
+                   valid ? base + r * p.q_stride_token : base, valid ? 16 : 0);
+      }
+      cp_async_arrive(full_q);
+    }
+    // The KV blocks of tile n0 (independent loads, one latency), for both its K and V copies.
+    int block[kTileBlocks];
+    auto locate = [&](int n0) {
+#pragma unroll
+      for (int b = 0; b < kTileBlocks; ++b) {
+        block[b] = n0 + b * kPrefillBlockSize < kv_end
+                       ? __ldg(table + n0 / kPrefillBlockSize + b) : 0;
+      }
+    };
+    // Tile n0 of K or V into the tile at dst, arriving on `bar` once the copies land; rows past
+    // kv_end are zero-filled (their V rows meet P = 0, and 0 * garbage could be NaN).
+    auto load_kv = [&](uint32_t dst, const void* cache, int n0, uint32_t bar) {
+      const T* base = static_cast<const T*>(cache) + kv_head * HEAD_DIM + c * 8;
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        const int r = r0 + i * kRowStep;
+        const bool valid = n0 + r < kv_end;
+        const int slot = block[i * kRowStep / kPrefillBlockSize] * kPrefillBlockSize +
+                         r % kPrefillBlockSize;
+        cp_async16(smem_gen + (dst - smem0) + sw128_offset(r, c, kSm90BlockN),
+                   valid ? base + int64_t(slot) * token_stride : base, valid ? 16 : 0);
+      }
+      cp_async_arrive(bar);
+    };
+    for (int t = 0; t < n_tiles; ++t) {
+      locate(t * kSm90BlockN);
+      mbarrier_wait(empty_k(t), (t / 2 & 1) ^ 1);  // every consumer is done with K(t - 2)
+      load_kv(sk(t), p.key_cache, t * kSm90BlockN, full_k(t));
+      mbarrier_wait(empty_v(t), (t / 2 & 1) ^ 1);
+      load_kv(sv(t), p.value_cache, t * kSm90BlockN, full_v(t));
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  // ---- Consumer warpgroups: 64 query rows each. ------------------------------------------------
+  setmaxnreg_inc<kSm90ConsumerRegs>();
+  const int wg = warpgroup - 1;
   const int warp = (tid % 128) / 32;
   const int lane = tid % 32;
-
-  auto load_q = [&]() {
-    const T* base = static_cast<const T*>(p.query) + int64_t(q_start + m0) * p.q_stride_token +
-                    int64_t(head) * p.q_stride_head;
-    for (int idx = tid; idx < kSm90BlockM * kChunks; idx += kSm90Threads) {
-      const int r = idx / kChunks, c = idx % kChunks;
-      const bool valid = r < rows;
-      const T* src = valid ? base + r * p.q_stride_token + c * 8 : base;
-      cp_async16(smem_gen + (sq - smem0) + sw128_offset(r, c, kSm90BlockM), src, valid ? 16 : 0);
-    }
-  };
-  // Keys n0..n0 + kSm90BlockN - 1 of K or V into the tile at dst; rows at or past kv_end are
-  // zero-filled (their V rows meet P = 0, and 0 * garbage could be NaN).
-  auto load_kv = [&](uint32_t dst, const void* cache, int n0) {
-    const T* base = static_cast<const T*>(cache);
-    const int64_t token_stride = int64_t(p.num_kv_heads) * HEAD_DIM;
-    for (int idx = tid; idx < kSm90BlockN * kChunks; idx += kSm90Threads) {
-      const int r = idx / kChunks, c = idx % kChunks, j = n0 + r;
-      const bool valid = j < kv_end;
-      const T* src = base;
-      if (valid) {
-        const int64_t slot = int64_t(table[j / kPrefillBlockSize]) * kPrefillBlockSize +
-                             j % kPrefillBlockSize;
-        src = base + slot * token_stride + kv_head * HEAD_DIM + c * 8;
-      }
-      cp_async16(smem_gen + (dst - smem0) + sw128_offset(r, c, kSm90BlockN), src,
-                 valid ? 16 : 0);
-    }
-  };
-  // Waits for this thread's copies, publishes every thread's to the tensor cores.
-  auto publish = [&]() {
-    cp_async_wait<0>();
-    fence_proxy_async_smem();
-    __syncthreads();
-  };
+  // The two consumers take turns issuing their MMAs (named barriers 1 and 2): while one runs its
+  // softmax, the other's MMAs keep the tensor cores busy (FlashAttention 3's ping-pong).
+  auto my_turn = [&]() { named_barrier_sync(1 + wg, kConsumerThreads); };
+  auto your_turn = [&]() { named_barrier_arrive(1 + (wg + 1) % 2, kConsumerThreads); };
 
   // This warpgroup's rows, its key range, and each thread's two rows (mma C layout).
   const int wg_rows = max(0, min(64, rows - wg * 64));
@@ -119,7 +182,6 @@ paged_prefill_sm90_kernel(const PrefillParams p) {
   for (int h = 0; h < 2; ++h) {
     row_pos[h] = min(ctx + m0 + wg * 64 + warp * 16 + lane / 4 + h * 8, kv_end - 1);
   }
-  const int n_tiles = (kv_end + kSm90BlockN - 1) / kSm90BlockN;
 
   // A k-step of 16 elements is 32 bytes into a swizzled row; every 4 steps the next column block.
   auto kstep = [](int ks, int rows_of_tile) {
@@ -127,19 +189,23 @@ paged_prefill_sm90_kernel(const PrefillParams p) {
   };
   const uint32_t q_wg = sq + wg * 64 * kRowBytes;  // this warpgroup's 64 rows of Q
   auto issue_qk = [&](float (&s)[kS], uint32_t k_tile) {
+    wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
       wgmma_ss<T, kSm90BlockN>(s, sw128_desc(q_wg + kstep(ks, kSm90BlockM), 16, 1024),
                                sw128_desc(k_tile + kstep(ks, kSm90BlockN), 16, 1024), ks > 0);
     }
+    wgmma_commit();
   };
   auto issue_pv = [&](float (&o)[kO], const uint32_t (&pf)[kPSteps][4], uint32_t v_tile) {
+    wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kPSteps; ++kk) {
       wgmma_rs<T, HEAD_DIM>(o, pf[kk],
                             sw128_desc(v_tile + kk * 16 * kRowBytes, kSm90BlockN * kRowBytes,
                                        1024));
     }
+    wgmma_commit();
   };
   float m_row[2] = {-CUDART_INF_F, -CUDART_INF_F}, l_row[2] = {0.f, 0.f};
   // Masks tile n0 of s, updates the running max and sum, turns s into P (unnormalised) and
@@ -188,63 +254,74 @@ paged_prefill_sm90_kernel(const PrefillParams p) {
     }
   };
 
-  load_q();
-  load_kv(sk(0), p.key_cache, 0);
-  cp_async_commit();
-  publish();
-  if (n_tiles > 1) load_kv(sk(1), p.key_cache, kSm90BlockN);
-  load_kv(sv(0), p.value_cache, 0);
-  cp_async_commit();
-
+  // Every consumer thread waits for each tile and arrives on each stage's empty barrier, also
+  // past its own last tile (causal): the loader counts all of them.
+  if (wg == 0) named_barrier_arrive(1, kConsumerThreads);  // the first turn is consumer 0's
+  // After each wait on a full barrier: fence_proxy_async_smem, as the loader's copies are
+  // generic-proxy writes and wgmma reads through the async proxy.
+  auto acquire = [&](uint32_t bar, int parity) {
+    mbarrier_wait(bar, parity);
+    fence_proxy_async_smem();
+  };
+  acquire(full_q, 0);
   float s[kS];
   float o[kO];
 #pragma unroll
   for (int i = 0; i < kO; ++i) o[i] = 0.f;
   uint32_t pc[kPSteps][4];  // P of the tile whose P V is next
   float alpha[2];
+  acquire(full_k(0), 0);
+  my_turn();
   if (wg_tiles > 0) {
-    wgmma_fence();
     issue_qk(s, sk(0));
-    wgmma_commit();
+    your_turn();
     wgmma_wait<0>();
     reg_fence(s);
     softmax(s, 0, alpha);
     pack_p(s, pc);
+  } else {
+    your_turn();
   }
-  for (int t = 1; t < n_tiles; ++t) {
-    publish();  // K(t) and V(t - 1) have landed; every warpgroup is done with K(t - 1), V(t - 2)
-    if (t + 1 < n_tiles) load_kv(sk(t + 1), p.key_cache, (t + 1) * kSm90BlockN);
-    load_kv(sv(t), p.value_cache, t * kSm90BlockN);
-    cp_async_commit();
-    if (t < wg_tiles) {
-      wgmma_fence();
-      issue_qk(s, sk(t));
-      wgmma_commit();
-      wgmma_fence();  // P V a stage of its own: the softmax below rewrites S's registers only
-      issue_pv(o, pc, sv(t - 1));
-      wgmma_commit();
-      wgmma_wait<1>();  // S_t is done; P_{t-1} V_{t-1} may still run
-      reg_fence(s);
-      softmax(s, t * kSm90BlockN, alpha);
-      wgmma_wait<0>();
-      reg_fence(o);
-      reg_fence(pc);
+  mbarrier_arrive(empty_k(0));
+  // Each MMA is issued and waited for in the same branch, and the branches depend only on
+  // warpgroup-uniform values: the compiler then keeps the MMAs asynchronous.
+  int t = 1;
+  for (; t < wg_tiles; ++t) {
+    acquire(full_k(t), t / 2 & 1);
+    my_turn();
+    issue_qk(s, sk(t));
+    acquire(full_v(t - 1), (t - 1) / 2 & 1);
+    issue_pv(o, pc, sv(t - 1));
+    your_turn();
+    wgmma_wait<1>();  // S_t is done; P_{t-1} V_{t-1} may still run
+    reg_fence(s);
+    mbarrier_arrive(empty_k(t));
+    softmax(s, t * kSm90BlockN, alpha);
+    wgmma_wait<0>();
+    reg_fence(o);
+    reg_fence(pc);
+    mbarrier_arrive(empty_v(t - 1));
 #pragma unroll
-      for (int i = 0; i < kO; ++i) o[i] *= alpha[i / 2 % 2];
-      pack_p(s, pc);
-    } else if (t == wg_tiles) {  // this warpgroup's last P V, then it idles
-      wgmma_fence();
+    for (int i = 0; i < kO; ++i) o[i] *= alpha[i / 2 % 2];
+    pack_p(s, pc);
+  }
+  // Past this warpgroup's last tile (causal): its last P V, then turns and arrivals only.
+  for (; t < n_tiles; ++t) {
+    acquire(full_k(t), t / 2 & 1);
+    my_turn();
+    acquire(full_v(t - 1), (t - 1) / 2 & 1);
+    if (t == wg_tiles) {
       issue_pv(o, pc, sv(t - 1));
-      wgmma_commit();
       wgmma_wait<0>();
       reg_fence(o);
     }
+    your_turn();
+    mbarrier_arrive(empty_k(t));
+    mbarrier_arrive(empty_v(t - 1));
   }
-  publish();  // V(n_tiles - 1)
-  if (wg_tiles == n_tiles && wg_tiles > 0) {
-    wgmma_fence();
+  acquire(full_v(n_tiles - 1), (n_tiles - 1) / 2 & 1);
+  if (wg_tiles == n_tiles) {
     issue_pv(o, pc, sv(n_tiles - 1));
-    wgmma_commit();
     wgmma_wait<0>();
     reg_fence(o);
   }

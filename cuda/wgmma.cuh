@@ -50,6 +50,48 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Shared-memory barriers (mbarrier) for a producer/consumer pipeline inside one CTA. A phase
+// completes when `count` threads have arrived; waiters name the parity of the phase they wait
+// for, and waiting on parity 1 of a fresh barrier returns at once (the phase "before" phase 0).
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, int parity) {
+  // Labels are local to the braces, so every inlined copy may reuse them.
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// Arrives on `bar` once every cp.async this thread issued before has landed (the barrier's count
+// includes this arrival: .noinc). The copies are generic-proxy writes: a consumer fences
+// (fence_proxy_async_smem) after its wait, before its wgmma reads them.
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Named barriers 1..15 (0 is __syncthreads): sync waits for `threads` arrivals in all, arrive
+// counts this warp's threads and goes on.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Moves registers between warpgroups (the kernel needs a register cap: __launch_bounds__(n, 1)).
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
 // Pins registers at this point of the program: the compiler neither reads accumulators a running
 // wgmma still writes before the wait that precedes this, nor reuses A registers it still reads.
 template <int K>
