@@ -207,36 +207,43 @@ paged_prefill_sm90_kernel(const PrefillParams p) {
     }
     wgmma_commit();
   };
+  // Running max (of raw scores) and sum of each of the thread's two rows.
   float m_row[2] = {-CUDART_INF_F, -CUDART_INF_F}, l_row[2] = {0.f, 0.f};
-  // Masks tile n0 of s, updates the running max and sum, turns s into P (unnormalised) and
-  // returns the factors that rescale O for the new max.
+  // Masks tile n0 of s, updates the running max and sum, turns s into P (unnormalised,
+  // exp2(s * scale_log2 - max * scale_log2), one FMA and one MUFU per score) and returns the
+  // factors that rescale O for the new max.
   auto softmax = [&](float (&s)[kS], int n0, float (&alpha)[2]) {
-    const bool mask = n0 + kSm90BlockN - 1 > wg_first_pos;
+    if (n0 + kSm90BlockN - 1 > wg_first_pos) {  // a tile on or past the diagonal
+#pragma unroll
+      for (int j = 0; j < kS / 4; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = n0 + j * 8 + (lane % 4) * 2 + (e & 1);
+          if (key > row_pos[e >> 1]) s[4 * j + e] = -CUDART_INF_F;
+        }
+      }
+    }
     float mx[2] = {m_row[0], m_row[1]};
 #pragma unroll
     for (int j = 0; j < kS / 4; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = n0 + j * 8 + (lane % 4) * 2 + (e & 1);
-        const float v = !mask || key <= row_pos[e >> 1] ? s[4 * j + e] * p.scale_log2
-                                                         : -CUDART_INF_F;
-        s[4 * j + e] = v;
-        mx[e >> 1] = fmaxf(mx[e >> 1], v);
-      }
+      for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
     }
-    float sum[2] = {0.f, 0.f};
+    float sum[2] = {0.f, 0.f}, mx_scaled[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-      alpha[h] = exp2f(m_row[h] - mx[h]);  // 0 on the first tile (m_row = -inf, mx finite)
+      // 0 on the first tile (m_row = -inf, mx finite)
+      alpha[h] = fast_exp2((m_row[h] - mx[h]) * p.scale_log2);
       m_row[h] = mx[h];
+      mx_scaled[h] = mx[h] * p.scale_log2;
     }
 #pragma unroll
     for (int j = 0; j < kS / 4; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[4 * j + e] = exp2f(s[4 * j + e] - mx[e >> 1]);
+        s[4 * j + e] = fast_exp2(fmaf(s[4 * j + e], p.scale_log2, -mx_scaled[e >> 1]));
         sum[e >> 1] += s[4 * j + e];
       }
     }

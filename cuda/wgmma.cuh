@@ -50,6 +50,13 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// 2^x on the special-function unit (one instruction; -inf gives 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Shared-memory barriers (mbarrier) for a producer/consumer pipeline inside one CTA. A phase
 // completes when `count` threads have arrived; waiters name the parity of the phase they wait
 // for, and waiting on parity 1 of a fresh barrier returns at once (the phase "before" phase 0).
