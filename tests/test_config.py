@@ -18,14 +18,16 @@ def parse(*argv: str) -> EngineConfig:
 
 def test_kernel_flags_default_to_every_fusion():
     assert parse().kernel == KernelConfig() == KernelConfig(
-        fused_gemv=True, gemv_max_rows=2, fused_rotary_cache=True, merge_in_o_proj=True)
+        fused_gemv=True, gemv_max_rows=2, fused_rotary_cache=True, merge_in_o_proj=True,
+        prefill_attention_kernel="auto")
 
 
 def test_kernel_flags_turn_fusions_off():
     config = parse("--no-fused-gemv", "--no-fused-rotary-cache", "--no-merge-in-o-proj",
-                   "--gemv-max-rows", "1")
+                   "--gemv-max-rows", "1", "--prefill-attention-kernel", "mma_sync")
     assert config.kernel == KernelConfig(fused_gemv=False, gemv_max_rows=1,
-                                         fused_rotary_cache=False, merge_in_o_proj=False)
+                                         fused_rotary_cache=False, merge_in_o_proj=False,
+                                         prefill_attention_kernel="mma_sync")
     assert config.model == parse().model  # the other sections are untouched
 
 
@@ -35,6 +37,14 @@ def test_gemv_max_rows_beyond_the_kernel_is_refused(capsys):
     assert "--gemv-max-rows: invalid choice: 3" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"gemv_max_rows must be in \[1, 2\]"):
         EngineConfig.from_kwargs(gemv_max_rows=0)
+
+
+def test_unknown_prefill_attention_kernel_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse("--prefill-attention-kernel", "wgmma")
+    assert "invalid choice: 'wgmma'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="prefill_attention_kernel must be auto or mma_sync"):
+        EngineConfig.from_kwargs(prefill_attention_kernel="fa3")
 
 
 def test_kernel_options_as_llm_kwargs():

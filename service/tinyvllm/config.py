@@ -215,8 +215,15 @@ class KernelConfig:
         True, "In fused-GEMV decode, o_proj merges a split decode attention's partitions as its "
         "prologue (no merge launch) where they are small enough. Off: attention merges them in "
         "a launch of its own.")
+    prefill_attention_kernel: str = _f(
+        "auto", "CUDA attention of prefill and mixed steps: auto (on Hopper the warpgroup-MMA "
+        "kernel over a cache of the query's dtype, elsewhere the mma.sync one) or mma_sync.",
+        choices=("auto", "mma_sync"))
 
     def __post_init__(self) -> None:
+        if self.prefill_attention_kernel not in ("auto", "mma_sync"):
+            raise ValueError("prefill_attention_kernel must be auto or mma_sync, got "
+                             f"{self.prefill_attention_kernel!r}")
         if not 1 <= self.gemv_max_rows <= GEMV_KERNEL_MAX_ROWS:
             raise ValueError(f"gemv_max_rows must be in [1, {GEMV_KERNEL_MAX_ROWS}] (the GEMV "
                              f"kernel's limit), got {self.gemv_max_rows}")

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tinyvllm.ops._dispatch import use_kernel
+from tinyvllm.ops._dispatch import kernel_config, use_kernel
 from tinyvllm.ops.kv_cache import CPU_KERNEL_KV_DTYPES, dequantize_kv, kv_dtype_name
 
 
@@ -96,7 +96,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     if kernel is not None:
         from tinyvllm.ops.attention_cuda import paged_attention_cuda
         return paged_attention_cuda(kernel, query, kv_cache, meta, scale, k_scale=k_scale,
-                                    v_scale=v_scale)
+                                    v_scale=v_scale,
+                                    prefill_kernel=kernel_config().prefill_attention_kernel)
     if _cpu_kernel_supported(query, kv_cache, meta):
         return _paged_attention_cpu(query, kv_cache, meta, scale)
     return paged_attention_ref(query, kv_cache, meta, scale, k_scale, v_scale)
