@@ -66,8 +66,8 @@ PYBIND11_MODULE(_cuda, m) {
                "hidden", "x_stride", "residual_stride", "out_stride", "eps", "dtype", "stream");
 
   def_launcher(m, "quantize_rows", &tinyvllm::quantize_rows, "out", "scales", "x", "static_scale",
-               "num_tokens", "k", "x_stride", "out_stride", "qmax", "min_absmax", "dtype", "qdtype",
-               "stream");
+               "num_tokens", "k", "x_stride", "out_stride", "qmax", "scale_divisor", "min_absmax",
+               "dtype", "qdtype", "stream");
   def_launcher(m, "rescale_int32", &tinyvllm::rescale_int32, "out", "acc", "x_scale", "w_scale",
                "bias", "m", "n", "acc_stride", "out_stride", "dtype", "stream");
 

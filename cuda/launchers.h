@@ -12,7 +12,7 @@ namespace tinyvllm {
 // The interface version of these launchers. bindings.cpp exports it as `abi_version` and
 // ops/_dispatch.py refuses a module whose version is not its CUDA_ABI_VERSION: bump both when a
 // launcher's arguments change or a function is added, removed or renamed.
-constexpr int kAbiVersion = 5;
+constexpr int kAbiVersion = 6;
 
 using ptr_t = std::uintptr_t;  // a device pointer, as torch's data_ptr() gives it
 using stream_t = std::uintptr_t;  // a cudaStream_t, as torch's cuda_stream gives it
@@ -55,11 +55,12 @@ void paged_attention_prefill(ptr_t out, ptr_t query, ptr_t key_cache, ptr_t valu
                              int prefill_kernel, stream_t stream);
 
 // quant_act.cu: each row of x (dtype) to int8 or fp8 e4m3 (qdtype) with one float32 scale,
-// as ops/w8a8_linear.py `quantize_rows`: dynamic (static_scale 0: max|row| / qmax, at least
-// min_absmax / qmax) or the static scale at static_scale; qmin is -qmax (fp8) or -qmax - 1 (int8).
+// as ops/w8a8_linear.py `quantize_rows`: dynamic (static_scale 0: max(max|row|, min_absmax) /
+// scale_divisor) or the static scale at static_scale; values clamped to [qmin, qmax], qmin -qmax
+// (fp8) or -qmax - 1 (int8).
 void quantize_rows(ptr_t out, ptr_t scales, ptr_t x, ptr_t static_scale, int64_t num_tokens, int k,
-                   int64_t x_stride, int64_t out_stride, float qmax, float min_absmax, int dtype,
-                   int qdtype, stream_t stream);
+                   int64_t x_stride, int64_t out_stride, float qmax, float scale_divisor,
+                   float min_absmax, int dtype, int qdtype, stream_t stream);
 
 // quant_act.cu: the int8 GEMM's epilogue, out = dtype(float(acc) * x_scale * w_scale (+ bias)).
 void rescale_int32(ptr_t out, ptr_t acc, ptr_t x_scale, ptr_t w_scale, ptr_t bias, int64_t m,

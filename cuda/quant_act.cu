@@ -1,5 +1,6 @@
 // Launcher of the per-token activation quantization (quant_act.cuh).
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "launchers.h"
@@ -12,7 +13,8 @@ void quantize_rows(ptr_t out,           // [num_tokens, k] int8 / fp8 e4m3, row 
                    ptr_t x,             // [num_tokens, k], row stride x_stride
                    ptr_t static_scale,  // [1] float32, or 0: dynamic (one scale per row)
                    int64_t num_tokens, int k, int64_t x_stride, int64_t out_stride,
-                   float qmax, float min_absmax, int dtype, int qdtype, stream_t stream) {
+                   float qmax, float scale_divisor, float min_absmax, int dtype, int qdtype,
+                   stream_t stream) {
   require(k > 0, "quantize_rows: k=" + std::to_string(k) + " must be positive");
   require(num_tokens >= 0 && num_tokens <= INT32_MAX,
           "quantize_rows: num_tokens=" + std::to_string(num_tokens) + " out of range");
@@ -20,10 +22,10 @@ void quantize_rows(ptr_t out,           // [num_tokens, k] int8 / fp8 e4m3, row 
           std::string("quantize_rows: qdtype must be int8 or float8_e4m3fn, got ") +
               dtype_name(qdtype));
   require(qmax > 0.f, "quantize_rows: qmax must be positive");
+  require(scale_divisor > 0.f && std::isfinite(scale_divisor),
+          "quantize_rows: scale_divisor must be positive and finite");
   if (num_tokens == 0) return;
   const cudaStream_t s = as_stream(stream);
-  // float(1 / QMAX) as the reference's `absmax * (1.0 / QMAX)` multiplies by it.
-  const float inv_qmax = static_cast<float>(1.0 / static_cast<double>(qmax));
   const float qmin = qdtype == kInt8 ? -qmax - 1.f : -qmax;
   auto* o = reinterpret_cast<uint8_t*>(out);
   auto* sc = reinterpret_cast<float*>(scales);
@@ -40,17 +42,17 @@ void quantize_rows(ptr_t out,           // [num_tokens, k] int8 / fp8 e4m3, row 
     if (qdtype == kInt8) {
       if (wide) {
         quantize_rows_kernel<scalar_t, true, n><<<grid, threads, 0, s>>>(
-            o, sc, xi, st, k, x_stride, out_stride, inv_qmax, qmin, qmax, min_absmax);
+            o, sc, xi, st, k, x_stride, out_stride, scale_divisor, qmin, qmax, min_absmax);
       } else {
         quantize_rows_kernel<scalar_t, true, 1><<<grid, threads, 0, s>>>(
-            o, sc, xi, st, k, x_stride, out_stride, inv_qmax, qmin, qmax, min_absmax);
+            o, sc, xi, st, k, x_stride, out_stride, scale_divisor, qmin, qmax, min_absmax);
       }
     } else if (wide) {
       quantize_rows_kernel<scalar_t, false, n><<<grid, threads, 0, s>>>(
-          o, sc, xi, st, k, x_stride, out_stride, inv_qmax, qmin, qmax, min_absmax);
+          o, sc, xi, st, k, x_stride, out_stride, scale_divisor, qmin, qmax, min_absmax);
     } else {
       quantize_rows_kernel<scalar_t, false, 1><<<grid, threads, 0, s>>>(
-          o, sc, xi, st, k, x_stride, out_stride, inv_qmax, qmin, qmax, min_absmax);
+          o, sc, xi, st, k, x_stride, out_stride, scale_divisor, qmin, qmax, min_absmax);
     }
   });
   check_launch("quantize_rows_kernel");

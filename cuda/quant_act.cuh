@@ -4,7 +4,9 @@
 // which reads and writes the whole activation in float32. Framework-free device code.
 //
 // The arithmetic is the reference's, so the quantized values and scales are bit-identical:
-//   dynamic: scale = max(max|x_row|, min_absmax) * inv_qmax  (float32, inv_qmax = float(1 / QMAX))
+//   dynamic: scale = max(max|x_row|, min_absmax) / scale_divisor  (an IEEE float32 division;
+//            scale_divisor is the checkpoint's convention: QMAX, or compressed-tensors'
+//            (q_max - q_min) / 2, 127.5 for int8)
 //   static:  scale = *static_scale
 //   q = clamp(x / scale, qmin, qmax) (an IEEE division); int8: round half to even; fp8: the
 //   round-to-nearest-even conversion.
@@ -47,7 +49,7 @@ __global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(
     float* __restrict__ scales,               // [num_tokens]
     const T* __restrict__ x,                  // [num_tokens, x_stride]
     const float* __restrict__ static_scale,   // [1] or null (dynamic)
-    int k, int64_t x_stride, int64_t out_stride, float inv_qmax, float qmin, float qmax,
+    int k, int64_t x_stride, int64_t out_stride, float scale_divisor, float qmin, float qmax,
     float min_absmax) {
   using V = Pack<T, N>;
   using Q = Pack<uint8_t, N>;
@@ -66,7 +68,7 @@ __global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(
 #pragma unroll
       for (int j = 0; j < N; ++j) amax = fmaxf(amax, fabsf(to_float(a.v[j])));
     }
-    scale = fmaxf(block_max(amax, scratch), min_absmax) * inv_qmax;
+    scale = __fdiv_rn(fmaxf(block_max(amax, scratch), min_absmax), scale_divisor);
   }
   if (threadIdx.x == 0) scales[row] = scale;
   for (int i = threadIdx.x; i < num_packs; i += blockDim.x) {

@@ -30,10 +30,10 @@ void linear(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t bias, int qtype, 
 }
 
 void int8_linear(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t w_scale, uintptr_t input_scale,
-                 uintptr_t bias, int64_t m, int64_t n, int64_t k, int64_t x_stride,
-                 int64_t out_stride, const std::string& isa) {
+                 float scale_divisor, uintptr_t bias, int64_t m, int64_t n, int64_t k,
+                 int64_t x_stride, int64_t out_stride, const std::string& isa) {
   cpu::int8_linear(ptr<const float>(x), x_stride, ptr<const int8_t>(w), ptr<const float>(w_scale),
-                   input_scale ? ptr<const float>(input_scale) : nullptr,
+                   input_scale ? ptr<const float>(input_scale) : nullptr, scale_divisor,
                    bias ? ptr<const float>(bias) : nullptr, ptr<float>(out), out_stride, m, n, k,
                    isa);
 }
@@ -124,9 +124,9 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("qtype"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("x_stride"),
         py::arg("out_stride"), py::arg("isa") = "auto", py::call_guard<py::gil_scoped_release>());
   m.def("int8_linear", &int8_linear, py::arg("out"), py::arg("x"), py::arg("w"),
-        py::arg("w_scale"), py::arg("input_scale"), py::arg("bias"), py::arg("m"), py::arg("n"),
-        py::arg("k"), py::arg("x_stride"), py::arg("out_stride"), py::arg("isa") = "auto",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("w_scale"), py::arg("input_scale"), py::arg("scale_divisor"), py::arg("bias"),
+        py::arg("m"), py::arg("n"), py::arg("k"), py::arg("x_stride"), py::arg("out_stride"),
+        py::arg("isa") = "auto", py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows", &dequantize_rows, py::arg("out"), py::arg("w"), py::arg("qtype"),
         py::arg("num_rows"), py::arg("k"), py::arg("row_ids"), py::arg("num_ids"),
         py::call_guard<py::gil_scoped_release>());

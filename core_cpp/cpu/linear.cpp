@@ -68,13 +68,17 @@ void gemm_parallel(const Kernels& kern, GemmArgs args, int64_t n, ThreadPool& wo
 }
 
 void int8_linear(const float* x, int64_t x_stride, const int8_t* w, const float* w_scale,
-                 const float* input_scale, const float* bias, float* out, int64_t out_stride,
-                 int64_t m, int64_t n, int64_t k, const std::string& isa) {
+                 const float* input_scale, float scale_divisor, const float* bias, float* out,
+                 int64_t out_stride, int64_t m, int64_t n, int64_t k, const std::string& isa) {
   if (k <= 0 || n <= 0 || m < 0 || x_stride < k || out_stride < n) {
     throw std::invalid_argument(
         "int8_linear: need k > 0, n > 0, m >= 0, x_stride >= k and out_stride >= n; got m=" +
         std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
         " x_stride=" + std::to_string(x_stride) + " out_stride=" + std::to_string(out_stride));
+  }
+  if (!(scale_divisor > 0.0f) || !std::isfinite(scale_divisor)) {
+    throw std::invalid_argument("int8_linear: scale_divisor must be positive and finite, got " +
+                                std::to_string(scale_divisor));
   }
   const Kernels& kern = select_kernels(isa);
   if (m == 0) return;
@@ -88,7 +92,7 @@ void int8_linear(const float* x, int64_t x_stride, const int8_t* w, const float*
     x_sum.resize(m);
     x_scale.resize(m);
   }
-  constexpr float kMinAbsmax = 1e-10f, kInvQmax = static_cast<float>(1.0 / 127.0);
+  constexpr float kMinAbsmax = 1e-10f;
   auto quantize = [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       const float* row = x + j * x_stride;
@@ -98,7 +102,7 @@ void int8_linear(const float* x, int64_t x_stride, const int8_t* w, const float*
       } else {
         float absmax = 0.0f;
         for (int64_t i = 0; i < k; ++i) absmax = std::max(absmax, std::fabs(row[i]));
-        scale = std::max(absmax, kMinAbsmax) * kInvQmax;
+        scale = std::max(absmax, kMinAbsmax) / scale_divisor;  // IEEE division, as the reference
       }
       int32_t sum = 0;
       for (int64_t i = 0; i < k; ++i) {

@@ -25,14 +25,16 @@ void quantized_linear(const float* x, int64_t x_stride, const uint8_t* w, int qt
                       const float* bias, float* out, int64_t out_stride, int64_t m, int64_t n,
                       int64_t k, const std::string& isa);
 
-// W8A8 int8 (ops/w8a8_linear.py): each row of x quantized to int8 with its own scale (max|row| /
-// 127, at least 1e-10 / 127; or *input_scale, static), clamped to [-128, 127], rounded half to
-// even, as the torch reference does; then out = (float(xq @ w.T) * x_scale) * w_scale + bias.
+// W8A8 int8 (ops/w8a8_linear.py): each row of x quantized to int8 with its own scale
+// (max(max|row|, 1e-10) / scale_divisor, an IEEE float32 division; or *input_scale, static),
+// clamped to [-128, 127], rounded half to even, as the torch reference does; then
+// out = (float(xq @ w.T) * x_scale) * w_scale + bias. scale_divisor is the checkpoint's
+// convention: 127 (vLLM's) or 127.5 (compressed-tensors').
 // Shape: x [m, x_stride] float (k used), w [n, k] int8, w_scale [n], input_scale [] or null,
 // bias [n] or null, out [m, out_stride] (n written).
 void int8_linear(const float* x, int64_t x_stride, const int8_t* w, const float* w_scale,
-                 const float* input_scale, const float* bias, float* out, int64_t out_stride,
-                 int64_t m, int64_t n, int64_t k, const std::string& isa);
+                 const float* input_scale, float scale_divisor, const float* bias, float* out,
+                 int64_t out_stride, int64_t m, int64_t n, int64_t k, const std::string& isa);
 
 // Rows `row_ids` of a packed [num_rows, k] matrix as float (embedding lookup). Shape:
 // w [num_rows, k / 32 * block_bytes], row_ids [num_ids], out [num_ids, k].

@@ -12,11 +12,13 @@ def linear(out: int, x: int, w: int, bias: int, qtype: int, m: int, n: int, k: i
     (TINYVLLM_CPU_ISA replaces auto).
     """
 
-def int8_linear(out: int, x: int, w: int, w_scale: int, input_scale: int, bias: int, m: int,
-                n: int, k: int, x_stride: int, out_stride: int, isa: str = "auto") -> None:
+def int8_linear(out: int, x: int, w: int, w_scale: int, input_scale: int, scale_divisor: float,
+                bias: int, m: int, n: int, k: int, x_stride: int, out_stride: int,
+                isa: str = "auto") -> None:
     """out[m, n] float32 = (float(xq @ w.T) * x_scale) * w_scale (+ bias): w int8 [n, k], w_scale
     float32 [n], input_scale a float32 scalar or 0 (each row of x [m, x_stride] quantized to int8
-    with scale max|row| / 127, as ops.w8a8_linear.quantize_rows_ref), bias [n] or 0."""
+    with scale max|row| / scale_divisor, as ops.w8a8_linear.quantize_rows_ref; 127 or 127.5),
+    bias [n] or 0."""
 
 def dequantize_rows(out: int, w: int, qtype: int, num_rows: int, k: int, row_ids: int,
                     num_ids: int) -> None:

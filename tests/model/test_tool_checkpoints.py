@@ -5,8 +5,9 @@ reference, and greedy decoding picks the same tokens.
 The references, all in float32:
     llm-compressor   transformers with compressed-tensors' loader: `dequantize=True` (the float
                      weights) for W4A16; as saved for W8A8 / FP8, where compressed-tensors also
-                     fake-quantizes each token's activations at run time (with another rounding
-                     than ours, so those are compared by their distance from the float model)
+                     fake-quantizes each token's activations at run time (with our convention's
+                     values, but on activations float32 rounding has moved, so those are
+                     compared by their distance from the float model)
     auto-round       the float copy that make_tool_checkpoints writes with auto-round's own
                      dequantization (its torch QuantLinear for GPTQ, `dequantize_gemm` for AWQ)
 The tools run in a child process (auto-round patches transformers when imported), once per
@@ -153,23 +154,26 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-# Dynamic activation quantization: ours (as vLLM) scales a token by max|x| / 127 (int8) or times
-# the float32 reciprocal of 448 (fp8); compressed-tensors' fake quantization by max|x| / 127.5
-# and by a division (at times one ulp apart). Roundings as good as each other: ours is as close
-# to the float model as the reference (measured: within 5% of its relative error, 1.4-1.6% for
-# int8 and 6.5-6.8% for fp8), and its distance from the reference is, relative to that error,
-# 1.0-1.15 for int8 (other roundings nearly everywhere) and under 0.04 for fp8 (a few flips).
+# Dynamic activation quantization: on a compressed-tensors checkpoint ours scales a token as
+# compressed-tensors' fake quantization does, max|x| / ((q_max - q_min) / 2) (int8 127.5, fp8
+# 448), so the same float32 activations give the same 8-bit values; the logits still differ
+# where an activation reaches a quantizer a float32 ulp apart (other summation orders) and
+# lands across a rounding boundary. Measured relative to the reference's own distance from the
+# float model (1.5-1.7% int8, 6.5-6.8% fp8): ours is as close to the float model (within 2%),
+# and its distance from the reference is 0-0.43 for int8 (1.0-1.18 with vLLM's max|x| / 127)
+# and 0-0.034 for fp8.
 W8A8_AS_ACCURATE = 1.25
 """Ours vs the float model at most this times the reference's own distance from it."""
-W8A8_FROM_REFERENCE = {"llmcompressor-w8a8": 1.5, "llmcompressor-fp8": 0.1}
+W8A8_FROM_REFERENCE = {"llmcompressor-w8a8": 0.75, "llmcompressor-fp8": 0.1}
 """Ours vs the reference at most this times the reference's distance from the float model."""
 
 
 @pytest.mark.parametrize("name", ["llmcompressor-w8a8", "llmcompressor-fp8"])
 def test_llmcompressor_w8a8(name, checkpoints, paged_run):
-    """Activations quantized per token at run time: our logits are as close to the float model
-    the checkpoint was made from as compressed-tensors' fake quantization is, and no farther from
-    the reference than their rounding conventions make them (see W8A8_AS_ACCURATE)."""
+    """Activations quantized per token at run time with the checkpoint's convention: our logits
+    are as close to the float model the checkpoint was made from as compressed-tensors' fake
+    quantization is, and nearer to that reference than a fraction of its own distance from the
+    float model (W8A8_FROM_REFERENCE; vLLM's max|x| / 127 on an int8 checkpoint is not)."""
     _needs("llmcompressor")
     path = checkpoints[name]
     net = load_model(str(path), torch.float32, CPU).model

@@ -26,6 +26,8 @@ SPECS = [W8A8Spec("int", "channel", True), W8A8Spec("int", "tensor", False),
          W8A8Spec("int", "channel", False), W8A8Spec("float", "channel", True),
          W8A8Spec("float", "tensor", False), W8A8Spec("float", "tensor", True)]
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+CT_DIVISOR = {torch.int8: 127.5, torch.float8_e4m3fn: 448.0}
+"""compressed-tensors' dynamic scale max|x| / ((q_max - q_min) / 2), per type."""
 
 
 def _spec_id(s: W8A8Spec) -> str:
@@ -33,18 +35,23 @@ def _spec_id(s: W8A8Spec) -> str:
 
 
 def reference_linear(x: torch.Tensor, parts: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-    """The merged projection written out in float64 from the checkpoint's tensors: x quantized
-    per token (or with the largest of the parts' static scales), times each part's weight."""
+    """The merged projection from the checkpoint's tensors: x quantized per token in float32 as
+    compressed-tensors quantizes float32 activations (scale max|x| / ((q_max - q_min) / 2), a
+    zero scale replaced by float32's eps; or the largest of the parts' static scales), then the
+    products in float64. Float32, not float64: with / 127.5 a negative row maximum lands on the
+    tie -127.5 exactly in float64, while in float32 the rounded scale decides -128 or -127."""
     dtype = parts[0]["weight"].dtype
+    xf = x.float()
     if "input_scale" in parts[0]:
-        s = torch.stack([p["input_scale"].double().reshape(()) for p in parts]).max()
+        s = torch.stack([p["input_scale"].float().reshape(()) for p in parts]).max()
     else:
-        s = x.double().abs().amax(-1, keepdim=True).clamp(min=1e-30) / QMAX[dtype]
+        s = xf.abs().amax(-1, keepdim=True) / CT_DIVISOR[dtype]
+        s = torch.where(s == 0, torch.finfo(torch.float32).eps, s)
     lo = -128.0 if dtype == torch.int8 else -QMAX[dtype]
-    q = (x.double() / s).clamp(lo, QMAX[dtype])
-    q = torch.round(q) if dtype == torch.int8 else q.float().to(dtype).double()
+    q = (xf / s).clamp(lo, QMAX[dtype])
+    q = torch.round(q) if dtype == torch.int8 else q.to(dtype).float()
     w = torch.cat([p["weight"].double() * p["weight_scale"].double() for p in parts])
-    return (q @ w.t()) * s
+    return (q.double() @ w.t()) * s.double()
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=_spec_id)
@@ -57,6 +64,7 @@ def test_loaded_layers_compute_the_reference(spec, tmp_path):
             module = layer.get_submodule(ours)
             assert isinstance(module, W8A8Linear)
             assert (module.input_scale is None) == spec.dynamic
+            assert module.act_scale_divisor == CT_DIVISOR[module.qweight.dtype]
             parts = [stored[f"model.layers.{i}.{ours.split('.')[0]}.{p}"] for p in names]
             assert torch.equal(module.qweight, torch.cat([p["weight"] for p in parts]))
             x = torch.randn(5, module.in_features, generator=gen) * 2
@@ -82,6 +90,40 @@ def test_activation_quantization_equals_compressed_tensors_for_static_scales():
         theirs = quantize(x, scale, torch.zeros(1), args, dtype=dtype)
         ours, _ = quantize_rows(x, dtype, scale)
         assert torch.equal(ours.float(), theirs.float()), kind
+
+
+@pytest.mark.parametrize("kind,dtype", [("int", torch.int8), ("float", torch.float8_e4m3fn)])
+def test_dynamic_activation_quantization_equals_compressed_tensors(kind, dtype):
+    """Dynamic per-token scales: the package's compute_dynamic_scales_and_zp (calculate_qparams,
+    max|x| / ((q_max - q_min) / 2)) and quantize() are the oracle of the scales and of
+    x -> int8 / fp8, bit for bit, on float32 activations as transformers passes them ([batch,
+    seq, hidden]): rows of every magnitude, negative maxima. The "qmax" convention
+    (max|x| / 127) quantizes int8 otherwise, and max|x| times the float32 reciprocal of the
+    divisor (what CUDA computes for a tensor divided by a Python number) gives other scales on
+    some rows."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    from tinyvllm.ops.w8a8_linear import COMPRESSED_TENSORS_DIVISOR, quantize_rows
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 512, 96, generator=gen) * torch.logspace(-4, 4, 512)[:, None]
+    x[0, :8, 0] = -x[0, :8].abs().amax(-1) * 2  # negative maxima: x / scale at about -127.5
+    args = QuantizationArgs(num_bits=8, type=kind, strategy="token", symmetric=True,
+                            dynamic=True)
+    scale, zero_point = compute_dynamic_scales_and_zp(x, args, torch.nn.Module())
+    theirs = quantize(x, scale, zero_point, args, dtype=dtype)
+    divisor = COMPRESSED_TENSORS_DIVISOR[dtype]
+    ours, our_scale = quantize_rows(x.reshape(-1, 96), dtype, divisor=divisor)
+    assert divisor == CT_DIVISOR[dtype]
+    assert torch.equal(our_scale, scale.reshape(-1, 1))
+    assert torch.equal(ours.view(torch.uint8), theirs.reshape(-1, 96).view(torch.uint8))
+    absmax = x.reshape(-1, 96).abs().amax(-1, keepdim=True)
+    assert not torch.equal(absmax * (1.0 / divisor), our_scale)
+    if dtype == torch.int8:
+        vllm, _ = quantize_rows(x.reshape(-1, 96), dtype, divisor=QMAX[dtype])
+        assert not torch.equal(vllm, ours)
 
 
 @pytest.mark.parametrize("spec", [W8A8Spec("int", "channel", True),
@@ -122,6 +164,7 @@ def test_quantization_flag_on_a_float_checkpoint(method, dtype, max_rel, tmp_pat
     w = float_net.model.layers[1].self_attn.qkv_proj.weight
     assert isinstance(qkv, W8A8Linear) and qkv.qweight.dtype == dtype
     assert qkv.input_scale is None
+    assert qkv.act_scale_divisor == QMAX[dtype]  # max|x| / 127 or 448, as vLLM
     torch.testing.assert_close(qkv.weight_scale, w.abs().amax(1) / QMAX[dtype])
     deq = qkv.qweight.float() * qkv.weight_scale[:, None]
     scale = qkv.weight_scale[:, None]

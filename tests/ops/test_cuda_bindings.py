@@ -284,17 +284,18 @@ def test_gguf_linear(launches):
 def test_w8a8_activation_quantization_and_int8_epilogue(launches):
     x = torch.randn(40, 64).bfloat16()[3:6, :48]  # a row stride of 64
     scale = torch.tensor(0.5)
-    q, scales = w8a8_linear._quantize_rows_cuda(launches.kernels, x, torch.float8_e4m3fn, scale)
+    q, scales = w8a8_linear._quantize_rows_cuda(launches.kernels, x, torch.float8_e4m3fn, scale,
+                                                448.0)
     args = launches.only("quantize_rows")
     assert (args["out"], args["scales"], args["x"]) == (ptr(q), ptr(scales), ptr(x))
     assert args["static_scale"] != 0 and q.dtype == torch.float8_e4m3fn and scales.shape == (3, 1)
     assert (args["num_tokens"], args["k"], args["x_stride"], args["out_stride"], args["qmax"],
             args["dtype"], args["qdtype"], args["stream"]) == (3, 48, 64, 48, 448.0, 2, 3, STREAM)
     launches.clear()
-    w8a8_linear._quantize_rows_cuda(launches.kernels, x, torch.int8, None)
+    w8a8_linear._quantize_rows_cuda(launches.kernels, x, torch.int8, None, 127.5)
     args = launches.only("quantize_rows")
-    assert (args["static_scale"], args["qmax"], args["min_absmax"], args["qdtype"]) == (
-        0, 127.0, w8a8_linear.MIN_ABSMAX, 4)
+    assert (args["static_scale"], args["qmax"], args["scale_divisor"], args["min_absmax"],
+            args["qdtype"]) == (0, 127.0, 127.5, w8a8_linear.MIN_ABSMAX, 4)
     launches.clear()
     acc = torch.zeros(20, 16, dtype=torch.int32)[:3]
     x_scale, w_scale, bias = torch.ones(3, 1), torch.ones(16), torch.zeros(16).half()

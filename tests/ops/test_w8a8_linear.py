@@ -33,6 +33,38 @@ def test_dynamic_scales_map_each_rows_absmax_to_qmax():
                                    x[[0, 1, 2, 3, 5]].abs().amax(1) / qmax)
 
 
+def test_compressed_tensors_divisor_is_half_the_quantized_range():
+    """(q_max - q_min) / 2: int8 (127 + 128) / 2, fp8 e4m3 (448 + 448) / 2."""
+    assert w8.COMPRESSED_TENSORS_DIVISOR == {torch.int8: 127.5, FP8: 448.0}
+    assert w8.ACT_SCALE_DIVISORS["qmax"] == {torch.int8: 127.0, FP8: 448.0}
+
+
+@pytest.mark.parametrize("divisor", [127.0, 127.5, 100.25])
+def test_dynamic_scale_is_an_ieee_division_by_the_divisor(divisor):
+    """scale = float32(max|x_row| / divisor), the correctly rounded quotient (checked against
+    float64), not max|x| times a rounded reciprocal; the row's largest value then lands on
+    +-divisor up to the scale's rounding, clamped to 127: with 127.5, 127 for a positive maximum
+    and -128 (half to even) or -127 (just under the tie) for a negative one."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2000, 24, generator=gen) * torch.logspace(-3, 3, 2000)[:, None]
+    sign = torch.tensor([1.0, -1.0]).repeat(1000)
+    x[:, 5] = sign * x.abs().amax(1) * 1.5  # the row's maximum: positive, then negative
+    q, scale = w8.quantize_rows(x, torch.int8, divisor=divisor)
+    absmax = x.abs().amax(1, keepdim=True)
+    assert torch.equal(scale, (absmax.double() / divisor).float())
+    top = q.gather(1, x.abs().argmax(1, keepdim=True)).squeeze(1)
+    positive, negative = {127.0: ([127], [-127]), 127.5: ([127], [-128, -127]),
+                          100.25: ([100], [-100])}[divisor]
+    assert top[0::2].unique().tolist() == positive
+    assert top[1::2].unique().tolist() == negative
+    assert torch.equal(q.float(), torch.round((x / scale).clamp(-128, 127)))
+
+
+def test_bad_divisor_is_named():
+    with pytest.raises(ValueError, match="divisor: expected a positive scale divisor, got 0.0"):
+        w8.quantize_rows(torch.randn(2, 8), torch.int8, divisor=0.0)
+
+
 def test_fp8_clamps_to_448_instead_of_overflowing():
     x = torch.tensor([[1000.0, -1000.0, 448.0, 0.3]])
     q, _ = w8.quantize_rows(x, FP8, torch.tensor(1.0))
@@ -107,13 +139,15 @@ CPU_ISAS = ["scalar"] + [isa for isa in ("avx2", "avx512vnni") if q.isa_availabl
 
 
 @pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("divisor", [None, 127.5], ids=["qmax", "compressed-tensors"])
 @pytest.mark.parametrize("m,n,k", [(1, 24, 64), (3, 37, 100), (8, 16, 576), (9, 5, 33),
                                    (17, 130, 1000), (40, 9, 200)])
-def test_cpu_int8_kernel_equals_the_reference(isa, m, n, k):
+def test_cpu_int8_kernel_equals_the_reference(isa, divisor, m, n, k):
     """`_cpu.int8_linear` quantizes the rows as the reference does and sums the products
     exactly: the same float32 bits while k * 127^2 < 2^24 (the reference's sums exact too), on
-    awkward m, n and k (tails of the 64- and 16-value steps), dynamic and static scales (the
-    static one clamping some values to -128), with and without a bias."""
+    awkward m, n and k (tails of the 64- and 16-value steps), dynamic scales of either
+    convention (max|x| / 127 or / 127.5; a negative row maximum then rounds to -128) and static
+    ones (clamping some values to -128), with and without a bias."""
     pytest.importorskip("tinyvllm._cpu")
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen) * 3
@@ -123,10 +157,32 @@ def test_cpu_int8_kernel_equals_the_reference(isa, m, n, k):
     bias = torch.randn(n, generator=gen)
     for input_scale in (None, torch.tensor(0.05)):
         for b in (None, bias):
-            want = w8.w8a8_linear_ref(x, qweight, weight_scale, input_scale, b)
-            got = w8.int8_linear_cpu(x, qweight, weight_scale, input_scale, b, isa=isa)
+            args = (x, qweight, weight_scale, input_scale, b)
+            want = w8.w8a8_linear_ref(*args, act_scale_divisor=divisor)
+            got = w8.int8_linear_cpu(*args, act_scale_divisor=divisor, isa=isa)
             assert torch.equal(got, want)
     assert w8.cpu_supported(x, qweight, weight_scale)
+
+
+def test_cpu_int8_kernel_follows_the_divisor():
+    """The divisor reaches the kernel: / 127.5 gives other bits than / 127, and the reference's
+    for each; a divisor that is not positive is refused by the kernel itself."""
+    pytest.importorskip("tinyvllm._cpu")
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(16, 256, generator=gen)
+    qweight, weight_scale = w8.quantize_weight(torch.randn(32, 256, generator=gen), torch.int8)
+    outs = {}
+    for divisor in (127.0, 127.5):
+        outs[divisor] = w8.int8_linear_cpu(x, qweight, weight_scale, act_scale_divisor=divisor)
+        assert torch.equal(outs[divisor], w8.w8a8_linear_ref(x, qweight, weight_scale,
+                                                             act_scale_divisor=divisor))
+    assert not torch.equal(outs[127.0], outs[127.5])
+    assert torch.equal(w8.w8a8_linear(x, qweight, weight_scale, act_scale_divisor=127.5),
+                       outs[127.5])
+    out = torch.empty(16, 32)
+    with pytest.raises(ValueError, match="scale_divisor must be positive and finite"):
+        q.cpu_kernels().int8_linear(out.data_ptr(), x.data_ptr(), qweight.data_ptr(),
+                                    weight_scale.data_ptr(), 0, -1.0, 0, 16, 32, 256, 256, 32)
 
 
 def test_cpu_int8_kernel_past_exact_float_sums():

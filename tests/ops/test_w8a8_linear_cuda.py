@@ -2,9 +2,9 @@
 against an exact float64 reference of the same quantized values, on awkward shapes.
 
 The reference takes x quantized on the GPU by the op's own torch ops (the same values the CPU
-gives: the scale is max|x| times the float32 reciprocal of QMAX, x / scale an IEEE division,
-round half to even) and forms the exact product sum in float64, so the tolerance is what the
-GEMM may add to it, element by element:
+gives: the scale is max|x| / divisor and x / scale, both IEEE divisions, round half to even)
+and forms the exact product sum in float64, so the tolerance is what the GEMM may add to it,
+element by element:
 
     |out - ref| <= 2 u (|ref| + |bias|) + a S + 1e-6 max|ref|
 
@@ -51,11 +51,11 @@ def make(m, n, k, wdtype, dtype, seed, static):
     return x, qweight, weight_scale, input_scale, bias
 
 
-def exact(x, qweight, weight_scale, input_scale, bias):
+def exact(x, qweight, weight_scale, input_scale, bias, divisor=None):
     """(reference [m, n] float64, S the bound's absolute sum) on the CPU, from x quantized on
     the GPU as the op quantizes it (the CPU gives the same values; the GEMM is what is checked)."""
     qx, sx = w8.quantize_rows(x.cuda(), qweight.dtype,
-                              None if input_scale is None else input_scale.cuda())
+                              None if input_scale is None else input_scale.cuda(), divisor)
     qx, sx = qx.cpu(), sx.cpu()
     qx, qw = qx.double(), qweight.cpu().double()
     scale = sx.double() * weight_scale.cpu().double()
@@ -65,9 +65,9 @@ def exact(x, qweight, weight_scale, input_scale, bias):
     return ref, (qx.abs() @ qw.abs().t()) * scale
 
 
-def check(out, x, qweight, weight_scale, input_scale, bias):
+def check(out, x, qweight, weight_scale, input_scale, bias, divisor=None):
     assert out.is_cuda and out.dtype == x.dtype and bool(torch.isfinite(out).all())
-    ref, total = exact(x, qweight, weight_scale, input_scale, bias)
+    ref, total = exact(x, qweight, weight_scale, input_scale, bias, divisor)
     k, u = qweight.shape[1], UNIT_ROUNDOFF[x.dtype]
     a = 4 * k * 2.0 ** -24
     if qweight.dtype == FP8:
@@ -97,6 +97,24 @@ def test_matches_the_exact_reference(dtype, wdtype, static, m, n, k):
     out = w8.w8a8_linear(*cuda)
     check(out, x, qweight, weight_scale, input_scale, bias)
     check(w8.w8a8_linear(*cuda[:4]), x, qweight, weight_scale, input_scale, None)
+
+
+@pytest.mark.parametrize("wdtype", [torch.int8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("m", [1, 17, 100])
+def test_compressed_tensors_divisor_reaches_the_gemm_path(wdtype, m):
+    """act_scale_divisor (compressed-tensors' 127.5 / 448) goes through the cuBLAS path's
+    quantization: the exact reference of the values quantized with it, and for int8 other
+    values than with QMAX."""
+    needs(wdtype)
+    x, qweight, weight_scale, _, bias = make(m, 256, 512, wdtype, torch.bfloat16, 13 + m, False)
+    divisor = w8.COMPRESSED_TENSORS_DIVISOR[wdtype]
+    cuda = [t.cuda() for t in (x, qweight, weight_scale)]
+    out = w8.w8a8_linear(*cuda, None, bias.cuda(), act_scale_divisor=divisor)
+    check(out, x, qweight, weight_scale, None, bias, divisor)
+    if wdtype == torch.int8:
+        q_ct, _ = w8.quantize_rows(cuda[0], wdtype, divisor=divisor)
+        q_vllm, _ = w8.quantize_rows(cuda[0], wdtype)
+        assert not torch.equal(q_ct, q_vllm)
 
 
 @pytest.mark.parametrize("wdtype", [torch.int8, FP8], ids=["int8", "fp8"])
@@ -155,13 +173,18 @@ def test_synthetic_model_runs_w8a8_on_the_gpu(method):
 
 
 @pytest.mark.parametrize("wdtype", [torch.int8, FP8], ids=["int8", "fp8"])
-def test_quantization_is_the_same_on_cpu_and_gpu(wdtype):
-    """Dynamic per-token scales and values: the CPU tests predict the GPU's quantization."""
+@pytest.mark.parametrize("convention", sorted(w8.ACT_SCALE_DIVISORS))
+def test_quantization_is_the_same_on_cpu_and_gpu(wdtype, convention):
+    """Dynamic per-token scales and values, with either convention's divisor: the CPU tests
+    predict the GPU's quantization, by the kernel and by the torch reference on the GPU (which
+    divides by a tensor: CUDA would multiply by the reciprocal of a Python number)."""
     x = (torch.randn(64, 576, generator=torch.Generator().manual_seed(11)) * 3).to(torch.bfloat16)
-    q_cpu, s_cpu = w8.quantize_rows(x, wdtype)
-    q_gpu, s_gpu = w8.quantize_rows(x.cuda(), wdtype)
-    assert torch.equal(s_gpu.cpu(), s_cpu)
-    assert torch.equal(q_gpu.cpu().float(), q_cpu.float())
+    divisor = w8.ACT_SCALE_DIVISORS[convention][wdtype]
+    q_cpu, s_cpu = w8.quantize_rows(x, wdtype, divisor=divisor)
+    for quantize in (w8.quantize_rows, w8.quantize_rows_ref):
+        q_gpu, s_gpu = quantize(x.cuda(), wdtype, divisor=divisor)
+        assert torch.equal(s_gpu.cpu(), s_cpu)
+        assert torch.equal(q_gpu.cpu().float(), q_cpu.float())
 
 
 @pytest.mark.parametrize("qdtype", [torch.int8, FP8])
@@ -169,18 +192,21 @@ def test_quantization_is_the_same_on_cpu_and_gpu(wdtype):
 @pytest.mark.parametrize("m, k, pad", [(1, 16, 0), (5, 40, 0), (33, 4096, 0), (3, 14336, 0),
                                        (7, 576, 8), (2, 40, 3)])
 @pytest.mark.parametrize("static", [False, True])
-def test_quantize_rows_kernel_equals_reference(qdtype, dtype, m, k, pad, static):
+@pytest.mark.parametrize("convention", sorted(w8.ACT_SCALE_DIVISORS))
+def test_quantize_rows_kernel_equals_reference(qdtype, dtype, m, k, pad, static, convention):
     """The one-pass kernel gives the reference's quantized values and scales bit for bit: wide
     and single-element accesses (k = 40 and a row stride k + 3 are not 16-byte multiples), a
-    strided view, an all-zero row, static scales that clip."""
+    strided view, an all-zero row, static scales that clip, dynamic scales divided by either
+    convention's divisor (int8: 127 or compressed-tensors' 127.5)."""
     gen = torch.Generator().manual_seed(m * k + pad)
     full = (torch.randn(m, k + pad, generator=gen) * 3).to(dtype).cuda()
     x = full[:, :k]
     scale = (x.float().abs().max() / w8.QMAX[qdtype] * 0.6).reshape(()) if static else None
     x[m // 2] = 0
     assert w8.use_kernel("quantize_rows", x) is not None
-    q, s = w8.quantize_rows(x, qdtype, scale)
-    q_ref, s_ref = w8.quantize_rows_ref(x, qdtype, scale)
+    divisor = w8.ACT_SCALE_DIVISORS[convention][qdtype]
+    q, s = w8.quantize_rows(x, qdtype, scale, divisor)
+    q_ref, s_ref = w8.quantize_rows_ref(x, qdtype, scale, divisor)
     assert q.dtype == qdtype and q.shape == (m, k) and s.shape == (m, 1)
     assert torch.equal(s.float(), s_ref.float().expand(m, 1))
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
@@ -192,8 +218,15 @@ def test_quantize_rows_kernel_refuses_bad_types():
     with pytest.raises(ValueError, match="qdtype must be int8 or float8_e4m3fn"):
         kernel.quantize_rows(out=x.data_ptr(), scales=x.data_ptr(), x=x.data_ptr(),
                              static_scale=0, num_tokens=2, k=16, x_stride=16, out_stride=16,
-                             qmax=127.0, min_absmax=1e-10, dtype=w8.dtype_code(x.dtype),
-                             qdtype=w8.dtype_code(torch.float16), stream=0)
+                             qmax=127.0, scale_divisor=127.0, min_absmax=1e-10,
+                             dtype=w8.dtype_code(x.dtype), qdtype=w8.dtype_code(torch.float16),
+                             stream=0)
+    with pytest.raises(ValueError, match="scale_divisor must be positive and finite"):
+        kernel.quantize_rows(out=x.data_ptr(), scales=x.data_ptr(), x=x.data_ptr(),
+                             static_scale=0, num_tokens=2, k=16, x_stride=16, out_stride=16,
+                             qmax=127.0, scale_divisor=0.0, min_absmax=1e-10,
+                             dtype=w8.dtype_code(x.dtype), qdtype=w8.dtype_code(torch.int8),
+                             stream=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -69,7 +69,7 @@ KERNEL_FUNCTIONS: dict[str, tuple[str, ...]] = {
 }
 """Op -> the module's functions its CUDA path calls (same keys as KERNEL_MIN_CAPABILITY)."""
 
-CUDA_ABI_VERSION = 5
+CUDA_ABI_VERSION = 6
 """The launcher interface this package calls; a module must report it as its `abi_version`
 (cuda/launchers.h kAbiVersion: the two are bumped together)."""
 

@@ -16,10 +16,19 @@ Each row of x is quantized to the weight's type, then
 
     y = (qx @ qweight.T) * x_scale * weight_scale + bias        (accumulated exactly: int32 / fp32)
 
-    x_scale = max|x_row| / QMAX (dynamic) or input_scale (static); QMAX 127 (int8), 448 (fp8)
-    qx      = int8: round half to even (x / x_scale), clamped to [-128, 127] (the int8 range that
-              compressed-tensors calibrates static scales for; dynamic scales never pass 127)
+    x_scale = max|x_row| / divisor (dynamic) or input_scale (static), an IEEE float32 division
+    qx      = int8: x / x_scale clamped to [-128, 127] (the int8 range that compressed-tensors
+              calibrates static scales for), rounded half to even
               fp8:  x / x_scale clamped to +-448, cast to float8_e4m3fn (round to nearest even)
+
+The dynamic scale's divisor is the checkpoint's convention (`act_scale_divisor`):
+
+    "qmax"                QMAX: int8 127, fp8 448; max|x| maps to the largest quantized
+                          magnitude, as vLLM's kernels scale (`--quantization int8|fp8` at load)
+    "compressed-tensors"  COMPRESSED_TENSORS_DIVISOR, (q_max - q_min) / 2 of compressed-tensors'
+                          calculate_qparams: int8 (127 + 128) / 2 = 127.5, fp8 (448 + 448) / 2 =
+                          448; its int-quantized / float-quantized checkpoints are calibrated and
+                          evaluated with it (max|x| maps to 127.5, then clamped to 127)
 """
 
 from __future__ import annotations
@@ -34,8 +43,13 @@ from tinyvllm.ops._dispatch import dtype_code, stream_handle, use_kernel
 
 FP8_DTYPE = torch.float8_e4m3fn
 QMAX = {torch.int8: 127.0, FP8_DTYPE: float(torch.finfo(FP8_DTYPE).max)}
-"""The largest magnitude a scale maps max|x| to, per quantized type (fp8 e4m3: 448)."""
+"""The largest quantized magnitude per type (fp8 e4m3: 448): the clamp bound, and the divisor of
+the "qmax" convention (max|x| maps to it)."""
 QMIN = {torch.int8: -128.0, FP8_DTYPE: -float(torch.finfo(FP8_DTYPE).max)}
+COMPRESSED_TENSORS_DIVISOR = {dtype: (QMAX[dtype] - QMIN[dtype]) / 2 for dtype in QMAX}
+"""compressed-tensors' dynamic scale max|x| / ((q_max - q_min) / 2): int8 127.5, fp8 448."""
+ACT_SCALE_DIVISORS = {"qmax": QMAX, "compressed-tensors": COMPRESSED_TENSORS_DIVISOR}
+"""A dynamic activation scale convention (`WeightScheme.act_scale`) -> its divisor per type."""
 MIN_ABSMAX = 1e-10
 """max|x| of an all-zero row is taken as this, so that its scale is positive (its values stay 0)."""
 INT_MM_MIN_ROWS = 17
@@ -63,35 +77,42 @@ def check_layout(qweight: torch.Tensor, weight_scale: torch.Tensor,
     return n, k
 
 
-def quantize_rows(x: torch.Tensor, dtype: torch.dtype,
-                  scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor] = None,
+                  divisor: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric quantization of each row of x to `dtype` (int8 or float8_e4m3fn).
 
     Args:
         x: [m, k] float.
-        scale: a static float32 scalar scale; None: per row, max|row| / QMAX[dtype].
+        scale: a static float32 scalar scale; None: per row, max|row| / divisor.
+        divisor: the dynamic scale's divisor (the module docstring's conventions); None:
+            QMAX[dtype].
     Returns:
         (q [m, k] in `dtype`, scales float32 [m, 1]) with x ~ q * scales.
 
     On CUDA one kernel reads x once and writes q and the scales (cuda/quant_act.cuh), with the
     same values as the torch ops below, which are the reference and the CPU path.
     """
+    divisor = QMAX[dtype] if divisor is None else float(divisor)
+    if not divisor > 0:
+        raise ValueError(f"divisor: expected a positive scale divisor, got {divisor}")
     kernel = use_kernel("quantize_rows", x)
     if kernel is not None and x.dim() == 2 and x.stride(-1) == 1:
-        return _quantize_rows_cuda(kernel, x, dtype, scale)
-    return quantize_rows_ref(x, dtype, scale)
+        return _quantize_rows_cuda(kernel, x, dtype, scale, divisor)
+    return quantize_rows_ref(x, dtype, scale, divisor)
 
 
-def quantize_rows_ref(x: torch.Tensor, dtype: torch.dtype,
-                      scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_ref(x: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor] = None,
+                      divisor: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference of `quantize_rows` (same arguments)."""
     xf = x.float()
     if scale is None:
         absmax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_ABSMAX)
-        # Times the float32 reciprocal, not "/ QMAX": CUDA divides a tensor by a Python scalar
-        # as a multiplication by its reciprocal and the CPU divides exactly, so only this form
-        # gives the same scales (and quantized values) on both devices.
-        scales = absmax * (1.0 / QMAX[dtype])
+        # Divided by a tensor, not by the Python number: CUDA turns a division by a scalar into
+        # a multiplication by its float32 reciprocal, which rounds differently from the IEEE
+        # division that the CPU, the kernels and compressed-tensors (whose divisor is a tensor
+        # on the activations' device) do.
+        divisor = QMAX[dtype] if divisor is None else divisor
+        scales = absmax / torch.full_like(absmax, divisor)
     else:
         scales = scale.reshape(1, 1).expand(x.shape[0], 1)
     q = (xf / scales).clamp(QMIN[dtype], QMAX[dtype])
@@ -101,7 +122,8 @@ def quantize_rows_ref(x: torch.Tensor, dtype: torch.dtype,
 
 
 def _quantize_rows_cuda(kernel, x: torch.Tensor, dtype: torch.dtype,
-                        scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                        scale: Optional[torch.Tensor], divisor: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     q = torch.empty(m, k, dtype=dtype, device=x.device)
     scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
@@ -110,7 +132,7 @@ def _quantize_rows_cuda(kernel, x: torch.Tensor, dtype: torch.dtype,
     kernel.quantize_rows(out=q.data_ptr(), scales=scales.data_ptr(), x=x.data_ptr(),
                          static_scale=0 if scale is None else scale.data_ptr(), num_tokens=m,
                          k=k, x_stride=x.stride(0), out_stride=k, qmax=QMAX[dtype],
-                         min_absmax=MIN_ABSMAX, dtype=dtype_code(x.dtype),
+                         scale_divisor=divisor, min_absmax=MIN_ABSMAX, dtype=dtype_code(x.dtype),
                          qdtype=dtype_code(dtype), stream=stream_handle(x.device))
     return q, scales
 
@@ -131,15 +153,20 @@ def dequantize(qweight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tenso
 
 def w8a8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
                     input_scale: Optional[torch.Tensor] = None,
-                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    bias: Optional[torch.Tensor] = None, *,
+                    act_scale_divisor: Optional[float] = None) -> torch.Tensor:
     """The module docstring's arithmetic in float32 torch; [..., k] -> [..., n] in x's dtype.
 
     The products of 8-bit values are exact in float32 (int8: sums exact while k * 127^2 < 2^24,
     k < 1040; beyond that, and for fp8, equal to the exact sum up to float32 summation order).
+
+    Args:
+        act_scale_divisor: the dynamic activation scale's divisor, the checkpoint's convention
+            (ACT_SCALE_DIVISORS); None: QMAX of the weight's type.
     """
     n, k = check_layout(qweight, weight_scale, input_scale)
     lead = x.shape[:-1]
-    qx, x_scale = quantize_rows(x.reshape(-1, k), qweight.dtype, input_scale)
+    qx, x_scale = quantize_rows(x.reshape(-1, k), qweight.dtype, input_scale, act_scale_divisor)
     y = (qx.float() @ qweight.float().t()) * x_scale * weight_scale
     if bias is not None:
         y = y + bias.float()
@@ -148,17 +175,20 @@ def w8a8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.
 
 def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
                 input_scale: Optional[torch.Tensor] = None,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                bias: Optional[torch.Tensor] = None, *,
+                act_scale_divisor: Optional[float] = None) -> torch.Tensor:
     """`w8a8_linear_ref`, through cuBLAS where it serves the inputs: float16 / bfloat16 x on a
     GPU that runs the type's GEMM (int8: sm_80, fp8: sm_89), k and n multiples of 8 (int8) or
-    16 (fp8). The one entry point of the model's W8A8 layers; [..., k] -> [..., n] in x's dtype.
+    16 (fp8), and on the C++ CPU kernel for int8. The one entry point of the model's W8A8
+    layers; [..., k] -> [..., n] in x's dtype. act_scale_divisor: as in `w8a8_linear_ref`.
     """
     check_layout(qweight, weight_scale, input_scale)
+    args = (x, qweight, weight_scale, input_scale, bias)
     if cuda_supported(x, qweight):
-        return scaled_gemm(x, qweight, weight_scale, input_scale, bias)
+        return scaled_gemm(*args, act_scale_divisor=act_scale_divisor)
     if cpu_supported(x, qweight, weight_scale):
-        return int8_linear_cpu(x, qweight, weight_scale, input_scale, bias)
-    return w8a8_linear_ref(x, qweight, weight_scale, input_scale, bias)
+        return int8_linear_cpu(*args, act_scale_divisor=act_scale_divisor)
+    return w8a8_linear_ref(*args, act_scale_divisor=act_scale_divisor)
 
 
 def cpu_supported(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
@@ -173,12 +203,15 @@ def cpu_supported(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Te
 
 def int8_linear_cpu(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
                     input_scale: Optional[torch.Tensor] = None,
-                    bias: Optional[torch.Tensor] = None, *, isa: str = "auto") -> torch.Tensor:
+                    bias: Optional[torch.Tensor] = None, *,
+                    act_scale_divisor: Optional[float] = None,
+                    isa: str = "auto") -> torch.Tensor:
     """`w8a8_linear_ref` for int8 weights on the CPU kernels (`_cpu.int8_linear`): the same
     quantized rows and scales, the products summed exactly in int32 (the reference's float32 sums
     are exact while k * 127^2 < 2^24), then the same float32 rescale; [..., k] -> [..., n].
 
     Args:
+        act_scale_divisor: as in `w8a8_linear_ref` (None: 127).
         isa: "auto" (env TINYVLLM_CPU_ISA overrides), "avx512vnni", "avx2" or "scalar".
     """
     from tinyvllm.ops.quantized import cpu_kernels
@@ -197,18 +230,20 @@ def int8_linear_cpu(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.
     cpu_kernels().int8_linear(
         out.data_ptr(), x2.data_ptr(), qweight.data_ptr(), weight_scale.data_ptr(),
         0 if input_scale is None else input_scale.data_ptr(),
+        QMAX[torch.int8] if act_scale_divisor is None else act_scale_divisor,
         0 if bias is None else bias.data_ptr(), m, n, k, x2.stride(0), n, isa)
     return out.to(x.dtype).view(*lead, n)
 
 
 def scaled_gemm(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
                 input_scale: Optional[torch.Tensor] = None,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                bias: Optional[torch.Tensor] = None, *,
+                act_scale_divisor: Optional[float] = None) -> torch.Tensor:
     """The GEMM path of `w8a8_linear` (torch._int_mm / torch._scaled_mm; torch's CPU kernels
     run it too, which tests use), for the inputs `cuda_supported` admits."""
     n, k = qweight.shape
     lead = x.shape[:-1]
-    qx, x_scale = quantize_rows(x.reshape(-1, k), qweight.dtype, input_scale)
+    qx, x_scale = quantize_rows(x.reshape(-1, k), qweight.dtype, input_scale, act_scale_divisor)
     if bias is not None:
         bias = bias.to(x.dtype)
     if qweight.dtype == torch.int8:

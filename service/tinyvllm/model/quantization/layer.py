@@ -14,7 +14,7 @@ from tinyvllm.ops._dispatch import use_kernel
 from tinyvllm.ops.quant_linear import pack_factor, quant_linear
 from tinyvllm.ops.quant_tiles import (QuantTiles, gemv_serves, repack, tile_linear,
                                       tiles_supported)
-from tinyvllm.ops.w8a8_linear import FP8_DTYPE, w8a8_linear
+from tinyvllm.ops.w8a8_linear import ACT_SCALE_DIVISORS, FP8_DTYPE, QMAX, w8a8_linear
 
 W8A8_DTYPES = {"int-quantized": torch.int8, "float-quantized": FP8_DTYPE}
 """W8A8 layout -> the dtype of its weight (and of the quantized activations)."""
@@ -117,13 +117,17 @@ class W8A8Linear(nn.Module):
         weight_scale  float32 [out_features]
         input_scale   float32 [] (static activation scale) or None (dynamic per token)
     bias: a float Parameter [out_features] or None, loaded like a float projection's.
+    act_scale_divisor: a dynamic token scale is max|x| / this (None: QMAX of the type; the
+    checkpoint's convention, `WeightScheme.act_scale`).
     No `weight` attribute: the fused float GEMV path (`ops.use_fused_decode`) stays off.
     """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
-                 static_input: bool, bias: bool) -> None:
+                 static_input: bool, bias: bool,
+                 act_scale_divisor: Optional[float] = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.act_scale_divisor = QMAX[dtype] if act_scale_divisor is None else act_scale_divisor
         self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=dtype))
         self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32))
         self.register_buffer("input_scale", torch.empty((), dtype=torch.float32)
@@ -132,12 +136,13 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in_features] -> [..., out_features]."""
-        return w8a8_linear(x, self.qweight, self.weight_scale, self.input_scale, self.bias)
+        return w8a8_linear(x, self.qweight, self.weight_scale, self.input_scale, self.bias,
+                           act_scale_divisor=self.act_scale_divisor)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"dtype={self.qweight.dtype}, static_input={self.input_scale is not None}, "
-                f"bias={self.bias is not None}")
+                f"act_scale_divisor={self.act_scale_divisor}, bias={self.bias is not None}")
 
 
 def use_tiles(net: nn.Module) -> int:
@@ -153,7 +158,9 @@ def use_tiles(net: nn.Module) -> int:
 def _new_linear(old: nn.Linear, scheme: WeightScheme) -> nn.Module:
     k, n, bias = old.in_features, old.out_features, old.bias is not None
     if scheme.w8a8:
-        return W8A8Linear(k, n, W8A8_DTYPES[scheme.layout], scheme.static_input, bias)
+        dtype = W8A8_DTYPES[scheme.layout]
+        return W8A8Linear(k, n, dtype, scheme.static_input, bias,
+                          ACT_SCALE_DIVISORS[scheme.act_scale][dtype])
     return QuantLinear(k, n, scheme.bits, scheme.group_for(k), bias)
 
 

@@ -20,8 +20,10 @@ W8A8 (8-bit weights and activations, `ops.w8a8_linear`), compressed-tensors as l
 writes it (`compressors/naive_quantized`): `int-quantized` (weight int8 [n, k]) or
 `float-quantized` (weight float8_e4m3fn [n, k]), symmetric, with weight_scale [n, 1] (strategy
 channel) or [1] (tensor) in the model's float dtype; activations dynamic per token (no tensor) or
-static per tensor (input_scale [1]). `--quantization int8|fp8` on a float checkpoint makes the
-same from its float weights at load (one scale per output channel, dynamic per-token activations).
+static per tensor (input_scale [1]); dynamic scales follow compressed-tensors' convention,
+max|x| / ((q_max - q_min) / 2) (`WeightScheme.act_scale`). `--quantization int8|fp8` on a float
+checkpoint makes the same from its float weights at load (one scale per output channel, dynamic
+per-token activations scaled by max|x| / 127 or 448, as vLLM).
 
 Raises ValueError, naming the key and the format, for anything this loader does not read.
 """
@@ -70,6 +72,11 @@ class WeightScheme:
     """W8A8: a static per-tensor input_scale; False: activations scaled per token at run time."""
     quantize_at_load: bool = False
     """W8A8: the checkpoint holds a float weight, quantized per channel at load."""
+    act_scale: str = "qmax"
+    """W8A8, dynamic activations: how a token's scale follows from max|x| (`ops.w8a8_linear`
+    ACT_SCALE_DIVISORS): "qmax" divides by the largest quantized magnitude (int8 127, fp8 448),
+    as vLLM does (`--quantization int8|fp8`); "compressed-tensors" by that package's
+    (q_max - q_min) / 2 (int8 127.5, fp8 448), the convention its checkpoints are made with."""
 
     @property
     def w8a8(self) -> bool:
@@ -304,4 +311,5 @@ def _ct_w8a8(weights: dict, acts: dict, fmt: Optional[str], where: str) -> Weigh
         raise ValueError(f"{where}: input_activations of strategy {strategy!r} / dynamic "
                          f"{dynamic!r} are not supported (dynamic token, or static tensor)")
     return WeightScheme(fmt, 8, -1, method="compressed-tensors",
-                        per_tensor=weights["strategy"] == "tensor", static_input=not dynamic)
+                        per_tensor=weights["strategy"] == "tensor", static_input=not dynamic,
+                        act_scale="compressed-tensors")
