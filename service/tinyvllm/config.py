@@ -219,6 +219,10 @@ class KernelConfig:
         "auto", "CUDA attention of prefill and mixed steps: auto (on Hopper the warpgroup-MMA "
         "kernel over a cache of the query's dtype, elsewhere the mma.sync one) or mma_sync.",
         choices=("auto", "mma_sync"))
+    split_mixed_attention: bool = _f(
+        True, "In a CUDA step that mixes prefill chunks and decodes, the decodes (the leading "
+        "one-token sequences) run the decode attention kernel and only the rest the prefill "
+        "kernel. Off: the whole step runs the prefill kernel.")
 
     def __post_init__(self) -> None:
         if self.prefill_attention_kernel not in ("auto", "mma_sync"):

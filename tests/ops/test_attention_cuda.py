@@ -135,6 +135,10 @@ PREFILL_CASES = {
     "long": [(300, 1000), (129, 129)],
     "one_row_tiles": [(2, 2), (2, 64), (2, 65)],
     "key_tiles": [(128, 128), (129, 257), (200, 200), (256, 385), (1, 129)],
+    # leading decodes run the decode kernel, the rest the prefill kernel (a decode after a
+    # prefill included)
+    "decodes_first": [(1, 300), (1, 17), (1, 1000), (1, 1), (64, 64), (3, 41), (1, 9)],
+    "long_decodes_first": [(1, 2049)] * 3 + [(200, 700)],
 }
 
 

@@ -129,6 +129,27 @@ def test_prefill_attention(launches):
     assert launches.only("paged_attention")["prefill_kernel"] == 1
 
 
+def test_mixed_batch_sends_its_leading_decodes_to_the_decode_kernel(launches):
+    meta = metadata([1, 1, 5, 1], [40, 300, 5, 9])  # two decodes, a prefill, a decode after it
+    query = torch.randn(8, 4, 16, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 40, 16, 2, 16, dtype=torch.bfloat16)
+    out = attention_cuda.paged_attention_cuda(launches.kernels, query, cache, meta, 0.25)
+    assert [name for name, _ in launches] == ["paged_attention_decode", "paged_attention"]
+    decode, prefill = launches[0][1], launches[1][1]
+    assert (decode["num_seqs"], decode["query"], decode["out"], decode["seq_lens"]) == (
+        2, ptr(query), ptr(out), ptr(meta.seq_lens))
+    row = meta.block_tables.stride(0) * 4
+    assert (prefill["num_seqs"], prefill["query"], prefill["out"]) == (2, ptr(query), ptr(out))
+    assert (prefill["seq_lens"], prefill["query_start_loc"], prefill["block_tables"]) == (
+        ptr(meta.seq_lens) + 8, ptr(meta.query_start_loc) + 8, ptr(meta.block_tables) + 2 * row)
+    assert prefill["max_num_blocks_per_seq"] == meta.block_tables.shape[1]
+    launches.clear()
+    attention_cuda.paged_attention_cuda(launches.kernels, query, cache, meta, 0.25,
+                                        split_decodes=False)
+    assert [name for name, _ in launches] == ["paged_attention"]
+    assert launches[0][1]["num_seqs"] == 4
+
+
 def test_fused_decode_attention_with_partitions_merged_by_o_proj(launches):
     meta = metadata([1], [300])  # one sequence, 2 KV heads: split into 5 partitions of 64
     qkv = torch.randn(1, (4 + 2 * 2) * 16).bfloat16()

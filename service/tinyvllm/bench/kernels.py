@@ -184,6 +184,23 @@ def bench_prefill(kernels, seqs, num_heads, num_kv_heads, head_dim, gen, fp8=Fal
                tflops=flops / us / 1e6, baselines_us=baselines)
 
 
+def bench_mixed(kernels, num_decodes, decode_ctx, prefills, num_heads, num_kv_heads, head_dim,
+                gen) -> Row:
+    """A mixed step's attention: decodes first, then prefill chunks; against the whole batch
+    through the prefill kernel (the decode rows in prefill tiles)."""
+    from tinyvllm.ops.attention_cuda import paged_attention_cuda
+    seqs = [(1, decode_ctx)] * num_decodes + prefills
+    query, cache, metas = paged_batch(seqs, num_heads, num_kv_heads, head_dim, 1, gen, False)
+    scale = head_dim ** -0.5
+    us = time_us(lambda i: paged_attention_cuda(kernels, query, cache, metas[0], scale))
+    unsplit = time_us(lambda i: paged_attention_cuda(kernels, query, cache, metas[0], scale,
+                                                     split_decodes=False))
+    shape = (f"{num_decodes} x 1/{decode_ctx} + " + "+".join(f"{q}/{s}" for q, s in prefills[:1])
+             + (f" x{len(prefills)}" if len(prefills) > 1 else ""))
+    return Row("mixed", f"{shape} h{num_heads}/{num_kv_heads} d{head_dim}", us,
+               baselines_us={"one_prefill_launch": unsplit})
+
+
 # ---- elementwise ------------------------------------------------------------------------------
 
 def bench_rms_norm(kernels, tokens, hidden, copy_gbps, gen) -> Row:
@@ -473,6 +490,7 @@ def run(quick: bool, only: Optional[str] = None) -> tuple[float, list[Row]]:
     for seqs in ([[(4096, 4096)]] if quick else
                  [[(4096, 4096)], [(2048, 2048)] * 4, [(512, 4096)] * 4, [(1024, 1024)] * 8]):
         rows.append(bench_prefill(kernels, seqs, 32, 8, 128, gen))
+    rows.append(bench_mixed(kernels, 256, 1088, [(1024, 1024)] * 8, 32, 8, 128, gen))
     # FP8 KV cache: decode reads half the bytes; prefill dequantises tiles before the mma.
     for batch in ([1, 64] if quick else [1, 8, 64, 128]):
         rows.append(bench_decode(kernels, batch, 4096, 32, 8, 128, copy_gbps, gen, fp8=True))

@@ -97,7 +97,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         from tinyvllm.ops.attention_cuda import paged_attention_cuda
         return paged_attention_cuda(kernel, query, kv_cache, meta, scale, k_scale=k_scale,
                                     v_scale=v_scale,
-                                    prefill_kernel=kernel_config().prefill_attention_kernel)
+                                    prefill_kernel=kernel_config().prefill_attention_kernel,
+                                    split_decodes=kernel_config().split_mixed_attention)
     if _cpu_kernel_supported(query, kv_cache, meta):
         return _paged_attention_cpu(query, kv_cache, meta, scale)
     return paged_attention_ref(query, kv_cache, meta, scale, k_scale, v_scale)

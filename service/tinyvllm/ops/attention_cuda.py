@@ -4,9 +4,12 @@ Decode (every sequence has one new query) runs the split-K kernel: the context i
 partitions so that even a few long sequences fill the GPU, and a second kernel merges them.
 `rotary_paged_attention_cuda` is the same launch with the step's new token fused in (rotary,
 cache write, attention).
-Anything else runs a flash-attention-style prefill kernel, which also serves mixed batches: on
-Hopper (the sm_90a image) the warpgroup-MMA kernel over a cache of the query's dtype, elsewhere
-and for an FP8 cache the mma.sync one. Both read a cache of the query's dtype or an FP8 (E4M3) one with per-layer K/V scales.
+Anything else runs a flash-attention-style prefill kernel: on Hopper (the sm_90a image) the
+warpgroup-MMA kernel over a cache of the query's dtype, elsewhere and for an FP8 cache the mma.sync
+one. In a mixed batch the leading run of one-token sequences (the scheduler puts running decodes
+first) goes to the decode kernel instead: the prefill kernels give every sequence a tile of 64 or
+128 query rows and read its K/V once per query head, so a decode row there costs a whole tile's
+loads and MMAs for one row. Both read a cache of the query's dtype or an FP8 (E4M3) one with per-layer K/V scales.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
                          out: Optional[torch.Tensor] = None,
                          k_scale: Optional[torch.Tensor] = None,
                          v_scale: Optional[torch.Tensor] = None,
-                         prefill_kernel: str = "auto") -> torch.Tensor:
+                         prefill_kernel: str = "auto",
+                         split_decodes: bool = True) -> torch.Tensor:
     """Causal attention of new queries over their sequences' paged K/V.
 
     Args:
@@ -52,6 +56,8 @@ def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
         out: optional contiguous output buffer shaped like query (static buffers, tests).
         k_scale, v_scale: one-element float32 device tensors (None: 1.0), FP8 cache only.
         prefill_kernel: a key of PREFILL_KERNELS (prefill and mixed batches only).
+        split_decodes: in a mixed batch, the leading one-token sequences run the decode kernel
+            (False: the whole batch runs the prefill kernel; A/B timing).
     Returns:
         [num_tokens, num_heads, head_dim]; on pure decode only the first num_seqs rows are written.
     """
@@ -66,10 +72,22 @@ def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
     scales = kv_scale_ptrs(kv_cache, k_scale, v_scale)
     if meta.max_query_len == 1:
         _decode(kernel, out, query, kv_cache, meta, scale, scales)
-    else:
-        _prefill(kernel, out, query, kv_cache, meta, scale, scales,
-                 PREFILL_KERNELS[prefill_kernel])
+        return out
+    num_decodes = leading_decodes(meta) if split_decodes else 0
+    if num_decodes:
+        _decode(kernel, out, query, kv_cache, meta, scale, scales, num_seqs=num_decodes)
+    _prefill(kernel, out, query, kv_cache, meta, scale, scales, PREFILL_KERNELS[prefill_kernel],
+             first_seq=num_decodes)
     return out
+
+
+def leading_decodes(meta: AttentionMetadata) -> int:
+    """How many sequences at the head of the batch have one new token each."""
+    qsl = meta.query_start_loc_cpu
+    n = 0
+    while n < meta.num_seqs and qsl[n + 1] - qsl[n] == 1:
+        n += 1
+    return n
 
 
 def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -94,14 +112,19 @@ _NO_NEW_TOKEN = {"new_key": 0, "new_value": 0, "new_kv_stride": 0, "positions": 
 
 def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
             scales: tuple[int, int], new_token: Optional[dict[str, int]] = None,
-            merge: bool = True) -> Optional[DecodePartitions]:
+            merge: bool = True, num_seqs: Optional[int] = None) -> Optional[DecodePartitions]:
     """new_token: the launcher's arguments of a fused new token (rotary_paged_attention_cuda;
     the keys of _NO_NEW_TOKEN), None for none. merge=False: a split launch leaves its partitions
-    unmerged and returns them (out is not written)."""
-    num_seqs = meta.num_seqs
+    unmerged and returns them (out is not written). num_seqs: the first num_seqs sequences only
+    (each with one new token, rows 0..num_seqs - 1; default all)."""
+    max_seq_len = meta.max_seq_len
+    if num_seqs is None:
+        num_seqs = meta.num_seqs
+    elif num_seqs < meta.num_seqs:
+        max_seq_len = max(meta.seq_lens_cpu[:num_seqs])
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
-    partition, num_splits = decode_partition(num_seqs, num_heads, num_kv_heads, meta.max_seq_len,
+    partition, num_splits = decode_partition(num_seqs, num_heads, num_kv_heads, max_seq_len,
                                              _sm_count(query.device))
     split_out = split_max = split_sum = None
     if num_splits > 1:
@@ -194,13 +217,18 @@ def rotary_paged_attention_cuda(kernel, positions: torch.Tensor, query: torch.Te
 
 
 def _prefill(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
-             scales: tuple[int, int], prefill_kernel: int = 0) -> None:
+             scales: tuple[int, int], prefill_kernel: int = 0, first_seq: int = 0) -> None:
+    """Sequences first_seq.. of the batch (their query_start_loc entries stay absolute rows)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
+    tables = meta.block_tables
     kernel.paged_attention(
         out=out.data_ptr(), query=query.data_ptr(), key_cache=kv_cache[0].data_ptr(),
-        value_cache=kv_cache[1].data_ptr(), block_tables=meta.block_tables.data_ptr(),
-        seq_lens=meta.seq_lens.data_ptr(), query_start_loc=meta.query_start_loc.data_ptr(),
-        num_seqs=meta.num_seqs, num_heads=num_heads, num_kv_heads=kv_cache.shape[3],
+        value_cache=kv_cache[1].data_ptr(),
+        block_tables=tables.data_ptr() + first_seq * tables.stride(0) * tables.element_size(),
+        seq_lens=meta.seq_lens.data_ptr() + first_seq * meta.seq_lens.element_size(),
+        query_start_loc=(meta.query_start_loc.data_ptr()
+                         + first_seq * meta.query_start_loc.element_size()),
+        num_seqs=meta.num_seqs - first_seq, num_heads=num_heads, num_kv_heads=kv_cache.shape[3],
         head_dim=head_dim, block_size=kv_cache.shape[2], q_stride_token=query.stride(0),
         q_stride_head=query.stride(1), max_num_blocks_per_seq=meta.block_tables.shape[1],
         max_query_len=meta.max_query_len, scale=scale, k_scale=scales[0], v_scale=scales[1],
