@@ -3,17 +3,22 @@
 // itself), on warpgroup MMA. Framework-free device code; caches of the query's dtype only (an FP8
 // cache keeps the mma.sync kernel).
 //
-// A CTA owns kSm90BlockM = 128 consecutive new queries of one head: two warpgroups of 64 rows.
-// Keys come in tiles of kSm90BlockN = 128, gathered from the paged cache with cp.async into
-// 128-byte-swizzled shared tiles (wgmma.cuh), double-buffered: tile t + 1's K and tile t's V fly
-// while tile t computes. Per warpgroup and tile (FlashAttention 3's intra-warpgroup overlap):
-//   S_t = Q K_t^T         wgmma, Q and K from shared memory, fp32 in registers
-//   O  += P_{t-1} V_{t-1} wgmma, P from registers (bf16/fp16), V read transposed, issued right
-//                         after S_t so that it runs while the softmax of S_t does
-//   online softmax of S_t (log2 domain) gives P_t and the rescale of O, applied once PV is done.
+// A CTA owns kSm90BlockM = 128 consecutive new queries of one head and has three warpgroups:
+// - a loader: Q once, then the K and V tiles of kSm90BlockN = 128 keys, gathered from the paged
+//   cache with cp.async into 128-byte-swizzled shared tiles (wgmma.cuh), two stages each. Each
+//   thread's copies arrive on the stage's full mbarrier when they land; the loader waits only for
+//   a stage's empty mbarrier (every consumer done reading it).
+// - two consumers of 64 queries each. Per tile (FlashAttention 3's intra-warpgroup overlap):
+//     S_t = Q K_t^T          wgmma, Q and K from shared memory, fp32 in registers
+//     O  += P_{t-1} V_{t-1}  wgmma, P from registers (bf16/fp16), V read transposed, issued
+//                            right after S_t so that it runs while the softmax of S_t does
+//     online softmax of S_t  (log2 domain): P_t and the rescale of O, applied once P V is done.
+//   The consumers take turns issuing their MMAs (named barriers), so one's softmax runs under the
+//   other's MMAs (FlashAttention 3's ping-pong).
 // The registers of S's accumulator are the A fragments of P V (same layout), so P never touches
-// shared memory. A warpgroup whose rows are all done (causal) idles through the remaining tiles.
-// CTAs take the query tiles last-first: the long causal rows start first.
+// shared memory. A consumer whose rows are all done (causal) still waits and arrives on every
+// tile's barriers, issuing nothing. CTAs take the query tiles last-first: the long causal rows
+// start first.
 #pragma once
 
 #include <math_constants.h>
