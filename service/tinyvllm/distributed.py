@@ -94,9 +94,24 @@ def init_tensor_parallel(rank: int, world_size: int, backend: Optional[str] = No
     if world_size == 1:
         return _state
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    _import_modules_that_bind_world()
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     _state = TensorParallel(rank=rank, size=world_size, group=dist.group.WORLD)
     return _state
+
+
+def _import_modules_that_bind_world() -> None:
+    """Import, while no group exists, the torch modules that bind `group.WORLD` at import.
+
+    `torch.distributed.nn.functional` takes `group=group.WORLD` as a default argument, evaluated
+    when the module is imported, and torch imports it lazily (the first op under
+    `torch.device("meta")`, as building a model does). Imported after `init_process_group`, its
+    functions would hold the group for the life of the process: `destroy_process_group` would
+    not free the backend, and gloo's worker threads would run on into interpreter teardown,
+    where one that drops its last collective's tensors takes the GIL and the process aborts
+    ("terminate called without an active exception"). Imported here, the defaults are None.
+    """
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 def get_tp() -> TensorParallel:
@@ -120,7 +135,13 @@ def tp_broadcast(x: "torch.Tensor", src: int = 0) -> "torch.Tensor":
 
 
 def destroy_tensor_parallel() -> None:
-    """Leave the group (if any); the process is rank 0 of 1 again."""
+    """Leave the group (if any); the process is rank 0 of 1 again.
+
+    The backend (gloo's or NCCL's threads) is freed with the last reference to the group: here,
+    or when the models built on this state (their `tp` holds it) are freed, whichever is later.
+    Free them before the process exits: a backend thread that outlives interpreter teardown
+    aborts the process.
+    """
     global _state
     if _state.size > 1:
         import torch.distributed as dist
