@@ -111,7 +111,7 @@ void paged_attention_prefill(
   check_prefill_args(p, num_seqs, head_dim, block_size, max_query_len, dtype, cache_dtype,
                      prefill_kernel);
   const cudaStream_t s = as_stream(stream);
-  // The sm_90a image runs on compute capability 9.0 (the build's default architectures).
+  // The Hopper kernel exists only in the sm_90a image (its body traps in any other).
   const bool sm90 = prefill_kernel == 0 && device_has_pdl_code();
   TINYVLLM_DISPATCH_HALF(dtype, "paged_attention_prefill", {
     if (cache_dtype == kFloat8E4M3) {

@@ -125,10 +125,21 @@ __device__ __forceinline__ void allow_next_grid() {
 #endif
 }
 
+// Whether this build holds an sm_90a image (CMAKE_CUDA_ARCHITECTURES lists 90a, as by default).
+inline bool built_with_sm90a() {
+#ifdef TINYVLLM_CUDA_ARCHS
+  return std::string(TINYVLLM_CUDA_ARCHS).find("90a") != std::string::npos;
+#else
+  return false;
+#endif
+}
+
 // Whether the current device runs the sm_90a code, the only image with the griddepcontrol
-// instructions: other GPUs run sm_80/sm_89 code, or PTX compiled for them, whose kernels never
-// wait for the previous grid, so they must not be launched early. Asked once per device.
+// instructions and the Hopper prefill attention: other GPUs, and a compute capability 9.0 GPU
+// under a build without sm_90a, run sm_80/sm_89 code or PTX compiled for them, whose kernels
+// never wait for the previous grid, so they must not be launched early. Asked once per device.
 inline bool device_has_pdl_code() {
+  if (!built_with_sm90a()) return false;
   constexpr int kMaxDevices = 64;
   static int8_t known[kMaxDevices] = {};  // 0 not asked yet, 1 yes, 2 no (a race writes alike)
   int device = 0;
