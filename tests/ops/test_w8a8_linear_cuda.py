@@ -215,18 +215,18 @@ def test_quantize_rows_kernel_equals_reference(qdtype, dtype, m, k, pad, static,
 def test_quantize_rows_kernel_refuses_bad_types():
     x = torch.randn(2, 16, device="cuda", dtype=torch.bfloat16)
     kernel = w8.use_kernel("quantize_rows", x)
+
+    def launch(qdtype, scale_divisor):
+        kernel.quantize_rows(out=x.data_ptr(), scales=x.data_ptr(), x=x.data_ptr(),
+                             static_scale=0, num_tokens=2, k=16, x_stride=16, out_stride=16,
+                             qmax=127.0, scale_divisor=scale_divisor, min_absmax=1e-10,
+                             dtype=w8.dtype_code(x.dtype), qdtype=w8.dtype_code(qdtype),
+                             stream=0)
+
     with pytest.raises(ValueError, match="qdtype must be int8 or float8_e4m3fn"):
-        kernel.quantize_rows(out=x.data_ptr(), scales=x.data_ptr(), x=x.data_ptr(),
-                             static_scale=0, num_tokens=2, k=16, x_stride=16, out_stride=16,
-                             qmax=127.0, scale_divisor=127.0, min_absmax=1e-10,
-                             dtype=w8.dtype_code(x.dtype), qdtype=w8.dtype_code(torch.float16),
-                             stream=0)
+        launch(torch.float16, 127.0)
     with pytest.raises(ValueError, match="scale_divisor must be positive and finite"):
-        kernel.quantize_rows(out=x.data_ptr(), scales=x.data_ptr(), x=x.data_ptr(),
-                             static_scale=0, num_tokens=2, k=16, x_stride=16, out_stride=16,
-                             qmax=127.0, scale_divisor=0.0, min_absmax=1e-10,
-                             dtype=w8.dtype_code(x.dtype), qdtype=w8.dtype_code(torch.int8),
-                             stream=0)
+        launch(torch.int8, 0.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
