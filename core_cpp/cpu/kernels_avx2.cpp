@@ -473,9 +473,14 @@ void sum_tokens(const float* p, const float* v, int64_t stride, int64_t num_toke
 
 // The half-precision helpers take a group of N query heads (GQA) and widen each key or value
 // once for all of them; every head's arithmetic is dot_tokens_t's / sum_tokens_t's, so a head's
-// result does not depend on the group it is computed in. N <= 3 keeps the accumulators (8 per
-// head) in the 32 registers.
+// result does not depend on the group it is computed in. A group keeps its accumulators (8 per
+// head) in registers: 3 heads in the VNNI build's 32 (AVX-512VL), 1 in AVX2's 16 (3 there
+// spilled every accumulator to the stack on every token).
+#if defined(TINYVLLM_KERNELS_VNNI)
 constexpr int64_t kMaxGroup = 3;
+#else
+constexpr int64_t kMaxGroup = 1;
+#endif
 
 template <int N>
 void dot_tokens_group(const float* q, const uint16_t* k, int64_t stride, int64_t num_tokens,
@@ -524,11 +529,11 @@ void sum_tokens_group(const float* p, int64_t p_stride, const uint16_t* v, int64
       for (int r = 0; r < kRegs; ++r) acc[g][r] = _mm256_loadu_ps(out + g * d + i + 8 * r);
     for (int64_t t = 0; t < num_tokens; ++t) {
       const uint16_t* vt = v + t * stride + i;
+      __m256 pt[N];  // broadcast once per token, ahead of the accumulators' loop
+      for (int g = 0; g < N; ++g) pt[g] = _mm256_broadcast_ss(p + g * p_stride + t);
       for (int r = 0; r < kRegs; ++r) {
         const __m256 vv = load8(vt + 8 * r);
-        for (int g = 0; g < N; ++g) {
-          acc[g][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * p_stride + t), vv, acc[g][r]);
-        }
+        for (int g = 0; g < N; ++g) acc[g][r] = _mm256_fmadd_ps(pt[g], vv, acc[g][r]);
       }
     }
     for (int g = 0; g < N; ++g)
