@@ -131,6 +131,7 @@ def test_prefill_attention(launches):
 
 def test_mixed_batch_sends_its_leading_decodes_to_the_decode_kernel(launches):
     meta = metadata([1, 1, 5, 1], [40, 300, 5, 9])  # two decodes, a prefill, a decode after it
+    assert meta.leading_decodes == (2, 300)
     query = torch.randn(8, 4, 16, dtype=torch.bfloat16)
     cache = torch.zeros(2, 40, 16, 2, 16, dtype=torch.bfloat16)
     out = attention_cuda.paged_attention_cuda(launches.kernels, query, cache, meta, 0.25)

@@ -8,6 +8,7 @@ live in the blocks listed by its block table (cached prefix blocks included).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -53,6 +54,16 @@ class AttentionMetadata:
     @property
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
+
+    @functools.cached_property
+    def leading_decodes(self) -> tuple[int, int]:
+        """(n, the longest context among them) of the sequences at the head of the batch with one
+        new token each. Every layer asks; counted once per step."""
+        qsl = self.query_start_loc_cpu
+        n = 0
+        while n < self.num_seqs and qsl[n + 1] - qsl[n] == 1:
+            n += 1
+        return n, max(self.seq_lens_cpu[:n], default=0)
 
 
 @dataclass

@@ -73,21 +73,13 @@ def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
     if meta.max_query_len == 1:
         _decode(kernel, out, query, kv_cache, meta, scale, scales)
         return out
-    num_decodes = leading_decodes(meta) if split_decodes else 0
+    num_decodes, longest = meta.leading_decodes if split_decodes else (0, 0)
     if num_decodes:
-        _decode(kernel, out, query, kv_cache, meta, scale, scales, num_seqs=num_decodes)
+        _decode(kernel, out, query, kv_cache, meta, scale, scales, num_seqs=num_decodes,
+                max_seq_len=longest)
     _prefill(kernel, out, query, kv_cache, meta, scale, scales, PREFILL_KERNELS[prefill_kernel],
              first_seq=num_decodes)
     return out
-
-
-def leading_decodes(meta: AttentionMetadata) -> int:
-    """How many sequences at the head of the batch have one new token each."""
-    qsl = meta.query_start_loc_cpu
-    n = 0
-    while n < meta.num_seqs and qsl[n + 1] - qsl[n] == 1:
-        n += 1
-    return n
 
 
 def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -112,16 +104,15 @@ _NO_NEW_TOKEN = {"new_key": 0, "new_value": 0, "new_kv_stride": 0, "positions": 
 
 def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
             scales: tuple[int, int], new_token: Optional[dict[str, int]] = None,
-            merge: bool = True, num_seqs: Optional[int] = None) -> Optional[DecodePartitions]:
+            merge: bool = True, num_seqs: Optional[int] = None,
+            max_seq_len: Optional[int] = None) -> Optional[DecodePartitions]:
     """new_token: the launcher's arguments of a fused new token (rotary_paged_attention_cuda;
     the keys of _NO_NEW_TOKEN), None for none. merge=False: a split launch leaves its partitions
     unmerged and returns them (out is not written). num_seqs: the first num_seqs sequences only
-    (each with one new token, rows 0..num_seqs - 1; default all)."""
-    max_seq_len = meta.max_seq_len
-    if num_seqs is None:
-        num_seqs = meta.num_seqs
-    elif num_seqs < meta.num_seqs:
-        max_seq_len = max(meta.seq_lens_cpu[:num_seqs])
+    (each with one new token, rows 0..num_seqs - 1), max_seq_len the longest of them (defaults:
+    the whole batch)."""
+    num_seqs = meta.num_seqs if num_seqs is None else num_seqs
+    max_seq_len = meta.max_seq_len if max_seq_len is None else max_seq_len
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
     partition, num_splits = decode_partition(num_seqs, num_heads, num_kv_heads, max_seq_len,
