@@ -9,7 +9,8 @@ warpgroup-MMA kernel over a cache of the query's dtype, elsewhere and for an FP8
 one. In a mixed batch the leading run of one-token sequences (the scheduler puts running decodes
 first) goes to the decode kernel instead: the prefill kernels give every sequence a tile of 64 or
 128 query rows and read its K/V once per query head, so a decode row there costs a whole tile's
-loads and MMAs for one row. Both read a cache of the query's dtype or an FP8 (E4M3) one with per-layer K/V scales.
+loads and MMAs for one row. All read a cache of the query's dtype or an FP8 (E4M3) one with
+per-layer K/V scales.
 """
 
 from __future__ import annotations
