@@ -16,30 +16,33 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
+// One prefill kernel's launch: grid (heads, query tiles of kBlockM, sequences). Templated on the
+// kernel itself so that each raises its shared-memory limit once.
+template <auto kKernel, size_t kSmem, int kThreads, int kBlockM>
+void launch(const PrefillParams& p, int num_seqs, int max_query_len, cudaStream_t stream,
+            const char* name) {
+  static const cudaError_t smem_ok = cudaFuncSetAttribute(
+      kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
+  check_cuda(smem_ok, name);
+  const dim3 grid(p.num_heads, (max_query_len + kBlockM - 1) / kBlockM, num_seqs);
+  kKernel<<<grid, kThreads, kSmem, stream>>>(p);
+  check_launch(name);
+}
+
 template <typename T, typename Cache, int HEAD_DIM>
 void launch_prefill(const PrefillParams& p, int num_seqs, int max_query_len,
                     cudaStream_t stream) {
-  constexpr size_t smem = PrefillSmem<HEAD_DIM, is_fp8_cache<Cache>()>::kBytes;
-  auto kernel = paged_prefill_kernel<T, Cache, HEAD_DIM>;
-  static const cudaError_t smem_ok = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  check_cuda(smem_ok, "paged_prefill_kernel: shared memory");
-  const dim3 grid(p.num_heads, (max_query_len + kPrefillBlockM - 1) / kPrefillBlockM, num_seqs);
-  kernel<<<grid, kPrefillThreads, smem, stream>>>(p);
-  check_launch("paged_prefill_kernel");
+  launch<paged_prefill_kernel<T, Cache, HEAD_DIM>,
+         PrefillSmem<HEAD_DIM, is_fp8_cache<Cache>()>::kBytes, kPrefillThreads, kPrefillBlockM>(
+      p, num_seqs, max_query_len, stream, "paged_prefill_kernel");
 }
 
 template <typename T, int HEAD_DIM>
 void launch_prefill_sm90(const PrefillParams& p, int num_seqs, int max_query_len,
                          cudaStream_t stream) {
-  constexpr size_t smem = Sm90PrefillSmem<HEAD_DIM>::kBytes;
-  auto kernel = paged_prefill_sm90_kernel<T, HEAD_DIM>;
-  static const cudaError_t smem_ok = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  check_cuda(smem_ok, "paged_prefill_sm90_kernel: shared memory");
-  const dim3 grid(p.num_heads, (max_query_len + kSm90BlockM - 1) / kSm90BlockM, num_seqs);
-  kernel<<<grid, kSm90Threads, smem, stream>>>(p);
-  check_launch("paged_prefill_sm90_kernel");
+  launch<paged_prefill_sm90_kernel<T, HEAD_DIM>, Sm90PrefillSmem<HEAD_DIM>::kBytes,
+         kSm90Threads, kSm90BlockM>(p, num_seqs, max_query_len, stream,
+                                    "paged_prefill_sm90_kernel");
 }
 
 template <typename T, typename Cache>
