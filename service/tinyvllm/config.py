@@ -189,6 +189,11 @@ GEMV_KERNEL_MAX_ROWS = 2
 """Most rows (tokens) one launch of the fused GEMV kernel serves (cuda/gemv.cu kGemvMaxM)."""
 
 
+PREFILL_ATTENTION_KERNELS = ("auto", "mma_sync")
+"""CUDA prefill attention kernels by name (`--prefill-attention-kernel`; ops/attention_cuda.py
+maps them to the launcher's codes)."""
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Which kernels and fusions run (`ops.configure`); the model describes only the math.
@@ -218,14 +223,14 @@ class KernelConfig:
     prefill_attention_kernel: str = _f(
         "auto", "CUDA attention of prefill and mixed steps: auto (on Hopper the warpgroup-MMA "
         "kernel over a cache of the query's dtype, elsewhere the mma.sync one) or mma_sync.",
-        choices=("auto", "mma_sync"))
+        choices=PREFILL_ATTENTION_KERNELS)
     split_mixed_attention: bool = _f(
         True, "In a CUDA step that mixes prefill chunks and decodes, the decodes (the leading "
         "one-token sequences) run the decode attention kernel and only the rest the prefill "
         "kernel. Off: the whole step runs the prefill kernel.")
 
     def __post_init__(self) -> None:
-        if self.prefill_attention_kernel not in ("auto", "mma_sync"):
+        if self.prefill_attention_kernel not in PREFILL_ATTENTION_KERNELS:
             raise ValueError("prefill_attention_kernel must be auto or mma_sync, got "
                              f"{self.prefill_attention_kernel!r}")
         if not 1 <= self.gemv_max_rows <= GEMV_KERNEL_MAX_ROWS:

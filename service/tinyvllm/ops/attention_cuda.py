@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from tinyvllm.config import PREFILL_ATTENTION_KERNELS
 from tinyvllm.ops._dispatch import cuda_ops, dtype_code, stream_handle
 from tinyvllm.ops.attention import AttentionMetadata, DecodePartitions
 from tinyvllm.ops.kv_cache import FP8_DTYPE, kv_scale_ptrs
@@ -33,9 +34,9 @@ MIN_PARTITION = 64
 CTAS_PER_SM = 2
 """Decode launches at least this many CTAs per multiprocessor when partitions allow it."""
 
-PREFILL_KERNELS = {"auto": 0, "mma_sync": 1}
-"""`prefill_kernel` choices: the fastest kernel the device runs, or the mma.sync one (which every
-GPU runs; tests and benches compare the two on Hopper)."""
+PREFILL_KERNELS = {name: code for code, name in enumerate(PREFILL_ATTENTION_KERNELS)}
+"""`prefill_kernel` name -> the launcher's code: auto (0) the fastest kernel the device runs,
+mma_sync (1) the one every GPU runs (tests and benches compare the two on Hopper)."""
 
 
 def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
