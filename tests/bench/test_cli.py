@@ -79,8 +79,16 @@ def test_spec_writes_a_record(tmp_path, smollm2_path, capsys):
     # Steps after the first token: 5 one-token steps off, fewer than 5 with drafts accepted.
     assert result["off"]["decode_steps"] == 5
     assert 0 < result["on"]["decode_steps"] <= 5 and result["step_cost_ratio"] > 0
+    # Every decode step is counted under one kind; the verified ones yield drafts' tokens too.
+    for run in ("off", "on"):
+        kinds = result[run]["steps"]
+        assert sum(kind["steps"] for kind in kinds.values()) == result[run]["decode_steps"]
+    assert result["off"]["steps"]["verified"]["steps"] == 0
+    verified = result["on"]["steps"]["verified"]
+    assert verified["steps"] > 0 and verified["tokens_per_step"] > 1
     assert record["workload"]["speculative_config"]["method"] == "ngram"
-    assert "step ms on" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "step ms on" in printed and "decode steps by kind" in printed
 
 
 @pytest.mark.slow
@@ -106,6 +114,10 @@ def test_spec_runs_start_with_an_empty_prefix_cache():
     from tinyvllm.bench import spec
 
     class Engine:
+        has_step_in_flight = False
+        scheduler = types.SimpleNamespace(spec=types.SimpleNamespace(
+            stats=types.SimpleNamespace(num_drafts=0)))
+
         def __init__(self, resettable):
             self.resettable, self.resets = resettable, 0
 

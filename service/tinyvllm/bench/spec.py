@@ -93,13 +93,23 @@ def run_once(engine: EngineCore, prompts: list[list[int]], output_len: int, sync
         engine.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=ids,
                                              sampling_params=greedy(output_len)))
     decode_steps = 0  # steps once every request has its first token
+    kinds = {kind: [0, 0.0, 0] for kind in STEP_KINDS}  # kind -> [steps, seconds, tokens]
+    stats = engine.scheduler.spec.stats
     while engine.has_unfinished_requests():
-        decode_steps += len(first_s) == len(prompts)
+        decoding = len(first_s) == len(prompts)
+        decode_steps += decoding
+        drafts_before, step_start = stats.num_drafts, time.perf_counter()
         outputs = engine.step()
-        now = time.perf_counter() - start
+        step_end = time.perf_counter()
+        now = step_end - start
         for out in outputs:
             first_s.setdefault(out.request_id, now)
             tokens[out.request_id] += out.new_token_ids
+        if decoding:
+            kind = kinds[_step_kind(engine, stats.num_drafts > drafts_before)]
+            kind[0] += 1
+            kind[1] += step_end - step_start
+            kind[2] += sum(len(out.new_token_ids) for out in outputs)
     sync()
     elapsed = time.perf_counter() - start
     after = engine.get_stats()
@@ -118,7 +128,21 @@ def run_once(engine: EngineCore, prompts: list[list[int]], output_len: int, sync
         "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
         "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
         "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+        "steps": {kind: {"steps": n, "ms_per_step": 1e3 * sec / n if n else None,
+                         "tokens_per_step": toks / n if n else None}
+                  for kind, (n, sec, toks) in kinds.items()},
     }
+
+
+STEP_KINDS = ("verified", "ahead", "sync")
+"""A decode step as `run_once` counts it: it verified drafts, or it was a plain step that left
+the next one in flight (async scheduling), or a plain one that did not (synchronous)."""
+
+
+def _step_kind(engine: EngineCore, verified: bool) -> str:
+    if verified:
+        return "verified"
+    return "ahead" if engine.has_step_in_flight else "sync"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -207,6 +231,12 @@ def table(record: dict) -> None:
     print_table(f"spec: {record['model_name']} {record['dtype']} on {record['device']}, "
                 f"{record['workload']['output_len']} out, {record['workload']['speculative_config']}",
                 header, rows)
+    print("decode steps by kind, 'on' runs (steps, ms per step, tokens per step): "
+          "verified drafts / plain, next step in flight / plain, synchronous")
+    for r in record["results"]:
+        parts = [f"{kind} {s['steps']} x {s['ms_per_step']:.3f} ms, {s['tokens_per_step']:.2f} tok"
+                 if s["steps"] else f"{kind} 0" for kind, s in r["on"]["steps"].items()]
+        print(f"  {r['workload']} b{r['batch_size']}: " + "; ".join(parts))
     graph_ms = record.get("graph_ms") or {}
     if "decode" in graph_ms and "verification" in graph_ms:
         parts = ", ".join(f"{name} {ms:.3f}" for name, ms in graph_ms.items())

@@ -118,9 +118,14 @@ class EngineCore:
         A step in flight still computes for them; its tokens for them are dropped."""
         self.scheduler.abort_requests(list(request_ids))
 
+    @property
+    def has_step_in_flight(self) -> bool:
+        """Whether a model step was launched ahead and has not been returned by `step()`."""
+        return self._in_flight is not None
+
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued or running, or a model step is in flight."""
-        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+        return self.has_step_in_flight or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one model step and return what it produced (see the module docstring).
