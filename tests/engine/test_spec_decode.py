@@ -67,7 +67,9 @@ PARAMS = {
 }
 ENGINES = {"batched": {}, "chunked": {"max_num_batched_tokens": 7},
            "preempting": {"num_kv_blocks": 12}, "no_prefix_caching":
-           {"enable_prefix_caching": False}}
+           {"enable_prefix_caching": False},
+           # steps scheduled ahead while speculation or a request's drafts pause
+           "async": {"async_scheduling": True}}
 
 
 @pytest.fixture(scope="module")

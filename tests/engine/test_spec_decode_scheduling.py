@@ -294,3 +294,27 @@ def test_steps_are_scheduled_ahead_only_while_speculation_steps_aside():
     assert s.can_schedule_ahead()
     s.spec.observe_step(0.0, 1, speculated=False)
     assert not s.can_schedule_ahead()
+
+
+def test_a_request_pausing_its_drafts_lets_steps_be_scheduled_ahead():
+    """While the only request that could speculate pauses its prompt-lookup drafts (after
+    one-token drafts that missed), nothing needs a step's tokens before the next is scheduled:
+    steps run ahead, the pause counts down in them, and once it ends steps are synchronous
+    again and the request drafts."""
+    s = make_scheduler(num_blocks=64)
+    r = make_request("a", [7, 8, 9, 7, 8, 9, 7, 8])
+    s.add_request(r)
+    s.update(s.schedule(), {"a": (9, None)})
+    assert not s.can_schedule_ahead()  # it could draft
+    r.spec_skip = 2  # as `SpecDecodePolicy.back_off` sets it after a miss
+    assert s.can_schedule_ahead()
+    first = s.schedule()
+    assert first.scheduled[0].draft_token_ids == [] and r.spec_skip == 1
+    assert s.can_schedule_ahead()
+    second = s.schedule()  # scheduled ahead: its input token is still in flight
+    assert second.scheduled[0].draft_token_ids == [] and r.spec_skip == 0
+    assert not s.can_schedule_ahead()  # the pause is over: the next step waits for these
+    s.update(first, {"a": (7, None)})
+    s.update(second, {"a": (8, None)})
+    assert r.output_token_ids == [9, 7, 8]
+    assert s.schedule().scheduled[0].draft_token_ids == [9, 7, 8, 9]

@@ -143,9 +143,11 @@ class Scheduler:
         the CPU async scheduling is off anyway). A draft model's drafts are made by the worker
         after the step before, from its tokens, so they too exist only once that step is
         processed. While speculation steps aside (a large batch, or drafts that do not pay),
-        steps are scheduled ahead again; a request with a token in flight gets no drafts."""
+        and while every request that could speculate pauses its prompt-lookup drafts
+        (`Request.spec_skip`, after one-token drafts that missed), steps are scheduled ahead
+        again; a request with a token in flight gets no drafts."""
         if (self.spec.active(self._num_enqueued())
-                and any(r.can_speculate for r in self.running)):
+                and any(r.can_speculate and not r.spec_skip for r in self.running)):
             return False
         return not any(r.num_output_placeholders and r.sampling_reads_output_tokens
                        for r in self.running)
@@ -269,10 +271,12 @@ class Scheduler:
     def _draft(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request, capped so that the step fits the budget and the
         accepted tokens plus the bonus one never pass max_tokens or the context length."""
-        if request.num_output_placeholders or not request.can_speculate:
+        if not request.can_speculate:
             return []
-        if request.spec_skip:
+        if request.spec_skip:  # counted down in steps scheduled ahead too (see above)
             request.spec_skip -= 1
+            return []
+        if request.num_output_placeholders:
             return []
         if request.spec_k == 0:
             request.spec_k = self.spec.initial_k()
