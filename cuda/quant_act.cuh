@@ -42,6 +42,39 @@ __device__ __forceinline__ uint8_t quantize_value(float v) {
   }
 }
 
+template <typename T, int N>
+__device__ __forceinline__ float pack_absmax(const Pack<T, N> a, float amax) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) amax = fmaxf(amax, fabsf(to_float(a.v[j])));
+  return amax;
+}
+
+template <bool kInt8, typename T, int N>
+__device__ __forceinline__ Pack<uint8_t, N> quantize_pack(const Pack<T, N> a, float scale,
+                                                          float qmin, float qmax) {
+  Pack<uint8_t, N> q;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    float v = __fdiv_rn(to_float(a.v[j]), scale);
+    v = v < qmin ? qmin : (v > qmax ? qmax : v);  // as torch.clamp: NaN stays NaN
+    q.v[j] = quantize_value<kInt8>(v);
+  }
+  return q;
+}
+
+// A row's dynamic scale from its threads' max|y|.
+__device__ __forceinline__ float dynamic_scale(float amax, float min_absmax, float scale_divisor,
+                                               float* scratch /* [32] */) {
+  return __fdiv_rn(fmaxf(block_max(amax, scratch), min_absmax), scale_divisor);
+}
+
+// How a row is quantized, as the launchers check it (quantize_rows_kernel's arguments of the
+// same names; the fused kernels take it whole).
+struct RowQuant {
+  const float* static_scale;  // [1] or null (dynamic: max(max|row|, min_absmax) / scale_divisor)
+  float scale_divisor, qmin, qmax, min_absmax;
+};
+
 // One CTA per row; N elements per access (16 bytes of x when N = 16 / sizeof(T)).
 template <typename T, bool kInt8, int N>
 __global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(
@@ -63,24 +96,12 @@ __global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(
     scale = *static_scale;
   } else {
     float amax = 0.f;
-    for (int i = threadIdx.x; i < num_packs; i += blockDim.x) {
-      const V a = xr[i];
-#pragma unroll
-      for (int j = 0; j < N; ++j) amax = fmaxf(amax, fabsf(to_float(a.v[j])));
-    }
-    scale = __fdiv_rn(fmaxf(block_max(amax, scratch), min_absmax), scale_divisor);
+    for (int i = threadIdx.x; i < num_packs; i += blockDim.x) amax = pack_absmax(xr[i], amax);
+    scale = dynamic_scale(amax, min_absmax, scale_divisor, scratch);
   }
   if (threadIdx.x == 0) scales[row] = scale;
   for (int i = threadIdx.x; i < num_packs; i += blockDim.x) {
-    const V a = xr[i];
-    Q q;
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      float v = __fdiv_rn(to_float(a.v[j]), scale);
-      v = v < qmin ? qmin : (v > qmax ? qmax : v);  // as torch.clamp: NaN stays NaN
-      q.v[j] = quantize_value<kInt8>(v);
-    }
-    orow[i] = q;
+    orow[i] = quantize_pack<kInt8>(xr[i], scale, qmin, qmax);
   }
 }
 
