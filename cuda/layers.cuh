@@ -22,7 +22,8 @@ struct alignas(sizeof(T) * N) Pack {
 constexpr int kRowThreads = 256;
 
 // The CTA size of a one-CTA-per-row kernel over `packs` accesses per row: a warp multiple, at most
-// kRowThreads. A row's sum of squares depends on it (each thread sums its own packs first).
+// kRowThreads. A row's sum of squares depends on it (each thread sums its own packs first), so
+// rms_norm_quant launches exactly as many threads as rms_norm.
 inline unsigned row_threads(int64_t packs) {
   return static_cast<unsigned>(
       std::min<int64_t>(kRowThreads, std::max<int64_t>(32, (packs + 31) / 32 * 32)));
@@ -49,8 +50,9 @@ __device__ __forceinline__ float block_sum(float x, float* scratch /* [32] */) {
   return warp_sum(x);
 }
 
-// The rounding points of RMSNorm (+ residual) and SwiGLU, one pack at a time, for kernels that
-// must compute exactly what rms_norm_kernel and silu_and_mul_kernel compute.
+// The rounding points of RMSNorm (+ residual) and SwiGLU, one pack at a time: the rms_norm and
+// silu_and_mul kernels and their quantizing twins (quant_act.cuh) compute through these, so the
+// fused kernels' values are the unfused ones bit for bit.
 
 // x[i] + residual[i] rounded to T and stored back into residual[i]; x[i] without a residual.
 template <typename T, int N>

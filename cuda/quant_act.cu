@@ -1,5 +1,5 @@
-// Launchers of the per-token activation quantization and of the int8 GEMM's epilogue
-// (quant_act.cuh).
+// Launchers of the per-token activation quantization (quant_act.cuh): alone (quantize_rows) and
+// fused into the RMSNorm or SwiGLU before a W8A8 projection; and of the int8 GEMM's epilogue.
 //
 // Instantiations: {float32, float16, bfloat16} x {int8, fp8 e4m3} x {16-byte packs, single
 // elements} per quantizing kernel (dispatch_quant); the wide form runs when the row length,
@@ -82,6 +82,68 @@ void quantize_rows(ptr_t out,           // [num_tokens, k] int8 / fp8 e4m3, row 
     });
   });
   check_launch("quantize_rows_kernel");
+}
+
+void rms_norm_quant(ptr_t out,           // [num_tokens, hidden] int8 / fp8 e4m3, out_stride
+                    ptr_t scales,        // [num_tokens] float32
+                    ptr_t x,             // [num_tokens, hidden], row stride x_stride
+                    ptr_t residual,      // [num_tokens, hidden], residual_stride; 0 = none
+                    ptr_t weight,        // [hidden]
+                    ptr_t static_scale,  // [1] float32, or 0: dynamic (one scale per row)
+                    int64_t num_tokens, int hidden, int64_t x_stride, int64_t residual_stride,
+                    int64_t out_stride, float eps, float qmax, float scale_divisor,
+                    float min_absmax, int dtype, int qdtype, stream_t stream) {
+  require_rows("rms_norm_quant", "hidden", hidden, num_tokens);
+  const RowQuant rq =
+      row_quant("rms_norm_quant", static_scale, qmax, scale_divisor, min_absmax, qdtype);
+  if (num_tokens == 0) return;
+  const cudaStream_t s = as_stream(stream);
+  TINYVLLM_DISPATCH_FLOAT(dtype, "rms_norm_quant", {
+    constexpr int n = 16 / sizeof(scalar_t);
+    // rms_norm's choice for a fresh output (layers.cu), and 8-bit packs that fit q's rows.
+    const bool wide = can_go_wide(sizeof(scalar_t), hidden,
+                                  {x_stride, residual ? residual_stride : 0}, {x, residual, weight})
+                      && out_stride % n == 0 && out % n == 0;
+    const unsigned threads = row_threads(wide ? hidden / n : hidden);
+    dispatch_quant<n>(qdtype, wide, [&](auto int8, auto width) {
+      constexpr auto kernel =
+          rms_norm_quant_kernel<scalar_t, decltype(int8)::value, decltype(width)::value>;
+      kernel<<<unsigned(num_tokens), threads, 0, s>>>(
+          reinterpret_cast<uint8_t*>(out), reinterpret_cast<float*>(scales),
+          reinterpret_cast<const scalar_t*>(x), reinterpret_cast<scalar_t*>(residual),
+          reinterpret_cast<const scalar_t*>(weight), rq, hidden, x_stride, residual_stride,
+          out_stride, eps);
+    });
+  });
+  check_launch("rms_norm_quant_kernel");
+}
+
+void silu_and_mul_quant(ptr_t out,           // [num_tokens, d] int8 / fp8 e4m3, out_stride
+                        ptr_t scales,        // [num_tokens] float32
+                        ptr_t x,             // [num_tokens, 2 * d] (gate | up), x_stride
+                        ptr_t static_scale,  // [1] float32, or 0: dynamic (one scale per row)
+                        int64_t num_tokens, int d, int64_t x_stride, int64_t out_stride,
+                        float qmax, float scale_divisor, float min_absmax, int dtype, int qdtype,
+                        stream_t stream) {
+  require_rows("silu_and_mul_quant", "d", d, num_tokens);
+  const RowQuant rq =
+      row_quant("silu_and_mul_quant", static_scale, qmax, scale_divisor, min_absmax, qdtype);
+  if (num_tokens == 0) return;
+  const cudaStream_t s = as_stream(stream);
+  TINYVLLM_DISPATCH_FLOAT(dtype, "silu_and_mul_quant", {
+    constexpr int n = 16 / sizeof(scalar_t);
+    const bool wide = can_go_wide(sizeof(scalar_t), d, {x_stride}, {x}) && out_stride % n == 0 &&
+                      out % n == 0;
+    const unsigned threads = row_threads(wide ? d / n : d);
+    dispatch_quant<n>(qdtype, wide, [&](auto int8, auto width) {
+      constexpr auto kernel =
+          silu_and_mul_quant_kernel<scalar_t, decltype(int8)::value, decltype(width)::value>;
+      kernel<<<unsigned(num_tokens), threads, 0, s>>>(
+          reinterpret_cast<uint8_t*>(out), reinterpret_cast<float*>(scales),
+          reinterpret_cast<const scalar_t*>(x), rq, d, x_stride, out_stride);
+    });
+  });
+  check_launch("silu_and_mul_quant_kernel");
 }
 
 void rescale_int32(ptr_t out,      // [m, n] dtype, row stride out_stride
