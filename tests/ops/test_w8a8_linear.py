@@ -300,3 +300,11 @@ def test_quantized_rows_of_another_type_or_shape_are_refused():
                                          r"torch\.float32 \(3,\)"):
         w8.w8a8_linear(w8.QuantizedRows(q, scales.view(3), torch.float32), qweight,
                        weight_scale)
+
+
+def test_no_fusion_on_the_cpu():
+    """On the CPU the op before a projection hands over float rows, as before the fusion."""
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    qweight, _ = w8.quantize_weight(torch.randn(48, 64), torch.int8)
+    for op in ("rms_norm_quant", "silu_and_mul_quant"):
+        assert not w8.input_quant_fusable(op, x, qweight, None)

@@ -43,7 +43,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from tinyvllm.ops._dispatch import dtype_code, stream_handle, use_kernel
+from tinyvllm.ops._dispatch import dtype_code, kernel_config, stream_handle, use_kernel
 
 FP8_DTYPE = torch.float8_e4m3fn
 QMAX = {torch.int8: 127.0, FP8_DTYPE: float(torch.finfo(FP8_DTYPE).max)}
@@ -228,6 +228,17 @@ def _check_quantized_rows(x: QuantizedRows, qweight: torch.Tensor) -> None:
     if x.scales.dtype != torch.float32 or tuple(x.scales.shape) != (num_tokens, 1):
         raise ValueError(f"x: expected float32 scales ({num_tokens}, 1), got "
                          f"{x.scales.dtype} {tuple(x.scales.shape)}")
+
+
+def input_quant_fusable(op: str, x: torch.Tensor, qweight: torch.Tensor,
+                        input_scale: Optional[torch.Tensor]) -> bool:
+    """Whether `op` (rms_norm_quant or silu_and_mul_quant), the op that makes a W8A8
+    projection's input from x, should quantize the rows itself and hand over `QuantizedRows`:
+    dynamic activation scales, the fusion on (`KernelConfig.fused_act_quant`), op's CUDA kernel
+    serving x and the projection's GEMM on cuBLAS (`cuda_supported`). Elsewhere the projection
+    quantizes its float input as before (CPU, static scales, the torch reference on a GPU)."""
+    return (input_scale is None and kernel_config().fused_act_quant
+            and cuda_supported(x, qweight) and use_kernel(op, x) is not None)
 
 
 def _quantized(x: Union[torch.Tensor, QuantizedRows], qweight: torch.Tensor,
