@@ -68,6 +68,13 @@ PYBIND11_MODULE(_cuda, m) {
   def_launcher(m, "quantize_rows", &tinyvllm::quantize_rows, "out", "scales", "x", "static_scale",
                "num_tokens", "k", "x_stride", "out_stride", "qmax", "scale_divisor", "min_absmax",
                "dtype", "qdtype", "stream");
+  def_launcher(m, "rms_norm_quant", &tinyvllm::rms_norm_quant, "out", "scales", "x", "residual",
+               "weight", "static_scale", "num_tokens", "hidden", "x_stride", "residual_stride",
+               "out_stride", "eps", "qmax", "scale_divisor", "min_absmax", "dtype", "qdtype",
+               "stream");
+  def_launcher(m, "silu_and_mul_quant", &tinyvllm::silu_and_mul_quant, "out", "scales", "x",
+               "static_scale", "num_tokens", "d", "x_stride", "out_stride", "qmax",
+               "scale_divisor", "min_absmax", "dtype", "qdtype", "stream");
   def_launcher(m, "rescale_int32", &tinyvllm::rescale_int32, "out", "acc", "x_scale", "w_scale",
                "bias", "m", "n", "acc_stride", "out_stride", "dtype", "stream");
 

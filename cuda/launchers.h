@@ -12,7 +12,7 @@ namespace tinyvllm {
 // The interface version of these launchers. bindings.cpp exports it as `abi_version` and
 // ops/_dispatch.py refuses a module whose version is not its CUDA_ABI_VERSION: bump both when a
 // launcher's arguments change or a function is added, removed or renamed.
-constexpr int kAbiVersion = 6;
+constexpr int kAbiVersion = 7;
 
 using ptr_t = std::uintptr_t;  // a device pointer, as torch's data_ptr() gives it
 using stream_t = std::uintptr_t;  // a cudaStream_t, as torch's cuda_stream gives it
@@ -61,6 +61,20 @@ void paged_attention_prefill(ptr_t out, ptr_t query, ptr_t key_cache, ptr_t valu
 void quantize_rows(ptr_t out, ptr_t scales, ptr_t x, ptr_t static_scale, int64_t num_tokens, int k,
                    int64_t x_stride, int64_t out_stride, float qmax, float scale_divisor,
                    float min_absmax, int dtype, int qdtype, stream_t stream);
+
+// quant_act.cu: quantize_rows fused into the op that makes the rows, which are never stored:
+// rms_norm_quant is rms_norm (residual <- x + residual where residual != 0) then quantize_rows of
+// the normalised rows; silu_and_mul_quant is silu_and_mul of x = [gate | up] then quantize_rows.
+// The 8-bit values and scales are those of the two launches bit for bit.
+void rms_norm_quant(ptr_t out, ptr_t scales, ptr_t x, ptr_t residual, ptr_t weight,
+                    ptr_t static_scale, int64_t num_tokens, int hidden, int64_t x_stride,
+                    int64_t residual_stride, int64_t out_stride, float eps, float qmax,
+                    float scale_divisor, float min_absmax, int dtype, int qdtype,
+                    stream_t stream);
+void silu_and_mul_quant(ptr_t out, ptr_t scales, ptr_t x, ptr_t static_scale, int64_t num_tokens,
+                        int d, int64_t x_stride, int64_t out_stride, float qmax,
+                        float scale_divisor, float min_absmax, int dtype, int qdtype,
+                        stream_t stream);
 
 // quant_act.cu: the int8 GEMM's epilogue, out = dtype(float(acc) * x_scale * w_scale (+ bias)).
 void rescale_int32(ptr_t out, ptr_t acc, ptr_t x_scale, ptr_t w_scale, ptr_t bias, int64_t m,

@@ -2,8 +2,6 @@
 //
 // Instantiations: {float32, float16, bfloat16} x {16-byte packs, single elements}; the wide form
 // runs when the row length, strides and pointers allow 16-byte accesses.
-#include <algorithm>
-
 #include "launchers.h"
 #include "layers.cuh"
 
@@ -12,19 +10,6 @@ namespace {
 
 template <typename T>
 constexpr int kWide = 16 / sizeof(T);
-
-bool can_go_wide(int elem, int64_t n, std::initializer_list<int64_t> strides,
-                 std::initializer_list<ptr_t> ptrs) {
-  const int64_t per16 = 16 / elem;
-  if (n % per16 != 0) return false;
-  for (int64_t s : strides) if (s % per16 != 0) return false;
-  for (ptr_t p : ptrs) if (p && !aligned16(reinterpret_cast<void*>(p))) return false;
-  return true;
-}
-
-unsigned row_threads(int64_t packs) {
-  return static_cast<unsigned>(std::min<int64_t>(kRowThreads, std::max<int64_t>(32, (packs + 31) / 32 * 32)));
-}
 
 }  // namespace
 

@@ -5,6 +5,9 @@
 // so fp16 / bf16 outputs match the reference to the last bit or one rounding step.
 #pragma once
 
+#include <algorithm>
+#include <initializer_list>
+
 #include "common.cuh"
 #include "kv_cache.cuh"
 
@@ -18,6 +21,25 @@ struct alignas(sizeof(T) * N) Pack {
 
 constexpr int kRowThreads = 256;
 
+// The CTA size of a one-CTA-per-row kernel over `packs` accesses per row: a warp multiple, at most
+// kRowThreads. A row's sum of squares depends on it (each thread sums its own packs first), so
+// rms_norm_quant launches exactly as many threads as rms_norm.
+inline unsigned row_threads(int64_t packs) {
+  return static_cast<unsigned>(
+      std::min<int64_t>(kRowThreads, std::max<int64_t>(32, (packs + 31) / 32 * 32)));
+}
+
+// Whether rows of n elements of `elem` bytes can move as 16-byte packs: n and every row stride
+// (in elements) multiples of 16 / elem, every non-null pointer 16-byte aligned.
+inline bool can_go_wide(int elem, int64_t n, std::initializer_list<int64_t> strides,
+                        std::initializer_list<std::uintptr_t> ptrs) {
+  const int64_t per16 = 16 / elem;
+  if (n % per16 != 0) return false;
+  for (int64_t s : strides) if (s % per16 != 0) return false;
+  for (std::uintptr_t p : ptrs) if (p && !aligned16(reinterpret_cast<void*>(p))) return false;
+  return true;
+}
+
 __device__ __forceinline__ float block_sum(float x, float* scratch /* [32] */) {
   x = warp_sum(x);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -26,6 +48,65 @@ __device__ __forceinline__ float block_sum(float x, float* scratch /* [32] */) {
   const int num_warps = (blockDim.x + 31) / 32;
   x = lane < num_warps ? scratch[lane] : 0.f;
   return warp_sum(x);
+}
+
+// The rounding points of RMSNorm (+ residual) and SwiGLU, one pack at a time: the rms_norm and
+// silu_and_mul kernels and their quantizing twins (quant_act.cuh) compute through these, so the
+// fused kernels' values are the unfused ones bit for bit.
+
+// x[i] + residual[i] rounded to T and stored back into residual[i]; x[i] without a residual.
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N> add_residual(const Pack<T, N>* x, Pack<T, N>* residual,
+                                                   int i) {
+  Pack<T, N> a = x[i];
+  if (residual) {
+    const Pack<T, N> r = residual[i];
+#pragma unroll
+    for (int j = 0; j < N; ++j) a.v[j] = from_float<T>(to_float(a.v[j]) + to_float(r.v[j]));
+    residual[i] = a;
+  }
+  return a;
+}
+
+template <typename T, int N>
+__device__ __forceinline__ float add_squares(const Pack<T, N> a, float sum_sq) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const float f = to_float(a.v[j]);
+    sum_sq = fmaf(f, f, sum_sq);
+  }
+  return sum_sq;
+}
+
+// T(T(a * inv_rms) * w), as rms_norm_ref rounds the normalised value before the weight.
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N> rms_normed(const Pack<T, N> a, const Pack<T, N> w,
+                                                 float inv_rms) {
+  Pack<T, N> o;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    o.v[j] = from_float<T>(round_to<T>(to_float(a.v[j]) * inv_rms) * to_float(w.v[j]));
+  }
+  return o;
+}
+
+// T(T(silu(gate)) * up).
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N> silu_mul(const Pack<T, N> gate, const Pack<T, N> up) {
+  Pack<T, N> o;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const float g = to_float(gate.v[j]);
+    const float silu = round_to<T>(g / (1.f + __expf(-g)));
+    o.v[j] = from_float<T>(silu * to_float(up.v[j]));
+  }
+  return o;
+}
+
+// 1 / rms of a row from its threads' sums of squares (each summed in pack order).
+__device__ __forceinline__ float row_inv_rms(float sum_sq, int hidden, float eps,
+                                             float* scratch /* [32] */) {
+  return rsqrtf(block_sum(sum_sq, scratch) / hidden + eps);
 }
 
 // One CTA per token. With a residual: residual <- x + residual, out <- norm(residual) * weight.
@@ -44,31 +125,14 @@ __global__ void __launch_bounds__(kRowThreads) rms_norm_kernel(
   const int num_packs = hidden / N;
   float sum_sq = 0.f;
   for (int i = threadIdx.x; i < num_packs; i += blockDim.x) {
-    V a = xr[i];
-    if (rr) {
-      const V r = rr[i];
-#pragma unroll
-      for (int j = 0; j < N; ++j) a.v[j] = from_float<T>(to_float(a.v[j]) + to_float(r.v[j]));
-      rr[i] = a;
-    }
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const float f = to_float(a.v[j]);
-      sum_sq = fmaf(f, f, sum_sq);
-    }
+    sum_sq = add_squares(add_residual(xr, rr, i), sum_sq);
   }
-  const float inv_rms = rsqrtf(block_sum(sum_sq, scratch) / hidden + eps);
+  const float inv_rms = row_inv_rms(sum_sq, hidden, eps, scratch);
   const V* src = rr ? rr : xr;  // this thread wrote its own packs of rr above
   const V* wr = reinterpret_cast<const V*>(weight);
   V* orow = reinterpret_cast<V*>(out + row * out_stride);
   for (int i = threadIdx.x; i < num_packs; i += blockDim.x) {
-    const V a = src[i], w = wr[i];
-    V o;
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      o.v[j] = from_float<T>(round_to<T>(to_float(a.v[j]) * inv_rms) * to_float(w.v[j]));
-    }
-    orow[i] = o;
+    orow[i] = rms_normed(src[i], wr[i], inv_rms);
   }
 }
 
@@ -85,15 +149,7 @@ __global__ void __launch_bounds__(kRowThreads) silu_and_mul_kernel(
   V* orow = reinterpret_cast<V*>(out + row * out_stride);
   const int num_packs = d / N;
   for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < num_packs; i += gridDim.y * blockDim.x) {
-    const V g = gate[i], u = up[i];
-    V o;
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const float gf = to_float(g.v[j]);
-      const float silu = round_to<T>(gf / (1.f + __expf(-gf)));
-      o.v[j] = from_float<T>(silu * to_float(u.v[j]));
-    }
-    orow[i] = o;
+    orow[i] = silu_mul(gate[i], up[i]);
   }
 }
 

@@ -19,15 +19,16 @@ def parse(*argv: str) -> EngineConfig:
 def test_kernel_flags_default_to_every_fusion():
     assert parse().kernel == KernelConfig() == KernelConfig(
         fused_gemv=True, gemv_max_rows=2, fused_rotary_cache=True, merge_in_o_proj=True,
-        prefill_attention_kernel="auto", split_mixed_attention=True)
+        fused_act_quant=True, prefill_attention_kernel="auto", split_mixed_attention=True)
 
 
 def test_kernel_flags_turn_fusions_off():
     config = parse("--no-fused-gemv", "--no-fused-rotary-cache", "--no-merge-in-o-proj",
-                   "--gemv-max-rows", "1", "--prefill-attention-kernel", "mma_sync",
-                   "--no-split-mixed-attention")
+                   "--gemv-max-rows", "1", "--no-fused-act-quant", "--prefill-attention-kernel",
+                   "mma_sync", "--no-split-mixed-attention")
     assert config.kernel == KernelConfig(fused_gemv=False, gemv_max_rows=1,
                                          fused_rotary_cache=False, merge_in_o_proj=False,
+                                         fused_act_quant=False,
                                          prefill_attention_kernel="mma_sync",
                                          split_mixed_attention=False)
     assert config.model == parse().model  # the other sections are untouched

@@ -220,6 +220,10 @@ class KernelConfig:
         True, "In fused-GEMV decode, o_proj merges a split decode attention's partitions as its "
         "prologue (no merge launch) where they are small enough. Off: attention merges them in "
         "a launch of its own.")
+    fused_act_quant: bool = _f(
+        True, "On CUDA, a W8A8 projection with dynamic activation scales gets its input "
+        "quantized by the RMSNorm or SiLU-and-mul before it, in the same kernel. Off: the "
+        "projection quantizes the stored 16-bit rows in a launch of its own.")
     prefill_attention_kernel: str = _f(
         "auto", "CUDA attention of prefill and mixed steps: auto (on Hopper the warpgroup-MMA "
         "kernel over a cache of the query's dtype, elsewhere the mma.sync one) or mma_sync.",

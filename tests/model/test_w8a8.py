@@ -197,6 +197,31 @@ def test_synthetic_model_with_fp8_is_w8a8_from_the_random_float_weights():
     assert ((y - ref).norm() / ref.norm()).item() < 0.08
 
 
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_inputs_quantized_by_the_norm_and_swiglu_give_the_same_logits(method, monkeypatch,
+                                                                      paged_run):
+    """The decoder's fused path, where each W8A8 projection's input comes quantized from the
+    RMSNorm (with the residual add) or SwiGLU before it (QuantizedRows; on CUDA one kernel),
+    forced on here on the CPU, where it runs the ops' references: the logits of the CPU path,
+    bit for bit, over a prefill and a decode step."""
+    from tinyvllm.model.quantization import layer
+    from tinyvllm.model.synthetic import make_random_quantized_model, tiny_arch
+
+    net = make_random_quantized_model(tiny_arch(), 3, torch.float32, CPU, method)
+    ids = list(range(3, 30))
+
+    def run() -> torch.Tensor:
+        seq = paged_run(net, len(ids))
+        return torch.cat([seq.step([(ids[:-1], 0)]), seq.step([(ids[-1:], len(ids) - 1)])])
+
+    unfused = run()
+    asked = set()
+    monkeypatch.setattr(layer, "input_quant_fusable",
+                        lambda op, x, qweight, input_scale: asked.add(op) or input_scale is None)
+    assert torch.equal(run(), unfused)
+    assert asked == {"rms_norm_quant", "silu_and_mul_quant"}
+
+
 # --- bad checkpoints fail at load, naming the tensor or key and the format ------------------------
 
 def _edit_tensors(quant_dir, edit) -> None:

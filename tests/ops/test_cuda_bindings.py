@@ -330,6 +330,43 @@ def test_w8a8_activation_quantization_and_int8_epilogue(launches):
         3, 16, 16, 16, 1)
 
 
+def test_w8a8_activation_quantization_fused_into_norm_and_swiglu(launches):
+    x, weight = torch.randn(40, 64).half()[3:6, :48], torch.randn(48).half()  # row stride 64
+    residual, scale = torch.randn(3, 48).half(), torch.tensor(0.25)
+    rows, res = layers_cuda.rms_norm_quant_cuda(launches.kernels, x, weight, 1e-5, residual,
+                                                torch.int8, 127.5)
+    args = launches.only("rms_norm_quant")
+    assert res is residual and rows.dtype == torch.float16
+    assert rows.q.dtype == torch.int8 and rows.q.shape == (3, 48) and rows.scales.shape == (3, 1)
+    assert (args["out"], args["scales"], args["x"], args["residual"], args["weight"],
+            args["static_scale"]) == (ptr(rows.q), ptr(rows.scales), ptr(x), ptr(residual),
+                                      ptr(weight), 0)
+    assert (args["num_tokens"], args["hidden"], args["x_stride"], args["residual_stride"],
+            args["out_stride"], args["eps"]) == (3, 48, 64, 48, 48, 1e-5)
+    assert (args["qmax"], args["scale_divisor"], args["min_absmax"], args["dtype"],
+            args["qdtype"], args["stream"]) == (127.0, 127.5, w8a8_linear.MIN_ABSMAX, 1, 4,
+                                                STREAM)
+    launches.clear()
+    layers_cuda.rms_norm_quant_cuda(launches.kernels, x, weight, 1e-5, None,
+                                    torch.float8_e4m3fn, 448.0, scale)
+    args = launches.only("rms_norm_quant")
+    assert (args["residual"], args["residual_stride"], args["qmax"], args["qdtype"]) == (
+        0, 0, 448.0, 3)
+    assert args["static_scale"] != 0
+    launches.clear()
+    gate_up = torch.randn(5, 80).bfloat16()[:3, :64]  # d = 32, row stride 80
+    rows = layers_cuda.silu_and_mul_quant_cuda(launches.kernels, gate_up, torch.float8_e4m3fn,
+                                               448.0, scale)
+    args = launches.only("silu_and_mul_quant")
+    assert rows.q.shape == (3, 32) and rows.dtype == torch.bfloat16
+    assert (args["out"], args["scales"], args["x"]) == (ptr(rows.q), ptr(rows.scales),
+                                                        ptr(gate_up))
+    assert args["static_scale"] != 0
+    assert (args["num_tokens"], args["d"], args["x_stride"], args["out_stride"], args["qmax"],
+            args["scale_divisor"], args["dtype"], args["qdtype"], args["stream"]) == (
+        3, 32, 80, 32, 448.0, 448.0, 2, 3, STREAM)
+
+
 def test_every_launcher_is_exercised_above():
     tested = set(re.findall(r'launches\.only\("(\w+)"\)', Path(__file__).read_text()))
     assert tested == {f for functions in KERNEL_FUNCTIONS.values() for f in functions}

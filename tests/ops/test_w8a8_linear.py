@@ -1,6 +1,8 @@
 """ops/w8a8_linear.py on the CPU: the activation quantization (rounding, clamping, zero rows,
 static scales), the reference's arithmetic against exact integer products, layout errors, and
-the C++ int8 kernel (every instruction set this machine runs) against the reference."""
+the C++ int8 kernel (every instruction set this machine runs) against the reference; rows
+quantized by the op before the projection (ops.rms_norm_quant, ops.silu_and_mul_quant: their
+references, and a projection taking them)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import torch
 
 from tinyvllm.ops import quantized as q
 from tinyvllm.ops import w8a8_linear as w8
+from tinyvllm.ops.layers import (rms_norm_quant, rms_norm_quant_ref, rms_norm_ref,
+                                 silu_and_mul_quant, silu_and_mul_quant_ref, silu_and_mul_ref)
 
 FP8 = torch.float8_e4m3fn
 
@@ -196,3 +200,111 @@ def test_cpu_int8_kernel_past_exact_float_sums():
     assert got.dtype == torch.bfloat16 and got.shape == (6, 20)
     want = w8.w8a8_linear_ref(x, qweight, weight_scale)
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+
+
+# --- rows quantized by the op before the projection -----------------------------------------------
+
+def assert_same_rows(rows: w8.QuantizedRows, q: torch.Tensor, scales: torch.Tensor,
+                     dtype: torch.dtype) -> None:
+    assert rows.dtype == dtype and rows.q.dtype == q.dtype and rows.q.shape == q.shape
+    assert torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(rows.scales, scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("qdtype,divisor", [(torch.int8, None), (torch.int8, 127.5), (FP8, 448.0)],
+                         ids=["int8-127", "int8-127.5", "fp8-448"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_fused_references_are_the_composition_of_the_references(dtype, qdtype, divisor, static):
+    """rms_norm_quant (with and without the residual add) and silu_and_mul_quant on the CPU: the
+    references of rms_norm / silu_and_mul, then quantize_rows', bit for bit; an all-zero row
+    quantizes to zeros."""
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(7, 96, generator=gen) * 3).to(dtype)
+    residual = (torch.randn(7, 96, generator=gen)).to(dtype)
+    weight = (torch.rand(96, generator=gen) + 0.5).to(dtype)
+    x[2], residual[2] = 0, 0
+    scale = torch.tensor(0.02) if static else None
+    for op in (rms_norm_quant, rms_norm_quant_ref):
+        rows, new_residual = op(x, weight, 1e-5, residual, qdtype, divisor, scale)
+        normed, want_residual = rms_norm_ref(x, weight, 1e-5, residual)
+        assert_same_rows(rows, *w8.quantize_rows_ref(normed, qdtype, scale, divisor), dtype)
+        assert torch.equal(new_residual, want_residual)
+        assert not bool(rows.q[2].float().any())
+        rows = op(x, weight, 1e-5, None, qdtype, divisor, scale)
+        normed = rms_norm_ref(x, weight, 1e-5)
+        assert_same_rows(rows, *w8.quantize_rows_ref(normed, qdtype, scale, divisor), dtype)
+    gate_up = (torch.randn(5, 2 * 48, generator=gen) * 2).to(dtype)
+    gate_up[1] = 0
+    product = silu_and_mul_ref(gate_up)
+    for op in (silu_and_mul_quant, silu_and_mul_quant_ref):
+        rows = op(gate_up, qdtype, divisor, scale)
+        assert_same_rows(rows, *w8.quantize_rows_ref(product, qdtype, scale, divisor), dtype)
+        assert rows.q.shape == (5, 48) and not bool(rows.q[1].float().any())
+
+
+X, WEIGHT = torch.randn(2, 16), torch.ones(16)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: rms_norm_quant(X, WEIGHT, 1e-5, None, torch.float16),
+     r"qdtype: expected torch\.int8 or torch\.float8_e4m3fn, got torch\.float16"),
+    (lambda: rms_norm_quant(X, WEIGHT, 1e-5, None, torch.int8, 0.0),
+     r"divisor: expected a positive scale divisor, got 0\.0"),
+    (lambda: rms_norm_quant(X, torch.ones(10), 1e-5, None, torch.int8),
+     r"weight: expected \[16\], got \(10,\)"),
+    (lambda: rms_norm_quant(X, WEIGHT, 1e-5, torch.ones(3, 16), FP8),
+     r"residual: expected \(2, 16\), got \(3, 16\)"),
+    (lambda: rms_norm_quant(X.view(2, 2, 8), torch.ones(8), 1e-5, None, FP8),
+     r"x: expected \[num_tokens, hidden\], got \(2, 2, 8\)"),
+    (lambda: silu_and_mul_quant(torch.randn(2, 15), torch.int8),
+     r"x: expected \[num_tokens, 2 \* d\] \(gate \| up\), got \(2, 15\)"),
+    (lambda: silu_and_mul_quant(X, torch.bfloat16), r"qdtype: expected torch\.int8"),
+    (lambda: silu_and_mul_quant(X, FP8, -1.0), r"divisor: expected a positive scale divisor"),
+], ids=["qdtype", "divisor", "weight", "residual", "x-dims", "silu-x", "silu-qdtype",
+        "silu-divisor"])
+def test_fused_ops_name_bad_arguments(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_projection_of_quantized_rows_equals_that_of_the_float_rows(dtype, static):
+    """A W8A8 projection handed QuantizedRows (w8a8_linear; scaled_gemm, the cuBLAS path's
+    calls, here on torch's CPU kernels) gives what it gives for the float rows they were
+    quantized from, bit for bit; it does not quantize them again."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
+    qweight, weight_scale = w8.quantize_weight(torch.randn(48, 64, generator=gen), dtype)
+    bias = torch.randn(48, generator=gen).to(torch.bfloat16)
+    input_scale = torch.tensor(0.02) if static else None
+    divisor = w8.COMPRESSED_TENSORS_DIVISOR[dtype]
+    rows = w8.QuantizedRows(*w8.quantize_rows(x, dtype, input_scale, divisor), x.dtype)
+    want = w8.w8a8_linear_ref(x, qweight, weight_scale, input_scale, bias,
+                              act_scale_divisor=divisor)
+    got = w8.w8a8_linear(rows, qweight, weight_scale, input_scale, bias)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    want = w8.scaled_gemm(x, qweight, weight_scale, input_scale, bias, act_scale_divisor=divisor)
+    assert torch.equal(w8.scaled_gemm(rows, qweight, weight_scale, None, bias), want)
+
+
+def test_quantized_rows_of_another_type_or_shape_are_refused():
+    qweight, weight_scale = w8.quantize_weight(torch.randn(8, 32), torch.int8)
+    q, scales = w8.quantize_rows(torch.randn(3, 32), FP8)
+    with pytest.raises(ValueError, match=r"x: expected rows quantized to torch\.int8 "
+                                         r"\[num_tokens, 32\], got torch\.float8_e4m3fn"):
+        w8.w8a8_linear(w8.QuantizedRows(q, scales, torch.float32), qweight, weight_scale)
+    q, _ = w8.quantize_rows(torch.randn(3, 32), torch.int8)
+    with pytest.raises(ValueError, match=r"x: expected float32 scales \(3, 1\), got "
+                                         r"torch\.float32 \(3,\)"):
+        w8.w8a8_linear(w8.QuantizedRows(q, scales.view(3), torch.float32), qweight,
+                       weight_scale)
+
+
+def test_no_fusion_on_the_cpu():
+    """On the CPU the op before a projection hands over float rows, as before the fusion."""
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    qweight, _ = w8.quantize_weight(torch.randn(48, 64), torch.int8)
+    for op in ("rms_norm_quant", "silu_and_mul_quant"):
+        assert not w8.input_quant_fusable(op, x, qweight, None)

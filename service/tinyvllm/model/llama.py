@@ -69,7 +69,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 meta: ops.AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-        """hidden: [num_tokens, hidden] -> [num_tokens, hidden]; writes this step's K/V first."""
+        """hidden: [num_tokens, hidden] (QuantizedRows for a W8A8 qkv_proj that asks for them,
+        see `_rms_norm`) -> [num_tokens, hidden]; writes this step's K/V first."""
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
         out = self.o_proj(self.attend(positions, qkv, kv_cache, meta, cos_sin_cache))
         return self.tp.all_reduce(out)  # each rank's heads' share of o_proj
@@ -113,7 +114,9 @@ class LlamaMLP(nn.Module):
         return [self.arch.intermediate_size, self.arch.intermediate_size]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden))))
+        """hidden: [num_tokens, hidden] (or QuantizedRows, as LlamaAttention) -> the same."""
+        act = _silu_and_mul(self.gate_up_proj(hidden), self.down_proj)
+        return self.tp.all_reduce(self.down_proj(act))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -128,13 +131,11 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions, hidden, residual: Optional[torch.Tensor], kv_cache, meta,
                 cos_sin_cache):
         """Pre-norm block; the residual add is fused into the next norm (returns both streams)."""
-        if residual is None:
-            residual = hidden
-            hidden = ops.rms_norm(hidden, self.input_layernorm, self.eps)
-        else:
-            hidden, residual = ops.rms_norm(hidden, self.input_layernorm, self.eps, residual)
+        hidden, residual = _rms_norm(hidden, self.input_layernorm, self.eps, residual,
+                                     self.self_attn.qkv_proj)
         hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin_cache)
-        hidden, residual = ops.rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
+        hidden, residual = _rms_norm(hidden, self.post_attention_layernorm, self.eps, residual,
+                                     self.mlp.gate_up_proj)
         return self.mlp(hidden), residual
 
     def forward_fused(self, positions, residual: torch.Tensor, kv_cache, meta,
@@ -166,6 +167,29 @@ class LlamaDecoderLayer(nn.Module):
             _fused_linear(proj, x, residual=residual, **kwargs)
         else:
             residual += self.tp.all_reduce(_fused_linear(proj, x, **kwargs))
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+              residual: Optional[torch.Tensor], proj: nn.Module):
+    """`ops.rms_norm` making the input of `proj` -> (normed, residual); without a residual x
+    is the next one. Where proj asks for its input quantized (a W8A8 projection with dynamic
+    scales on CUDA, `fused_input_quant`), `ops.rms_norm_quant` hands it QuantizedRows."""
+    quant = _input_quant(proj, "rms_norm_quant", x)
+    out = (ops.rms_norm(x, weight, eps, residual) if quant is None
+           else ops.rms_norm_quant(x, weight, eps, residual, *quant))
+    return (out, x) if residual is None else out
+
+
+def _silu_and_mul(x: torch.Tensor, proj: nn.Module):
+    """`ops.silu_and_mul` making the input of `proj`, quantized where `_rms_norm` would."""
+    quant = _input_quant(proj, "silu_and_mul_quant", x)
+    return ops.silu_and_mul(x) if quant is None else ops.silu_and_mul_quant(x, *quant)
+
+
+def _input_quant(proj: nn.Module, op: str, x: torch.Tensor):
+    """(qdtype, divisor) when `op` should quantize proj's input; None for float inputs."""
+    fused = getattr(proj, "fused_input_quant", None)
+    return None if fused is None else fused(op, x)
 
 
 def _fused_linear(proj: nn.Module, x, **kwargs: Any) -> torch.Tensor:

@@ -12,8 +12,9 @@ from tinyvllm.ops._dispatch import CudaModuleError, configure, kernel_config
 from tinyvllm.ops.attention import (AttentionMetadata, DecodePartitions, paged_attention,
                                     paged_attention_ref, rotary_paged_attention)
 from tinyvllm.ops.kv_cache import KV_CACHE_LAYOUT, allocate_kv_caches, reshape_and_cache
-from tinyvllm.ops.layers import (build_cos_sin_cache, rms_norm, rotary_embedding,
-                                 rotary_embedding_and_cache, silu_and_mul)
+from tinyvllm.ops.layers import (build_cos_sin_cache, rms_norm, rms_norm_quant,
+                                 rotary_embedding, rotary_embedding_and_cache, silu_and_mul,
+                                 silu_and_mul_quant)
 from tinyvllm.ops.linear import fused_linear, fused_linear_supported, use_fused_decode
 from tinyvllm.ops.sampling import sample, sample_ref
 
@@ -22,8 +23,8 @@ __all__ = [
     "AttentionMetadata", "DecodePartitions", "paged_attention", "paged_attention_ref",
     "rotary_paged_attention",
     "KV_CACHE_LAYOUT",
-    "allocate_kv_caches", "reshape_and_cache", "rms_norm", "rotary_embedding",
-    "rotary_embedding_and_cache", "silu_and_mul",
+    "allocate_kv_caches", "reshape_and_cache", "rms_norm", "rms_norm_quant", "rotary_embedding",
+    "rotary_embedding_and_cache", "silu_and_mul", "silu_and_mul_quant",
     "build_cos_sin_cache", "fused_linear", "fused_linear_supported", "use_fused_decode",
     "sample", "sample_ref",
 ]

@@ -50,6 +50,8 @@ KERNEL_MIN_CAPABILITY: dict[str, Capability] = {
     "quant_linear": (8, 0),
     "gguf_linear": (8, 0),
     "quantize_rows": (8, 0),
+    "rms_norm_quant": (8, 0),
+    "silu_and_mul_quant": (8, 0),
 }
 
 KERNEL_FUNCTIONS: dict[str, tuple[str, ...]] = {
@@ -66,10 +68,12 @@ KERNEL_FUNCTIONS: dict[str, tuple[str, ...]] = {
                      "quant_tile_dequantize"),
     "gguf_linear": ("gguf_gemv", "gguf_dequantize"),
     "quantize_rows": ("quantize_rows", "rescale_int32"),
+    "rms_norm_quant": ("rms_norm_quant",),
+    "silu_and_mul_quant": ("silu_and_mul_quant",),
 }
 """Op -> the module's functions its CUDA path calls (same keys as KERNEL_MIN_CAPABILITY)."""
 
-CUDA_ABI_VERSION = 6
+CUDA_ABI_VERSION = 7
 """The launcher interface this package calls; a module must report it as its `abi_version`
 (cuda/launchers.h kAbiVersion: the two are bumped together)."""
 

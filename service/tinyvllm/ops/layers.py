@@ -1,4 +1,5 @@
-"""Elementwise and normalisation ops of the Llama family, each with its torch reference."""
+"""Elementwise and normalisation ops of the Llama family, each with its torch reference; RMSNorm
+and SiLU-and-mul also fused with the per-token quantization of a W8A8 projection's input."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyvllm.ops._dispatch import use_kernel
+from tinyvllm.ops.w8a8_linear import QMAX, QuantizedRows, quantize_rows_ref
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -47,6 +49,80 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: Optional[torch.Tensor], qdtype: torch.dtype,
+                   divisor: Optional[float] = None, scale: Optional[torch.Tensor] = None):
+    """`rms_norm` then `quantize_rows` of its output, in one kernel on CUDA that writes only the
+    8-bit rows and their scales (the values and scales of the two ops, bit for bit).
+
+    Args:
+        x, weight, eps, residual: as `rms_norm` (the residual is updated in place on CUDA).
+        qdtype: torch.int8 or torch.float8_e4m3fn, the W8A8 weight's type.
+        divisor, scale: as `quantize_rows` (dynamic scale max|row| / divisor, None: QMAX;
+            or the static float32 scalar `scale`).
+    Shape: x, residual [num_tokens, hidden]; weight [hidden].
+    Returns: QuantizedRows of normed x, or (QuantizedRows of normed(x + residual), x + residual)
+        when residual is given.
+    """
+    divisor = _check_quant_args(qdtype, divisor)
+    _check_norm_shapes(x, weight, residual)
+    kernel = use_kernel("rms_norm_quant", x, weight)
+    if kernel is not None:
+        from tinyvllm.ops.layers_cuda import rms_norm_quant_cuda
+        return rms_norm_quant_cuda(kernel, x, weight, eps, residual, qdtype, divisor, scale)
+    return rms_norm_quant_ref(x, weight, eps, residual, qdtype, divisor, scale)
+
+
+def rms_norm_quant_ref(x, weight, eps, residual, qdtype, divisor=None, scale=None):
+    out = rms_norm_ref(x, weight, eps, residual)
+    normed = out if residual is None else out[0]
+    rows = QuantizedRows(*quantize_rows_ref(normed, qdtype, scale, divisor), x.dtype)
+    return rows if residual is None else (rows, out[1])
+
+
+def silu_and_mul_quant(x: torch.Tensor, qdtype: torch.dtype, divisor: Optional[float] = None,
+                       scale: Optional[torch.Tensor] = None) -> QuantizedRows:
+    """`silu_and_mul` then `quantize_rows` of its output, in one kernel on CUDA that writes only
+    the 8-bit rows and their scales (the values and scales of the two ops, bit for bit).
+
+    Args: qdtype, divisor, scale: as `rms_norm_quant`.
+    Shape: x [num_tokens, 2 * d] (gate | up) -> QuantizedRows [num_tokens, d].
+    """
+    divisor = _check_quant_args(qdtype, divisor)
+    if x.dim() != 2 or x.shape[-1] % 2:
+        raise ValueError(f"x: expected [num_tokens, 2 * d] (gate | up), got {tuple(x.shape)}")
+    kernel = use_kernel("silu_and_mul_quant", x)
+    if kernel is not None:
+        from tinyvllm.ops.layers_cuda import silu_and_mul_quant_cuda
+        return silu_and_mul_quant_cuda(kernel, x, qdtype, divisor, scale)
+    return silu_and_mul_quant_ref(x, qdtype, divisor, scale)
+
+
+def silu_and_mul_quant_ref(x, qdtype, divisor=None, scale=None) -> QuantizedRows:
+    return QuantizedRows(*quantize_rows_ref(silu_and_mul_ref(x), qdtype, scale, divisor),
+                         x.dtype)
+
+
+def _check_quant_args(qdtype: torch.dtype, divisor: Optional[float]) -> float:
+    """The dynamic scale's divisor (QMAX[qdtype] for None), after checking both."""
+    if qdtype not in QMAX:
+        raise ValueError(f"qdtype: expected torch.int8 or torch.float8_e4m3fn, got {qdtype}")
+    divisor = QMAX[qdtype] if divisor is None else float(divisor)
+    if not divisor > 0:
+        raise ValueError(f"divisor: expected a positive scale divisor, got {divisor}")
+    return divisor
+
+
+def _check_norm_shapes(x: torch.Tensor, weight: torch.Tensor,
+                       residual: Optional[torch.Tensor]) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x: expected [num_tokens, hidden], got {tuple(x.shape)}")
+    if tuple(weight.shape) != (x.shape[1],):
+        raise ValueError(f"weight: expected [{x.shape[1]}], got {tuple(weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual: expected {tuple(x.shape)}, got {tuple(residual.shape)}")
 
 
 def build_cos_sin_cache(head_dim: int, max_position: int, base: float,

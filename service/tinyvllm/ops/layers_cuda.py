@@ -1,4 +1,5 @@
-"""CUDA RMSNorm(+residual), SiLU-and-mul and rotary embedding behind `ops.layers`."""
+"""CUDA RMSNorm(+residual), SiLU-and-mul (each also fused with the per-token quantization of a
+W8A8 projection's input) and rotary embedding behind `ops.layers`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from tinyvllm.ops._dispatch import dtype_code, stream_handle
 from tinyvllm.ops.kv_cache import FP8_DTYPE, kv_scale_ptrs
+from tinyvllm.ops.w8a8_linear import MIN_ABSMAX, QMAX, QuantizedRows
 
 
 def rms_norm_cuda(kernel, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -20,21 +22,12 @@ def rms_norm_cuda(kernel, x: torch.Tensor, weight: torch.Tensor, eps: float,
     `residual` itself, updated in place (the next layer's residual, as in vLLM). `out` is an
     optional [num_tokens, hidden] buffer with contiguous rows for the normed result.
     """
-    hidden = x.shape[-1]
-    _check_rows("x", x)
-    if weight.dtype != x.dtype or weight.shape != (hidden,) or not weight.is_contiguous():
-        raise ValueError(f"weight: expected a contiguous [{hidden}] {x.dtype} tensor, got "
-                         f"{weight.dtype} {tuple(weight.shape)}")
-    if residual is not None:
-        _check_rows("residual", residual)
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            raise ValueError(f"residual: expected {x.dtype} {tuple(x.shape)}, got "
-                             f"{residual.dtype} {tuple(residual.shape)}")
+    _check_norm_inputs(x, weight, residual)
     out = _output(out, x.shape, x)
     kernel.rms_norm(
         out=out.data_ptr(), x=x.data_ptr(),
         residual=0 if residual is None else residual.data_ptr(), weight=weight.data_ptr(),
-        num_tokens=x.shape[0], hidden=hidden, x_stride=x.stride(0),
+        num_tokens=x.shape[0], hidden=x.shape[-1], x_stride=x.stride(0),
         residual_stride=0 if residual is None else residual.stride(0),
         out_stride=out.stride(0), eps=eps, dtype=dtype_code(x.dtype),
         stream=stream_handle(x.device))
@@ -55,6 +48,53 @@ def silu_and_mul_cuda(kernel, x: torch.Tensor, out: Optional[torch.Tensor] = Non
                         x_stride=x.stride(0), out_stride=out.stride(0),
                         dtype=dtype_code(x.dtype), stream=stream_handle(x.device))
     return out
+
+
+def rms_norm_quant_cuda(kernel, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        residual: Optional[torch.Tensor], qdtype: torch.dtype, divisor: float,
+                        scale: Optional[torch.Tensor] = None):
+    """`rms_norm_cuda` then `quantize_rows` of the normed rows, in one launch (the normed rows
+    are never stored).
+
+    Shape: as rms_norm_cuda. qdtype int8 / float8_e4m3fn; divisor the dynamic scale's; scale
+    a static float32 scalar or None.
+    Returns: QuantizedRows (q [num_tokens, hidden], scales [num_tokens, 1]), or (that, residual)
+    with `residual` updated in place to x + residual.
+    """
+    _check_norm_inputs(x, weight, residual)
+    num_tokens, hidden = x.shape
+    q, scales = _quantized_output(num_tokens, hidden, qdtype, x.device)
+    static = _static_scale(scale, x.device)  # held until the launch
+    kernel.rms_norm_quant(
+        out=q.data_ptr(), scales=scales.data_ptr(), x=x.data_ptr(),
+        residual=0 if residual is None else residual.data_ptr(), weight=weight.data_ptr(),
+        static_scale=0 if static is None else static.data_ptr(), num_tokens=num_tokens,
+        hidden=hidden, x_stride=x.stride(0),
+        residual_stride=0 if residual is None else residual.stride(0), out_stride=hidden,
+        eps=eps, qmax=QMAX[qdtype], scale_divisor=divisor, min_absmax=MIN_ABSMAX,
+        dtype=dtype_code(x.dtype), qdtype=dtype_code(qdtype), stream=stream_handle(x.device))
+    rows = QuantizedRows(q, scales, x.dtype)
+    return rows if residual is None else (rows, residual)
+
+
+def silu_and_mul_quant_cuda(kernel, x: torch.Tensor, qdtype: torch.dtype, divisor: float,
+                            scale: Optional[torch.Tensor] = None) -> QuantizedRows:
+    """`silu_and_mul_cuda` then `quantize_rows` of the product, in one launch (the product is
+    never stored). Shape: x [num_tokens, 2 * d] (gate | up, rows contiguous) -> QuantizedRows
+    (q [num_tokens, d], scales [num_tokens, 1]); qdtype, divisor, scale as rms_norm_quant_cuda."""
+    _check_rows("x", x)
+    if x.shape[-1] % 2:
+        raise ValueError(f"x: last dim must be even (gate | up), got {x.shape[-1]}")
+    num_tokens, d = x.shape[0], x.shape[-1] // 2
+    q, scales = _quantized_output(num_tokens, d, qdtype, x.device)
+    static = _static_scale(scale, x.device)
+    kernel.silu_and_mul_quant(
+        out=q.data_ptr(), scales=scales.data_ptr(), x=x.data_ptr(),
+        static_scale=0 if static is None else static.data_ptr(), num_tokens=num_tokens, d=d,
+        x_stride=x.stride(0), out_stride=d, qmax=QMAX[qdtype], scale_divisor=divisor,
+        min_absmax=MIN_ABSMAX, dtype=dtype_code(x.dtype), qdtype=dtype_code(qdtype),
+        stream=stream_handle(x.device))
+    return QuantizedRows(q, scales, x.dtype)
 
 
 def rotary_embedding_cuda(kernel, positions: torch.Tensor, query: torch.Tensor,
@@ -135,6 +175,36 @@ def _output(out: Optional[torch.Tensor], shape, like: torch.Tensor) -> torch.Ten
                          f"{out.dtype} {tuple(out.shape)} on {out.device}")
     _check_rows("out", out)
     return out
+
+
+def _check_norm_inputs(x: torch.Tensor, weight: torch.Tensor,
+                       residual: Optional[torch.Tensor]) -> None:
+    """x, residual: [num_tokens, hidden] with contiguous rows, one dtype; weight: [hidden]."""
+    hidden = x.shape[-1]
+    _check_rows("x", x)
+    if weight.dtype != x.dtype or weight.shape != (hidden,) or not weight.is_contiguous():
+        raise ValueError(f"weight: expected a contiguous [{hidden}] {x.dtype} tensor, got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    if residual is not None:
+        _check_rows("residual", residual)
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"residual: expected {x.dtype} {tuple(x.shape)}, got "
+                             f"{residual.dtype} {tuple(residual.shape)}")
+
+
+def _quantized_output(num_tokens: int, k: int, qdtype: torch.dtype, device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [num_tokens, k] qdtype, scales [num_tokens, 1] float32), fresh: the kernels' 8-bit
+    packs need the rows' alignment, which a new tensor has."""
+    return (torch.empty(num_tokens, k, dtype=qdtype, device=device),
+            torch.empty(num_tokens, 1, dtype=torch.float32, device=device))
+
+
+def _static_scale(scale: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    """A static scale as the kernels read it: one float32 on the device."""
+    if scale is None:
+        return None
+    return scale.to(device=device, dtype=torch.float32).reshape(1).contiguous()
 
 
 def _row_numel(t: torch.Tensor) -> int:

@@ -29,17 +29,21 @@ The dynamic scale's divisor is the checkpoint's convention (`act_scale_divisor`)
                           calculate_qparams: int8 (127 + 128) / 2 = 127.5, fp8 (448 + 448) / 2 =
                           448; its int-quantized / float-quantized checkpoints are calibrated and
                           evaluated with it (max|x| maps to 127.5, then clamped to 127)
+
+The rows may come quantized already (`QuantizedRows`): on CUDA the RMSNorm or SwiGLU before a
+projection quantizes its output itself (`ops.rms_norm_quant`, `ops.silu_and_mul_quant`, one kernel
+each), with the values and scales `quantize_rows` would give, and the projection skips that step.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
-from tinyvllm.ops._dispatch import dtype_code, stream_handle, use_kernel
+from tinyvllm.ops._dispatch import dtype_code, kernel_config, stream_handle, use_kernel
 
 FP8_DTYPE = torch.float8_e4m3fn
 QMAX = {torch.int8: 127.0, FP8_DTYPE: float(torch.finfo(FP8_DTYPE).max)}
@@ -58,6 +62,18 @@ INT8_ALIGN, FP8_ALIGN = 8, 16
 """torch._int_mm needs k and n multiples of 8; torch._scaled_mm multiples of 16 (ATen's checks)."""
 INT8_MIN_CAPABILITY, FP8_MIN_CAPABILITY = (8, 0), (8, 9)
 """cuBLAS int8 GEMMs run on the project's minimum (sm_80); torch._scaled_mm needs sm_89 or newer."""
+
+
+class QuantizedRows(NamedTuple):
+    """Activations quantized per row by the op that made them (`ops.rms_norm_quant`,
+    `ops.silu_and_mul_quant`), for a W8A8 projection to take in place of float rows."""
+
+    q: torch.Tensor
+    """[num_tokens, k] int8 or float8_e4m3fn, the weight's type."""
+    scales: torch.Tensor
+    """[num_tokens, 1] float32: row i is q[i] * scales[i]."""
+    dtype: torch.dtype
+    """The float dtype of the rows before quantization: the projection's output dtype."""
 
 
 def check_layout(qweight: torch.Tensor, weight_scale: torch.Tensor,
@@ -164,31 +180,75 @@ def w8a8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.
         act_scale_divisor: the dynamic activation scale's divisor, the checkpoint's convention
             (ACT_SCALE_DIVISORS); None: QMAX of the weight's type.
     """
-    n, k = check_layout(qweight, weight_scale, input_scale)
-    lead = x.shape[:-1]
-    qx, x_scale = quantize_rows(x.reshape(-1, k), qweight.dtype, input_scale, act_scale_divisor)
-    y = (qx.float() @ qweight.float().t()) * x_scale * weight_scale
+    n, _ = check_layout(qweight, weight_scale, input_scale)
+    rows = _quantized(x, qweight, input_scale, act_scale_divisor)
+    return quantized_linear_ref(rows, qweight, weight_scale, bias).view(*x.shape[:-1], n)
+
+
+def quantized_linear_ref(x: QuantizedRows, qweight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`w8a8_linear_ref` from its quantized rows on: [num_tokens, n] in x.dtype."""
+    y = (x.q.float() @ qweight.float().t()) * x.scales * weight_scale
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype).view(*lead, n)
+    return y.to(x.dtype)
 
 
-def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
-                input_scale: Optional[torch.Tensor] = None,
+def w8a8_linear(x: Union[torch.Tensor, QuantizedRows], qweight: torch.Tensor,
+                weight_scale: torch.Tensor, input_scale: Optional[torch.Tensor] = None,
                 bias: Optional[torch.Tensor] = None, *,
                 act_scale_divisor: Optional[float] = None) -> torch.Tensor:
     """`w8a8_linear_ref`, through cuBLAS where it serves the inputs: float16 / bfloat16 x on a
     GPU that runs the type's GEMM (int8: sm_80, fp8: sm_89), k and n multiples of 8 (int8) or
     16 (fp8), and on the C++ CPU kernel for int8. The one entry point of the model's W8A8
     layers; [..., k] -> [..., n] in x's dtype. act_scale_divisor: as in `w8a8_linear_ref`.
+
+    x may be rows quantized already (`QuantizedRows` [num_tokens, k] in the weight's type; ->
+    [num_tokens, n]): the GEMM and rescale only, input_scale and act_scale_divisor unused.
     """
     check_layout(qweight, weight_scale, input_scale)
+    if isinstance(x, QuantizedRows):
+        _check_quantized_rows(x, qweight)
+        if cuda_supported(x, qweight):
+            return scaled_gemm(x, qweight, weight_scale, None, bias)
+        return quantized_linear_ref(x, qweight, weight_scale, bias)
     args = (x, qweight, weight_scale, input_scale, bias)
     if cuda_supported(x, qweight):
         return scaled_gemm(*args, act_scale_divisor=act_scale_divisor)
     if cpu_supported(x, qweight, weight_scale):
         return int8_linear_cpu(*args, act_scale_divisor=act_scale_divisor)
     return w8a8_linear_ref(*args, act_scale_divisor=act_scale_divisor)
+
+
+def _check_quantized_rows(x: QuantizedRows, qweight: torch.Tensor) -> None:
+    num_tokens, k = x.q.shape[0], qweight.shape[1]
+    if x.q.dtype != qweight.dtype or tuple(x.q.shape) != (num_tokens, k):
+        raise ValueError(f"x: expected rows quantized to {qweight.dtype} [num_tokens, {k}], got "
+                         f"{x.q.dtype} {tuple(x.q.shape)}")
+    if x.scales.dtype != torch.float32 or tuple(x.scales.shape) != (num_tokens, 1):
+        raise ValueError(f"x: expected float32 scales ({num_tokens}, 1), got "
+                         f"{x.scales.dtype} {tuple(x.scales.shape)}")
+
+
+def input_quant_fusable(op: str, x: torch.Tensor, qweight: torch.Tensor,
+                        input_scale: Optional[torch.Tensor]) -> bool:
+    """Whether `op` (rms_norm_quant or silu_and_mul_quant), the op that makes a W8A8
+    projection's input from x, should quantize the rows itself and hand over `QuantizedRows`:
+    dynamic activation scales, the fusion on (`KernelConfig.fused_act_quant`), op's CUDA kernel
+    serving x and the projection's GEMM on cuBLAS (`cuda_supported`). Elsewhere the projection
+    quantizes its float input as before (CPU, static scales, the torch reference on a GPU)."""
+    return (input_scale is None and kernel_config().fused_act_quant
+            and cuda_supported(x, qweight) and use_kernel(op, x) is not None)
+
+
+def _quantized(x: Union[torch.Tensor, QuantizedRows], qweight: torch.Tensor,
+               input_scale: Optional[torch.Tensor], divisor: Optional[float]) -> QuantizedRows:
+    """x's rows quantized to the weight's type ([num_tokens, k]); QuantizedRows as they are."""
+    if isinstance(x, QuantizedRows):
+        return x
+    q, scales = quantize_rows(x.reshape(-1, qweight.shape[1]), qweight.dtype, input_scale,
+                              divisor)
+    return QuantizedRows(q, scales, x.dtype)
 
 
 def cpu_supported(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
@@ -235,24 +295,25 @@ def int8_linear_cpu(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.
     return out.to(x.dtype).view(*lead, n)
 
 
-def scaled_gemm(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
-                input_scale: Optional[torch.Tensor] = None,
+def scaled_gemm(x: Union[torch.Tensor, QuantizedRows], qweight: torch.Tensor,
+                weight_scale: torch.Tensor, input_scale: Optional[torch.Tensor] = None,
                 bias: Optional[torch.Tensor] = None, *,
                 act_scale_divisor: Optional[float] = None) -> torch.Tensor:
     """The GEMM path of `w8a8_linear` (torch._int_mm / torch._scaled_mm; torch's CPU kernels
-    run it too, which tests use), for the inputs `cuda_supported` admits."""
-    n, k = qweight.shape
-    lead = x.shape[:-1]
-    qx, x_scale = quantize_rows(x.reshape(-1, k), qweight.dtype, input_scale, act_scale_divisor)
+    run it too, which tests use), for the inputs `cuda_supported` admits; x float [..., k], or
+    `QuantizedRows` [num_tokens, k] (not quantized again)."""
+    n = qweight.shape[0]
+    lead = (x.q if isinstance(x, QuantizedRows) else x).shape[:-1]
+    rows = _quantized(x, qweight, input_scale, act_scale_divisor)
     if bias is not None:
-        bias = bias.to(x.dtype)
+        bias = bias.to(rows.dtype)
     if qweight.dtype == torch.int8:
-        y = _int8_gemm(qx, qweight, x_scale, weight_scale, bias, x.dtype)
+        y = _int8_gemm(rows.q, qweight, rows.scales, weight_scale, bias, rows.dtype)
     else:
         # Row-wise scaling: scale_a float32 [m, 1] and scale_b [1, n], both contiguous; the
         # bias (in the output dtype, as torch._scaled_mm requires) is added before rounding.
-        y = torch._scaled_mm(qx, qweight.t(), scale_a=x_scale.contiguous(),
-                             scale_b=weight_scale.view(1, n), bias=bias, out_dtype=x.dtype)
+        y = torch._scaled_mm(rows.q, qweight.t(), scale_a=rows.scales.contiguous(),
+                             scale_b=weight_scale.view(1, n), bias=bias, out_dtype=rows.dtype)
     return y.view(*lead, n)
 
 
@@ -287,15 +348,18 @@ def _rescale_int32_cuda(kernel, acc: torch.Tensor, x_scale: torch.Tensor,
     return out
 
 
-def cuda_supported(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+def cuda_supported(x: Union[torch.Tensor, QuantizedRows], qweight: torch.Tensor) -> bool:
     """Whether the cuBLAS path serves these inputs (else the torch reference runs)."""
-    if not (x.is_cuda and qweight.is_cuda) or x.dtype not in (torch.float16, torch.bfloat16):
+    device = x.q.device if isinstance(x, QuantizedRows) else x.device
+    if device.type != "cuda" or not qweight.is_cuda:
+        return False
+    if x.dtype not in (torch.float16, torch.bfloat16):
         return False
     n, k = qweight.shape
     int8 = qweight.dtype == torch.int8
     align = INT8_ALIGN if int8 else FP8_ALIGN
     need = INT8_MIN_CAPABILITY if int8 else FP8_MIN_CAPABILITY
-    return n % align == 0 and k % align == 0 and _capability(x.device) >= need
+    return n % align == 0 and k % align == 0 and _capability(device) >= need
 
 
 @functools.cache

@@ -14,7 +14,8 @@ from tinyvllm.ops._dispatch import use_kernel
 from tinyvllm.ops.quant_linear import pack_factor, quant_linear
 from tinyvllm.ops.quant_tiles import (QuantTiles, gemv_serves, repack, tile_linear,
                                       tiles_supported)
-from tinyvllm.ops.w8a8_linear import ACT_SCALE_DIVISORS, FP8_DTYPE, QMAX, w8a8_linear
+from tinyvllm.ops.w8a8_linear import (ACT_SCALE_DIVISORS, FP8_DTYPE, QMAX, QuantizedRows,
+                                      input_quant_fusable, w8a8_linear)
 
 W8A8_DTYPES = {"int-quantized": torch.int8, "float-quantized": FP8_DTYPE}
 """W8A8 layout -> the dtype of its weight (and of the quantized activations)."""
@@ -120,6 +121,7 @@ class W8A8Linear(nn.Module):
     act_scale_divisor: a dynamic token scale is max|x| / this (None: QMAX of the type; the
     checkpoint's convention, `WeightScheme.act_scale`).
     No `weight` attribute: the fused float GEMV path (`ops.use_fused_decode`) stays off.
+    On CUDA the op before it may quantize its input (`fused_input_quant`).
     """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
@@ -134,10 +136,21 @@ class W8A8Linear(nn.Module):
                              if static_input else None)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., in_features] -> [..., out_features]."""
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """[..., in_features] -> [..., out_features]; or rows quantized already
+        (QuantizedRows [num_tokens, in_features], as `fused_input_quant` asks for) ->
+        [num_tokens, out_features]."""
         return w8a8_linear(x, self.qweight, self.weight_scale, self.input_scale, self.bias,
                            act_scale_divisor=self.act_scale_divisor)
+
+    def fused_input_quant(self, op: str, x: torch.Tensor) -> Optional[tuple[torch.dtype, float]]:
+        """(qdtype, divisor) for `op` ("rms_norm_quant" or "silu_and_mul_quant"), the op that
+        makes this projection's input from x, to quantize the rows as forward would and hand
+        over QuantizedRows (`ops.w8a8_linear.input_quant_fusable`: dynamic scales, on CUDA);
+        None: it hands over float rows."""
+        if not input_quant_fusable(op, x, self.qweight, self.input_scale):
+            return None
+        return self.qweight.dtype, self.act_scale_divisor
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
