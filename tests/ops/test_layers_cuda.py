@@ -152,8 +152,9 @@ def poisoned_outputs(monkeypatch):
 
 
 def static_scale(rows: torch.Tensor, qdtype: torch.dtype) -> torch.Tensor:
-    """A per-tensor scale that clips the largest values (60% of max|rows| / QMAX)."""
-    return (rows.float().abs().max() / QMAX[qdtype] * 0.6).reshape(())
+    """A per-tensor scale that clips the largest values (60% of max|rows| / QMAX); positive
+    when every row is zero (one token, the zero row), as a calibrated scale is."""
+    return (rows.float().abs().max().clamp(min=1.0) / QMAX[qdtype] * 0.6).reshape(())
 
 
 def assert_same_rows(rows, q: torch.Tensor, scales: torch.Tensor) -> None:

@@ -175,6 +175,14 @@ def _weight_format(engine) -> str:
     return "none"
 
 
+def model_label(record: dict[str, Any]) -> str:
+    """"<model> <dtype>" for a table's title, with the weights' format unless they are plain
+    floats ("llama3-8b-shape bfloat16, weights fp8")."""
+    label = f"{record['model_name']} {record['dtype']}"
+    quant = record.get("quantization")
+    return label if quant is None or quant.startswith("none") else f"{label}, weights {quant}"
+
+
 def write_record(name: str, record: dict[str, Any], out: Optional[str]) -> Path:
     path = Path(out or f"{RESULTS_DIR}/{name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     path.parent.mkdir(parents=True, exist_ok=True)

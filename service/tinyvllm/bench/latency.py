@@ -21,9 +21,9 @@ import torch
 
 from tinyvllm.bench import baseline as hf
 from tinyvllm.bench import cpu_baselines as cpu
-from tinyvllm.bench.common import (copy_bandwidth_gbps, default_for,
-                                   engine_config, environment, model_fields, prepare,
-                                   print_table, random_prompts, ratio, summary_ms, write_record)
+from tinyvllm.bench.common import (copy_bandwidth_gbps, default_for, engine_config, environment,
+                                   model_fields, model_label, prepare, print_table, random_prompts,
+                                   ratio, summary_ms, write_record)
 from tinyvllm.bench.engine_runs import (build_engine, free_memory, is_packed, kv_bytes_per_token,
                                         local_runner, run_batch, weight_bytes)
 
@@ -173,5 +173,5 @@ def table(record: dict) -> None:
         rows.append([f"ours/{name}", None, None, None, None, q["decode_tokens_per_s"],
                      q["e2e_tokens_per_s"], None])
     w = record["workload"]
-    print_table(f"latency: {record['model_name']} {record['dtype']} on {record['device']}, "
+    print_table(f"latency: {model_label(record)} on {record['device']}, "
                 f"batch 1, {w['input_len']} in / {w['output_len']} out", header, rows)

@@ -14,7 +14,8 @@ from typing import Any
 
 from tinyvllm.bench import baseline as hf
 from tinyvllm.bench.common import (default_for, engine_config, environment, model_fields,
-                                   prepare, print_table, random_prompts, ratio, write_record)
+                                   model_label, prepare, print_table, random_prompts, ratio,
+                                   write_record)
 from tinyvllm.bench.engine_runs import build_engine, free_memory, run_batch
 from tinyvllm.bench.throughput import ours_numbers, warm_up
 from tinyvllm.worker.model_runner import ModelRunner
@@ -88,7 +89,7 @@ def table(record: dict) -> None:
         rows.append([name, r["output_tokens_per_s"], r["requests_per_s"], ttft.get("median_ms"),
                      ttft.get("p99_ms"), r.get("prefix_hit_rate")])
     w = record["workload"]
-    print_table(f"prefix: {record['model_name']} {record['dtype']} on {record['device']}, "
+    print_table(f"prefix: {model_label(record)} on {record['device']}, "
                 f"{w['num_prompts']} x ({w['prefix_len']} shared + {w['suffix_len']}) in / "
                 f"{w['output_len']} out", header, rows)
     q = record["ratios"]

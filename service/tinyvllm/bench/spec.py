@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tinyvllm.bench.common import (engine_config, environment, model_fields, prepare,
+from tinyvllm.bench.common import (engine_config, environment, model_fields, model_label, prepare,
                                    print_table, ratio, write_record)
 from tinyvllm.bench.engine_runs import build_engine, greedy
 from tinyvllm.engine.engine_core import EngineCore
@@ -228,7 +228,7 @@ def table(record: dict) -> None:
              r["on"]["ms_per_decode_step"], r["on"]["acceptance_rate"],
              r["on"]["mean_accepted_length"], r["identical_outputs"]]
             for r in record["results"]]
-    print_table(f"spec: {record['model_name']} {record['dtype']} on {record['device']}, "
+    print_table(f"spec: {model_label(record)} on {record['device']}, "
                 f"{record['workload']['output_len']} out, {record['workload']['speculative_config']}",
                 header, rows)
     print("decode steps by kind, 'on' runs (steps, ms per step, tokens per step): "

@@ -13,8 +13,8 @@ from typing import Any, Optional
 
 from tinyvllm.bench import baseline as hf
 from tinyvllm.bench.common import (default_for, engine_config, environment, lognormal_lengths,
-                                   model_fields, prepare, print_table, random_prompts, ratio,
-                                   summary_ms, write_record)
+                                   model_fields, model_label, prepare, print_table, random_prompts,
+                                   ratio, summary_ms, write_record)
 from tinyvllm.bench.engine_runs import BatchRun, build_engine, free_memory, run_batch
 
 NAME = "throughput"
@@ -109,6 +109,6 @@ def table(record: dict) -> None:
         rows.append(["ours/transformers", q["output_tokens_per_s"], q["requests_per_s"], None,
                      None, None])
     w = record["workload"]
-    print_table(f"throughput: {record['model_name']} {record['dtype']} on {record['device']}, "
+    print_table(f"throughput: {model_label(record)} on {record['device']}, "
                 f"{w['name']} {w['num_prompts']} x {w['input_len']} in / {w['output_len']} out",
                 header, rows)
