@@ -86,7 +86,10 @@ def test_tiny_same_tokens_with_speculation(tiny, params, engine_kwargs):
     assert generate(engine, TINY_PROMPTS, params) == off
     stats = engine.get_stats()
     if params.logprobs is None and params.repetition_penalty == 1.0:
-        assert stats.spec_num_draft_tokens > 0
+        # Scheduling ahead, lookups that match nothing pause: the random model's sampled
+        # outputs may then leave no lookup that matches in 16 tokens.
+        assert stats.spec_num_draft_tokens > 0 or (engine.async_scheduling
+                                                   and not params.greedy)
     else:
         assert stats.spec_num_draft_tokens == 0
     if engine_kwargs.get("num_kv_blocks"):

@@ -318,3 +318,36 @@ def test_a_request_pausing_its_drafts_lets_steps_be_scheduled_ahead():
     s.update(second, {"a": (8, None)})
     assert r.output_token_ids == [9, 7, 8]
     assert s.schedule().scheduled[0].draft_token_ids == [9, 7, 8, 9]
+
+
+def test_under_async_scheduling_lookups_that_match_nothing_pause_and_steps_run_ahead():
+    """With steps scheduled ahead, a prompt lookup that matches nothing pauses the request's
+    lookups for 1, 2, 4 ... steps (capped), so its plain steps run ahead; a match resets the
+    pause. Without scheduling ahead there is no pause."""
+    s = make_scheduler(num_blocks=64)
+    s.spec.pause_without_match = True
+    r = make_request("a", [10, 20, 30], max_tokens=100)
+    s.add_request(r)
+    s.update(s.schedule(), {"a": (100, None)})
+    pauses, token = [], 200
+    for _ in range(24):  # every token is new: nothing ever matches
+        ahead = s.can_schedule_ahead()
+        out = s.schedule()
+        assert out.scheduled[0].draft_token_ids == []
+        if not ahead:  # a step that looked up: the pause it set
+            pauses.append(r.spec_skip)
+        s.update(out, {"a": (token, None)})
+        token += 1
+    assert pauses[:5] == [1, 2, 4, 8, 8]
+    # A repeated suffix matches at the next lookup and ends the pause.
+    r.spec_skip = 100
+    s.update(s.schedule(), {"a": (100, None)})
+    s.update(s.schedule(), {"a": (200, None)})  # ... 100, 200 occurred before: a match
+    r.spec_skip = 0
+    assert s.schedule().scheduled[0].draft_token_ids and r.spec_no_match == 0
+
+    plain = make_scheduler(num_blocks=64)  # pause_without_match off (the CPU)
+    q = make_request("b", [10, 20, 30])
+    plain.add_request(q)
+    plain.update(plain.schedule(), {"b": (100, None)})
+    assert plain.schedule().scheduled[0].draft_token_ids == [] and q.spec_skip == 0

@@ -83,6 +83,7 @@ class EngineCore:
         self._num_scheduled_tokens = 0
         wanted = config.scheduler.async_scheduling
         self.async_scheduling = self.executor.device_type == "cuda" if wanted is None else wanted
+        self.scheduler.spec.pause_without_match = self.async_scheduling
         self._in_flight: Optional[_LaunchedStep] = None
 
     @staticmethod
