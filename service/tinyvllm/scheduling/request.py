@@ -99,7 +99,7 @@ class Request:
     num_preemptions: int = 0
     spec_k: int = 0  # draft tokens it may propose next (speculative decoding; adapts)
     spec_misses: int = 0  # one-token drafts rejected in a row
-    spec_skip: int = 0  # steps left in which it drafts nothing (after such misses)
+    spec_skip: int = 0  # steps left in which it drafts nothing (after misses or no match)
     spec_no_match: int = 0  # prompt lookups in a row that matched nothing (while paused too)
     # The n-gram proposer's numpy copy of prompt + output (scheduling/spec_decode.py), extended as
     # tokens are appended.

@@ -144,8 +144,9 @@ class Scheduler:
         after the step before, from its tokens, so they too exist only once that step is
         processed. While speculation steps aside (a large batch, or drafts that do not pay),
         and while every request that could speculate pauses its prompt-lookup drafts
-        (`Request.spec_skip`, after one-token drafts that missed), steps are scheduled ahead
-        again; a request with a token in flight gets no drafts."""
+        (`Request.spec_skip`, after one-token drafts that missed or lookups that matched
+        nothing), steps are scheduled ahead again; a request with a token in flight gets no
+        drafts."""
         if (self.spec.active(self._num_enqueued())
                 and any(r.can_speculate and not r.spec_skip for r in self.running)):
             return False
