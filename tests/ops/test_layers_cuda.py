@@ -148,7 +148,7 @@ def poisoned_outputs(monkeypatch):
         q = torch.full((num_tokens, k), POISON_BYTE, dtype=torch.uint8, device=device)
         return q.view(qdtype), torch.full((num_tokens, 1), float("nan"), device=device)
 
-    monkeypatch.setattr(layers_cuda, "_quantized_output", poisoned)
+    monkeypatch.setattr(layers_cuda, "quantized_output", poisoned)
 
 
 def static_scale(rows: torch.Tensor, qdtype: torch.dtype) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyvllm.ops._dispatch import use_kernel
-from tinyvllm.ops.w8a8_linear import QMAX, QuantizedRows, quantize_rows_ref
+from tinyvllm.ops.w8a8_linear import QuantizedRows, quant_divisor, quantize_rows_ref
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -66,7 +66,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
     Returns: QuantizedRows of normed x, or (QuantizedRows of normed(x + residual), x + residual)
         when residual is given.
     """
-    divisor = _check_quant_args(qdtype, divisor)
+    divisor = quant_divisor(qdtype, divisor)
     _check_norm_shapes(x, weight, residual)
     kernel = use_kernel("rms_norm_quant", x, weight)
     if kernel is not None:
@@ -90,7 +90,7 @@ def silu_and_mul_quant(x: torch.Tensor, qdtype: torch.dtype, divisor: Optional[f
     Args: qdtype, divisor, scale: as `rms_norm_quant`.
     Shape: x [num_tokens, 2 * d] (gate | up) -> QuantizedRows [num_tokens, d].
     """
-    divisor = _check_quant_args(qdtype, divisor)
+    divisor = quant_divisor(qdtype, divisor)
     if x.dim() != 2 or x.shape[-1] % 2:
         raise ValueError(f"x: expected [num_tokens, 2 * d] (gate | up), got {tuple(x.shape)}")
     kernel = use_kernel("silu_and_mul_quant", x)
@@ -103,16 +103,6 @@ def silu_and_mul_quant(x: torch.Tensor, qdtype: torch.dtype, divisor: Optional[f
 def silu_and_mul_quant_ref(x, qdtype, divisor=None, scale=None) -> QuantizedRows:
     return QuantizedRows(*quantize_rows_ref(silu_and_mul_ref(x), qdtype, scale, divisor),
                          x.dtype)
-
-
-def _check_quant_args(qdtype: torch.dtype, divisor: Optional[float]) -> float:
-    """The dynamic scale's divisor (QMAX[qdtype] for None), after checking both."""
-    if qdtype not in QMAX:
-        raise ValueError(f"qdtype: expected torch.int8 or torch.float8_e4m3fn, got {qdtype}")
-    divisor = QMAX[qdtype] if divisor is None else float(divisor)
-    if not divisor > 0:
-        raise ValueError(f"divisor: expected a positive scale divisor, got {divisor}")
-    return divisor
 
 
 def _check_norm_shapes(x: torch.Tensor, weight: torch.Tensor,

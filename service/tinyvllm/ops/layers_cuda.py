@@ -10,7 +10,8 @@ import torch
 
 from tinyvllm.ops._dispatch import dtype_code, stream_handle
 from tinyvllm.ops.kv_cache import FP8_DTYPE, kv_scale_ptrs
-from tinyvllm.ops.w8a8_linear import MIN_ABSMAX, QMAX, QuantizedRows
+from tinyvllm.ops.w8a8_linear import (MIN_ABSMAX, QMAX, QuantizedRows, quantized_output,
+                                      static_scale_arg)
 
 
 def rms_norm_cuda(kernel, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -63,8 +64,8 @@ def rms_norm_quant_cuda(kernel, x: torch.Tensor, weight: torch.Tensor, eps: floa
     """
     _check_norm_inputs(x, weight, residual)
     num_tokens, hidden = x.shape
-    q, scales = _quantized_output(num_tokens, hidden, qdtype, x.device)
-    static = _static_scale(scale, x.device)  # held until the launch
+    q, scales = quantized_output(num_tokens, hidden, qdtype, x.device)
+    static = static_scale_arg(scale, x.device)  # held until the launch
     kernel.rms_norm_quant(
         out=q.data_ptr(), scales=scales.data_ptr(), x=x.data_ptr(),
         residual=0 if residual is None else residual.data_ptr(), weight=weight.data_ptr(),
@@ -86,8 +87,8 @@ def silu_and_mul_quant_cuda(kernel, x: torch.Tensor, qdtype: torch.dtype, diviso
     if x.shape[-1] % 2:
         raise ValueError(f"x: last dim must be even (gate | up), got {x.shape[-1]}")
     num_tokens, d = x.shape[0], x.shape[-1] // 2
-    q, scales = _quantized_output(num_tokens, d, qdtype, x.device)
-    static = _static_scale(scale, x.device)
+    q, scales = quantized_output(num_tokens, d, qdtype, x.device)
+    static = static_scale_arg(scale, x.device)
     kernel.silu_and_mul_quant(
         out=q.data_ptr(), scales=scales.data_ptr(), x=x.data_ptr(),
         static_scale=0 if static is None else static.data_ptr(), num_tokens=num_tokens, d=d,
@@ -190,21 +191,6 @@ def _check_norm_inputs(x: torch.Tensor, weight: torch.Tensor,
         if residual.shape != x.shape or residual.dtype != x.dtype:
             raise ValueError(f"residual: expected {x.dtype} {tuple(x.shape)}, got "
                              f"{residual.dtype} {tuple(residual.shape)}")
-
-
-def _quantized_output(num_tokens: int, k: int, qdtype: torch.dtype, device: torch.device
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [num_tokens, k] qdtype, scales [num_tokens, 1] float32), fresh: the kernels' 8-bit
-    packs need the rows' alignment, which a new tensor has."""
-    return (torch.empty(num_tokens, k, dtype=qdtype, device=device),
-            torch.empty(num_tokens, 1, dtype=torch.float32, device=device))
-
-
-def _static_scale(scale: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
-    """A static scale as the kernels read it: one float32 on the device."""
-    if scale is None:
-        return None
-    return scale.to(device=device, dtype=torch.float32).reshape(1).contiguous()
 
 
 def _row_numel(t: torch.Tensor) -> int:

@@ -108,13 +108,22 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Ten
     On CUDA one kernel reads x once and writes q and the scales (cuda/quant_act.cuh), with the
     same values as the torch ops below, which are the reference and the CPU path.
     """
-    divisor = QMAX[dtype] if divisor is None else float(divisor)
-    if not divisor > 0:
-        raise ValueError(f"divisor: expected a positive scale divisor, got {divisor}")
+    divisor = quant_divisor(dtype, divisor)
     kernel = use_kernel("quantize_rows", x)
     if kernel is not None and x.dim() == 2 and x.stride(-1) == 1:
         return _quantize_rows_cuda(kernel, x, dtype, scale, divisor)
     return quantize_rows_ref(x, dtype, scale, divisor)
+
+
+def quant_divisor(dtype: torch.dtype, divisor: Optional[float]) -> float:
+    """The dynamic scale's divisor (None: QMAX[dtype]), after checking the quantized type and
+    it; raises ValueError naming the bad one."""
+    if dtype not in QMAX:
+        raise ValueError(f"qdtype: expected torch.int8 or torch.float8_e4m3fn, got {dtype}")
+    divisor = QMAX[dtype] if divisor is None else float(divisor)
+    if not divisor > 0:
+        raise ValueError(f"divisor: expected a positive scale divisor, got {divisor}")
+    return divisor
 
 
 def quantize_rows_ref(x: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor] = None,
@@ -141,16 +150,30 @@ def _quantize_rows_cuda(kernel, x: torch.Tensor, dtype: torch.dtype,
                         scale: Optional[torch.Tensor], divisor: float
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
-    q = torch.empty(m, k, dtype=dtype, device=x.device)
-    scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    if scale is not None:
-        scale = scale.to(device=x.device, dtype=torch.float32).reshape(1).contiguous()
+    q, scales = quantized_output(m, k, dtype, x.device)
+    scale = static_scale_arg(scale, x.device)  # held until the launch
     kernel.quantize_rows(out=q.data_ptr(), scales=scales.data_ptr(), x=x.data_ptr(),
                          static_scale=0 if scale is None else scale.data_ptr(), num_tokens=m,
                          k=k, x_stride=x.stride(0), out_stride=k, qmax=QMAX[dtype],
                          scale_divisor=divisor, min_absmax=MIN_ABSMAX, dtype=dtype_code(x.dtype),
                          qdtype=dtype_code(dtype), stream=stream_handle(x.device))
     return q, scales
+
+
+def quantized_output(num_tokens: int, k: int, qdtype: torch.dtype, device: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [num_tokens, k] qdtype, scales [num_tokens, 1] float32) for a quantizing kernel to
+    fill: fresh, so the rows have the alignment its 8-bit packs need."""
+    return (torch.empty(num_tokens, k, dtype=qdtype, device=device),
+            torch.empty(num_tokens, 1, dtype=torch.float32, device=device))
+
+
+def static_scale_arg(scale: Optional[torch.Tensor], device: torch.device
+                     ) -> Optional[torch.Tensor]:
+    """A static scale as the quantizing kernels read it: one float32 on the device."""
+    if scale is None:
+        return None
+    return scale.to(device=device, dtype=torch.float32).reshape(1).contiguous()
 
 
 def quantize_weight(weight: torch.Tensor, dtype: torch.dtype
