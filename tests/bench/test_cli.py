@@ -145,3 +145,17 @@ def test_spec_runs_start_with_an_empty_prefix_cache():
     assert engine.resets == 1
     with pytest.raises(RuntimeError, match="prefix cache could not be reset"):
         spec.run_once(Engine(False), [], 4, lambda: None)
+
+
+def test_table_titles_name_the_weights_format():
+    """A quantized run's title says so; plain float weights (and a GGUF dequantized at load)
+    keep the bare model and dtype."""
+    from tinyvllm.bench.common import model_label
+
+    record = {"model_name": "llama3-8b-shape", "dtype": "bfloat16"}
+    assert model_label({**record, "quantization": "fp8"}) == (
+        "llama3-8b-shape bfloat16, weights fp8")
+    assert model_label({**record, "quantization": "none"}) == "llama3-8b-shape bfloat16"
+    assert model_label({**record, "quantization": "none (GGUF Q4_1 dequantized at load)"}) == (
+        "llama3-8b-shape bfloat16")
+    assert model_label(record) == "llama3-8b-shape bfloat16"
