@@ -182,6 +182,9 @@ QType check_qtype(int qtype) {
 void quantized_linear(const float* x, int64_t x_stride, const uint8_t* w, int qtype,
                       const float* bias, float* out, int64_t out_stride, int64_t m, int64_t n,
                       int64_t k, const std::string& isa) {
+  if (is_kquant(qtype)) {
+    return kquant_linear(x, x_stride, w, qtype, bias, out, out_stride, m, n, k, isa);
+  }
   const QType type = check_qtype(qtype);
   if (k <= 0 || k % kBlock != 0 || n <= 0 || m < 0 || x_stride < k || out_stride < n) {
     throw std::invalid_argument(

@@ -19,8 +19,9 @@ std::string best_isa();
 // Serialises kernel calls and pool changes (the GIL is released while a kernel runs).
 std::mutex& kernel_mutex();
 
-// Shape: x [m, x_stride] float (k used), w [n, k / 32 * block_bytes(qtype)] bytes,
-// bias [n] or null, out [m, out_stride] float (n written).
+// Shape: x [m, x_stride] float (k used), w [n, k / 32 * block_bytes(qtype)] bytes (K-quants:
+// [n, k / 256 * super-block bytes]), bias [n] or null, out [m, out_stride] float (n written).
+// The K-quant types (Q4_K, Q5_K, Q6_K) go to kquant_linear.
 void quantized_linear(const float* x, int64_t x_stride, const uint8_t* w, int qtype,
                       const float* bias, float* out, int64_t out_stride, int64_t m, int64_t n,
                       int64_t k, const std::string& isa);
@@ -42,6 +43,19 @@ void dequantize_rows(const uint8_t* w, int qtype, int64_t num_rows, int64_t k,
                      const int64_t* row_ids, int64_t num_ids, float* out);
 
 QType check_qtype(int qtype);
+
+// K-quants (kquants.cpp): whether qtype is Q4_K / Q5_K / Q6_K; the bytes of one packed row of k
+// values (raises std::invalid_argument unless k is a positive multiple of 256).
+bool is_kquant(int qtype);
+int64_t kquant_row_bytes(int qtype, int64_t k);
+// quantized_linear for the K-quants: each weight row dequantized to float, float dot products
+// (the activations are not quantized). Shapes as quantized_linear's.
+void kquant_linear(const float* x, int64_t x_stride, const uint8_t* w, int qtype,
+                   const float* bias, float* out, int64_t out_stride, int64_t m, int64_t n,
+                   int64_t k, const std::string& isa);
+// dequantize_rows for the K-quants, row ids already checked.
+void kquant_dequantize_rows(const uint8_t* w, int qtype, int64_t k, const int64_t* row_ids,
+                            int64_t num_ids, float* out);
 
 // The steps of quantized_linear, for callers that hold kernel_mutex() (the fused decoder):
 // x [m, x_stride] -> xq [m, nb] activation blocks; then args' n output rows split by worker.

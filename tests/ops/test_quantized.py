@@ -22,6 +22,7 @@ _cpu = pytest.importorskip("tinyvllm._cpu")
 
 ISAS = ["scalar"] + [isa for isa in ("avx2", "avx512vnni") if q.isa_available(isa)]
 TYPES = sorted(q.KERNEL_TYPES.items())
+K_TYPES = sorted(q.KQUANT_TYPES.items())
 SUM_ORDER_RTOL = 1e-5
 
 
@@ -166,7 +167,7 @@ def test_bad_inputs_name_what_was_wrong():
     qweight, _ = _packed(4, 64, 3, seed=0)
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="qtype: expected"):
-        q.quantized_linear(x, qweight, 12, 64)
+        q.quantized_linear(x, qweight, 10, 64)  # Q2_K: no kernel
     with pytest.raises(ValueError, match="k: expected a positive multiple of 32"):
         q.quantized_linear(torch.randn(2, 48), qweight, 3, 48)
     with pytest.raises(ValueError, match=r"qweight: expected a contiguous CPU uint8 \[n, 36\]"):
@@ -189,3 +190,105 @@ def test_leading_dims_and_empty_batch():
     _assert_sum_order_close(got.reshape(6, 8), x.reshape(6, 64), w, None)
     assert q.quantized_linear(torch.empty(0, 64), qweight, 8, 64).shape == (0, 8)
     assert np.isfinite(got.numpy()).all()
+
+
+# --- K-quants: rows dequantized to float32, float dot products ---------------------------------
+
+K_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+"""Byte offsets of each K-quant block's fp16 scales (d, dmin; Q6_K's d is last), ggml-common.h."""
+
+
+def random_kquant_rows(n: int, k: int, qtype: int, seed: int) -> torch.Tensor:
+    """[n, row_bytes] random K-quant blocks: random bytes, the fp16 scales set to small positive
+    halves (finite values of a sane size; random bytes there would give inf / nan)."""
+    gen = np.random.default_rng(seed)
+    rows = gen.integers(0, 256, (n * k // q.QK_K, q.BLOCK_BYTES[qtype]), dtype=np.uint8)
+    # Q6_K's int8 sub-block scales reach 127 * 32 per step: a smaller d keeps values near 1.
+    scale = 1e-4 if qtype == q.KQUANT_TYPES["Q6_K"] else 2e-3
+    for offset in K_SCALE_OFFSETS[q._TYPE_NAMES[qtype]]:
+        halves = gen.uniform(0.25, 1.0, rows.shape[0]).astype(np.float16) * np.float16(scale)
+        rows[:, offset:offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(rows.reshape(n, -1))
+
+
+def _assert_float_sum_order_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                                  bias: torch.Tensor | None) -> None:
+    want = F.linear(x, w, bias)
+    bound = SUM_ORDER_RTOL * (F.linear(x.abs(), w.abs()) + (0 if bias is None else bias.abs()))
+    err = (got - want).abs()
+    assert bool((err <= bound + 1e-6).all()), f"max excess {(err - bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name,qtype", K_TYPES)
+def test_kquant_linear_equals_x_times_the_dequantized_weight(type_name, qtype, isa, threads):
+    """No activation rounding: only float summation order separates the kernel from
+    x @ dequantize(w).T (and from `quantized_linear_ref`, the same product)."""
+    q.set_num_threads(threads)
+    try:
+        for k in (256, 512, 2304):
+            for n in (1, 7, 64):
+                qweight = random_kquant_rows(n, k, qtype, seed=n + k)
+                w = q.dequantize(qweight, qtype, k)
+                assert bool(w.isfinite().all())
+                bias = torch.randn(n) if n % 2 else None
+                for m in (1, 3, 17):
+                    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                    got = q.quantized_linear(x, qweight, qtype, k, bias, isa=isa)
+                    _assert_float_sum_order_close(got, x, w, bias)
+                    _assert_float_sum_order_close(
+                        q.quantized_linear_ref(x, qweight, qtype, k, bias), x, w, bias)
+    finally:
+        q.set_num_threads(None)
+
+
+@pytest.mark.parametrize("type_name,qtype", K_TYPES)
+def test_kquant_kernel_writes_every_output_and_nothing_else(type_name, qtype):
+    n, k, m, stride = 70, 512, 5, 75  # n: past one thread's share
+    qweight = random_kquant_rows(n, k, qtype, seed=1)
+    x = torch.randn(m, k)
+    out = torch.full((m, stride), float("nan"))
+    _cpu.linear(out.data_ptr(), x.data_ptr(), qweight.data_ptr(), 0, qtype, m, n, k, k, stride)
+    assert not bool(out[:, :n].isnan().any()) and bool(out[:, n:].isnan().all())
+    _assert_float_sum_order_close(out[:, :n], x, q.dequantize(qweight, qtype, k), None)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name,qtype", K_TYPES)
+def test_kquant_rows_result_does_not_depend_on_its_batch(type_name, qtype, isa):
+    n, k = 67, 512
+    qweight = random_kquant_rows(n, k, qtype, seed=2)
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(3))
+    batch = q.quantized_linear(x, qweight, qtype, k, isa=isa)
+    for j in range(x.shape[0]):
+        assert torch.equal(q.quantized_linear(x[j:j + 1], qweight, qtype, k, isa=isa)[0],
+                           batch[j]), f"row {j}"
+
+
+@pytest.mark.parametrize("type_name,qtype", K_TYPES)
+def test_kquant_embedding_rows_equal_the_gguf_dequantization_exactly(type_name, qtype):
+    k = 768
+    qweight = random_kquant_rows(40, k, qtype, seed=4)
+    want = torch.from_numpy(gguf.quants.dequantize(
+        qweight.numpy(), gguf.GGMLQuantizationType(qtype)).reshape(40, k))
+    ids = torch.tensor([[0, 39, 7], [7, 13, 0]])
+    assert torch.equal(q.embedding_rows(qweight, qtype, k, ids), want[ids])
+    assert torch.equal(q.embedding_rows(qweight, qtype, k, torch.arange(40)), want)
+    with pytest.raises(IndexError, match="row id 40 outside"):
+        q.embedding_rows(qweight, qtype, k, torch.tensor([40]))
+
+
+@pytest.mark.parametrize("type_name,qtype", K_TYPES)
+def test_kquant_k_not_a_multiple_of_256_is_named(type_name, qtype):
+    with pytest.raises(ValueError, match=f"k: expected a positive multiple of 256 for "
+                                         f"{type_name}, got 320"):
+        q.row_bytes(qtype, 320)
+    assert q.row_bytes(qtype, 512) == 2 * q.BLOCK_BYTES[qtype]
+    qweight = random_kquant_rows(4, 256, qtype, seed=5)
+    with pytest.raises(ValueError, match="k: expected a positive multiple of 256"):
+        q.quantized_linear(torch.randn(2, 288), qweight, qtype, 288)
+    out, x = torch.empty(2, 4), torch.randn(2, 288)
+    with pytest.raises(ValueError, match="k: expected a positive multiple of 256 .* got 288"):
+        _cpu.linear(out.data_ptr(), x.data_ptr(), qweight.data_ptr(), 0, qtype, 2, 4, 288, 288,
+                    4)

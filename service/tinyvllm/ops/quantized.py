@@ -1,14 +1,19 @@
-"""Linear layers over GGUF weights kept packed (Q4_0, Q4_1, Q8_0), for the CPU.
+"""Linear layers over GGUF weights kept packed (Q4_0, Q4_1, Q8_0; on the CPU also the K-quants
+Q4_K, Q5_K, Q6_K).
 
     y = x @ dequantize(qweight).T + bias
 
 `qweight` holds the file's bytes: one row per output feature, k / 32 blocks per row, each block
 laid out as ggml writes it. The C++ kernels (`tinyvllm._cpu`, core_cpp/cpu/) quantize each row of
 x to int8 per 32-value block on the fly (a float scale per block, round half to even) and take
-integer dot products, as llama.cpp does. Two torch references:
+integer dot products, as llama.cpp does. The K-quants (`KQUANT_TYPES`, 256-value super-blocks)
+take another route: each weight row is dequantized to float32 with ggml's arithmetic and dotted
+with x as it is (no activation rounding), on the CPU only (the CUDA kernels and the fused decoder
+step read the 32-value types). Two torch references:
 
-- `quantized_linear_ref`: the same arithmetic in torch (x through the same int8 round trip, the
-  weight dequantized by `gguf.quants`); the kernels match it up to float summation order.
+- `quantized_linear_ref`: the same arithmetic in torch (x through the same int8 round trip, none
+  for the K-quants; the weight dequantized by `gguf.quants`); the kernels match it up to float
+  summation order.
 - `dequantized_linear_ref`: plain `F.linear` over the dequantized weight, the path the engine runs
   with `--dequantize`; the kernels differ from it by the activations' int8 rounding.
 """
@@ -28,13 +33,27 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 QBLOCK = 32
-"""Values per block, every type here."""
+"""Values per block of the int8-dot types (KERNEL_TYPES), and per activation block."""
+
+QK_K = 256
+"""Values per super-block of the K-quants (KQUANT_TYPES)."""
 
 KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-"""GGUF types the kernels read, by name -> ggml type code (gguf.GGMLQuantizationType values)."""
+"""GGUF types the int8-dot kernels read (CPU, CUDA and the fused decoder step), by name -> ggml
+type code (gguf.GGMLQuantizationType values)."""
 
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
-"""Bytes per 32-value block, by type code (ggml-common.h)."""
+KQUANT_TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+"""GGUF K-quant types the CPU kernels read with float dot products (the module path only)."""
+
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 12: 144, 13: 176, 14: 210}
+"""Bytes per block (32 values; K-quants 256), by type code (ggml-common.h)."""
+
+_TYPE_NAMES = {code: name for name, code in {**KERNEL_TYPES, **KQUANT_TYPES}.items()}
+
+
+def block_values(qtype: int) -> int:
+    """Values per block of type code `qtype` (32, or 256 for the K-quants)."""
+    return QK_K if qtype in KQUANT_TYPES.values() else QBLOCK
 
 ISAS = ("auto", "avx512vnni", "avx2", "scalar")
 
@@ -89,13 +108,15 @@ def isa_available(isa: str) -> bool:
 
 
 def row_bytes(qtype: int, k: int) -> int:
-    """Bytes of one packed row of k values."""
+    """Bytes of one packed row of k values (k a multiple of block_values(qtype))."""
     if qtype not in BLOCK_BYTES:
-        raise ValueError(f"qtype: expected one of {sorted(BLOCK_BYTES)} (Q4_0, Q4_1, Q8_0), "
-                         f"got {qtype}")
-    if k <= 0 or k % QBLOCK:
-        raise ValueError(f"k: expected a positive multiple of {QBLOCK}, got {k}")
-    return k // QBLOCK * BLOCK_BYTES[qtype]
+        raise ValueError(f"qtype: expected one of {sorted(BLOCK_BYTES)} "
+                         f"({', '.join(_TYPE_NAMES[c] for c in sorted(BLOCK_BYTES))}), got {qtype}")
+    size = block_values(qtype)
+    if k <= 0 or k % size:
+        raise ValueError(f"k: expected a positive multiple of {size} for {_TYPE_NAMES[qtype]}, "
+                         f"got {k}")
+    return k // size * BLOCK_BYTES[qtype]
 
 
 def _check_packed(qweight: torch.Tensor, qtype: int, k: int,
@@ -113,7 +134,8 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k: int,
     """x @ dequantize(qweight).T + bias through the C++ kernels (the reference without them).
 
     On a GPU (x and qweight there, x float16 / bfloat16) the CUDA GEMV reads the blocks with
-    float activations (`ops.gguf_cuda`; without the kernels, the dequantized reference).
+    float activations (`ops.gguf_cuda`; without the kernels, and for the K-quants, the
+    dequantized reference).
 
     Args:
         isa: "auto" (the best this CPU has; env TINYVLLM_CPU_ISA overrides), "avx512vnni",
@@ -157,7 +179,7 @@ def _quantized_linear_cuda(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k
         raise ValueError(f"x: expected a float16 / bfloat16 [..., {k}] tensor on the GPU, got "
                          f"{x.dtype} {tuple(x.shape)}")
     mod = use_kernel("gguf_linear", x, qweight)
-    if mod is None:
+    if mod is None or qtype in KQUANT_TYPES.values():  # no CUDA K-quant kernel
         return dequantized_linear_ref(x, qweight, qtype, k, bias)
     from tinyvllm.ops.gguf_cuda import gguf_linear_cuda
 
@@ -176,7 +198,7 @@ def embedding_rows(qweight: torch.Tensor, qtype: int, k: int, ids: torch.Tensor,
 
         _check_packed(qweight, qtype, k, qweight.device)
         mod = use_kernel("gguf_linear", qweight)
-        if mod is None:
+        if mod is None or qtype in KQUANT_TYPES.values():
             return dequantize(qweight[ids.reshape(-1)].cpu(), qtype, k).to(
                 device=qweight.device, dtype=dtype).view(*ids.shape, k)
         from tinyvllm.ops.gguf_cuda import gguf_dequantize_cuda
@@ -220,8 +242,10 @@ def quantize_activations_ref(x: torch.Tensor) -> torch.Tensor:
 
 def quantized_linear_ref(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k: int,
                          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """What the kernels compute, in torch: int8-rounded x against the dequantized weight."""
-    return F.linear(quantize_activations_ref(x), dequantize(qweight, qtype, k).to(x.device), bias)
+    """What the kernels compute, in torch: int8-rounded x (x as it is for the K-quants, whose
+    kernel takes float dot products) against the dequantized weight."""
+    xq = x if qtype in KQUANT_TYPES.values() else quantize_activations_ref(x)
+    return F.linear(xq, dequantize(qweight, qtype, k).to(x.device), bias)
 
 
 def dequantized_linear_ref(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k: int,

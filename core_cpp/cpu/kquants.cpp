@@ -1,0 +1,104 @@
+// The linear and row dequantization over K-quant weights (kquants.h). Per weight row: dequantize
+// every super-block to float32 (the same portable code on every ISA), then one float dot per
+// activation row through the ISA's dot_tokens (the attention helper; scale 1 is exact), with a
+// single token per call so that a row's result never depends on the batch it came in.
+#include <algorithm>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kquants.h"
+#include "linear.h"
+
+namespace tinyvllm::cpu {
+namespace {
+
+constexpr int64_t kMinRowsPerThread = 16;  // below this a wake-up costs more than it saves
+constexpr int64_t kChunksPerThread = 8;
+
+template <typename Block>
+void dequantize_row_t(const uint8_t* row, int64_t k, float* y) {
+  const auto* blocks = reinterpret_cast<const Block*>(row);
+  for (int64_t b = 0; b < k / kSuperBlock; ++b) dequantize_super_block(blocks[b], y + b * kSuperBlock);
+}
+
+// One packed row of k values -> y[k].
+void dequantize_row(KQuantType type, const uint8_t* row, int64_t k, float* y) {
+  switch (type) {
+    case KQuantType::Q4_K: return dequantize_row_t<BlockQ4_K>(row, k, y);
+    case KQuantType::Q5_K: return dequantize_row_t<BlockQ5_K>(row, k, y);
+    case KQuantType::Q6_K: return dequantize_row_t<BlockQ6_K>(row, k, y);
+  }
+}
+
+int64_t super_block_bytes(KQuantType type) {
+  switch (type) {
+    case KQuantType::Q4_K: return sizeof(BlockQ4_K);
+    case KQuantType::Q5_K: return sizeof(BlockQ5_K);
+    case KQuantType::Q6_K: return sizeof(BlockQ6_K);
+  }
+  return 0;
+}
+
+}  // namespace
+
+bool is_kquant(int qtype) {
+  return qtype == static_cast<int>(KQuantType::Q4_K) ||
+         qtype == static_cast<int>(KQuantType::Q5_K) ||
+         qtype == static_cast<int>(KQuantType::Q6_K);
+}
+
+int64_t kquant_row_bytes(int qtype, int64_t k) {
+  if (!is_kquant(qtype)) {
+    throw std::invalid_argument("qtype: expected a K-quant type code, Q4_K (12), Q5_K (13) or "
+                                "Q6_K (14), got " + std::to_string(qtype));
+  }
+  if (k <= 0 || k % kSuperBlock != 0) {
+    throw std::invalid_argument("k: expected a positive multiple of 256 for K-quant type " +
+                                std::to_string(qtype) + ", got " + std::to_string(k));
+  }
+  return k / kSuperBlock * super_block_bytes(static_cast<KQuantType>(qtype));
+}
+
+void kquant_linear(const float* x, int64_t x_stride, const uint8_t* w, int qtype,
+                   const float* bias, float* out, int64_t out_stride, int64_t m, int64_t n,
+                   int64_t k, const std::string& isa) {
+  const int64_t row_bytes = kquant_row_bytes(qtype, k);
+  if (n <= 0 || m < 0 || x_stride < k || out_stride < n) {
+    throw std::invalid_argument(
+        "quantized_linear: need n > 0, m >= 0, x_stride >= k and out_stride >= n; got m=" +
+        std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+        " x_stride=" + std::to_string(x_stride) + " out_stride=" + std::to_string(out_stride));
+  }
+  const Kernels& kern = select_kernels(isa);
+  if (m == 0) return;
+  const auto type = static_cast<KQuantType>(qtype);
+  std::lock_guard<std::mutex> lock(kernel_mutex());
+  ThreadPool& workers = pool();
+  auto rows = [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> w_row;  // [k] one dequantized weight row
+    if (static_cast<int64_t>(w_row.size()) < k) w_row.resize(k);
+    for (int64_t r = begin; r < end; ++r) {
+      dequantize_row(type, w + r * row_bytes, k, w_row.data());
+      for (int64_t j = 0; j < m; ++j) {
+        float y;
+        kern.dot_tokens(w_row.data(), x + j * x_stride, 0, 1, k, 1.0f, &y);
+        out[j * out_stride + r] = bias ? y + bias[r] : y;
+      }
+    }
+  };
+  if (n < 2 * kMinRowsPerThread || workers.num_threads() == 1) return rows(0, n);
+  const int64_t grain = std::max<int64_t>(kMinRowsPerThread,
+                                          n / (kChunksPerThread * workers.num_threads()));
+  workers.run(n, grain, rows);
+}
+
+void kquant_dequantize_rows(const uint8_t* w, int qtype, int64_t k, const int64_t* row_ids,
+                            int64_t num_ids, float* out) {
+  const int64_t row_bytes = kquant_row_bytes(qtype, k);
+  const auto type = static_cast<KQuantType>(qtype);
+  for (int64_t i = 0; i < num_ids; ++i) dequantize_row(type, w + row_ids[i] * row_bytes, k, out + i * k);
+}
+
+}  // namespace tinyvllm::cpu
