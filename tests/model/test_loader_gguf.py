@@ -55,8 +55,10 @@ def _rope_freqs(arch) -> np.ndarray:
     return (inv / _scale_inv_freq(inv, LLAMA3_SCALING)).float().numpy()
 
 
-def _write_gguf(path, model, pre="smollm", qtype=None):
-    """The model as a GGUF file: matrices F16, or quantized to `qtype` (a GGMLQuantizationType)."""
+def _write_gguf(path, model, pre="smollm", qtype=None, raw=None):
+    """The model as a GGUF file: matrices F16, or quantized to `qtype` (a GGMLQuantizationType);
+    `raw` maps tensor names to (blocks [rows, row_bytes] uint8, GGMLQuantizationType) written in
+    place of the model's matrix of that name."""
     a = model.arch
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-gguf")
@@ -81,7 +83,9 @@ def _write_gguf(path, model, pre="smollm", qtype=None):
     w.add_add_bos_token(False)
     w.add_chat_template(TEMPLATE)
     for name, tensor in _hf_state(model).items():
-        if tensor.ndim == 1:
+        if raw and name in raw:
+            w.add_tensor(name, raw[name][0], raw_dtype=raw[name][1])
+        elif tensor.ndim == 1:
             w.add_tensor(name, tensor)
         elif qtype is None:
             w.add_tensor(name, tensor.astype(np.float16))

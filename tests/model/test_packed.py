@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import logging
 
+import gguf
 import pytest
 import torch
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.model.loader import load_model
 from tinyvllm.model.packed import PackedEmbedding, PackedLinear
+from tinyvllm.model.synthetic import make_random_model, tiny_arch
 from tinyvllm.ops import quantized as q
+from tests.model.test_loader_gguf import TOKENS, _hf_state, _write_gguf
 from tests.model.test_loader_gguf import tiny  # noqa: F401  (the module-scoped fixture)
+from tests.ops.test_quantized import random_kquant_rows
 
 pytest.importorskip("tinyvllm._cpu")
 
@@ -116,3 +120,61 @@ def test_the_packed_path_keeps_a_float16_cache_unless_told(smollm2_path):
     assert half.num_blocks == int(0.05 * (1 << 30)) // half.kv_bytes_per_block()
     dequantized = LLM(model=str(smollm2_path), kv_cache_memory_gb=0.05, dequantize=True)
     assert dequantized.engine.runner.kv_caches[0].dtype == torch.float32  # no fused step
+
+
+K_TYPE_BY_TENSOR = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K",
+                    "attn_output": "Q5_K", "ffn_gate": "Q6_K", "ffn_up": "Q6_K",
+                    "ffn_down": "Q5_K", "token_embd": "Q4_K"}
+"""The tiny K-quant GGUF's type of each matrix (every K type as a projection, one embedding)."""
+
+K_PROJECTIONS = {"self_attn.qkv_proj": "Q4_K", "self_attn.o_proj": "Q5_K",
+                 "mlp.gate_up_proj": "Q6_K", "mlp.down_proj": "Q5_K"}
+
+
+@pytest.fixture(scope="module")
+def kquant_gguf(tmp_path_factory):
+    """A tiny Llama (hidden 256, intermediate 512: whole super-blocks) whose matrices are random
+    K-quant blocks, its token embedding tied to the lm_head."""
+    arch = tiny_arch(vocab_size=len(TOKENS), tie_word_embeddings=True, hidden_size=256,
+                     intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64,
+                     max_position_embeddings=64)
+    model = make_random_model(arch, 7, torch.float32, torch.device("cpu"))
+    raw = {}
+    for i, (name, tensor) in enumerate(_hf_state(model).items()):
+        if tensor.ndim == 2:
+            qtype = q.KQUANT_TYPES[K_TYPE_BY_TENSOR[name.split(".")[-2]]]
+            blocks = random_kquant_rows(tensor.shape[0], tensor.shape[1], qtype, seed=i)
+            raw[name] = (blocks.numpy(), gguf.GGMLQuantizationType(qtype))
+    path = tmp_path_factory.mktemp("gguf") / "tiny-kquants.gguf"
+    _write_gguf(path, model, raw=raw)
+    return path
+
+
+def test_kquant_projections_stay_packed_on_the_module_path(kquant_gguf, caplog):
+    with caplog.at_level(logging.INFO, logger="tinyvllm.model.packed"):
+        net = load_model(str(kquant_gguf), torch.float32, torch.device("cpu"), packed=True).model
+    num_packed = 7 * 2 + 1  # seven matrices per layer, the embedding (the tied head shares it)
+    assert any(f"{num_packed} GGUF tensors kept packed for the CPU kernels" in r.message
+               for r in caplog.records)
+    for layer in net.model.layers:
+        for path, type_name in K_PROJECTIONS.items():
+            mod = layer.get_submodule(path)
+            assert isinstance(mod, PackedLinear) and mod.qtype == q.KQUANT_TYPES[type_name]
+    assert isinstance(net.model.embed_tokens, PackedEmbedding)
+    assert net.model.embed_tokens.qtype == q.KQUANT_TYPES["Q4_K"]
+    assert net.lm_head.qweight.data_ptr() == net.model.embed_tokens.qweight.data_ptr()
+    assert net.packed_decoder is None  # the fused step reads the 32-value types only
+
+
+def test_kquant_logits_equal_the_dequantized_path(kquant_gguf, paged_run):
+    """Prefill then decode: the packed K-quant kernels against F.linear over the same weights
+    dequantized at load, float summation order apart."""
+    cpu = torch.device("cpu")
+    packed = load_model(str(kquant_gguf), torch.float32, cpu, packed=True).model
+    ref = load_model(str(kquant_gguf), torch.float32, cpu).model
+    assert not any(isinstance(m, PackedLinear) for m in ref.modules())
+    runs = [paged_run(net, 32) for net in (packed, ref)]
+    ids = list(range(3, 23))
+    for chunk in [(ids, 0), ([41], len(ids)), ([7], len(ids) + 1)]:
+        got, want = (run.step([chunk]) for run in runs)
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)

@@ -62,7 +62,8 @@ def load_model(model: Optional[str], dtype: torch.dtype, device: torch.device,
     weights made on `device` from `seed`, and a byte-level stand-in tokenizer; no file is read.
 
     packed=True keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 projections as the file's blocks for the
-    CPU kernels or the CUDA block GEMV (`model/packed.py`); where that cannot serve (not CPU
+    CPU kernels or the CUDA block GEMV, and Q4_K / Q5_K / Q6_K ones for the CPU kernels
+    (`model/packed.py`); where that cannot serve (not CPU
     float32 or GPU 16-bit, no kernels, more than one tensor-parallel rank) the weights are
     dequantized as usual, with a log line saying why.
 

@@ -2,9 +2,9 @@
 and a GPU with `--no-dequantize`).
 
 `load_gguf_packed` builds the Llama model with every projection (qkv, o, gate_up, down, lm_head)
-whose GGUF tensors the CPU kernels read (`ops.quantized.KERNEL_TYPES`) as a `PackedLinear` over
-the file's bytes, and a quantized token embedding as a `PackedEmbedding` (sharing its bytes with a
-tied lm_head). Everything else (norms, biases, any other quantization type) is dequantized and
+whose GGUF tensors the kernels read (`ops.quantized.KERNEL_TYPES`; on the CPU also
+`KQUANT_TYPES`) as a `PackedLinear` over the file's bytes, and a quantized token embedding as a
+`PackedEmbedding` (sharing its bytes with a tied lm_head). Everything else (norms, biases, any other quantization type) is dequantized and
 loaded as today, and each such projection is named in one log line.
 """
 
@@ -87,20 +87,27 @@ def _packed_rows(t: Any, arch: LlamaArch, permuted: bool) -> np.ndarray:
     return rows
 
 
-def _kernel_type(tensors: list[Any]) -> Optional[int]:
+def kernel_types(device: torch.device) -> dict[str, int]:
+    """The GGUF types kept packed on `device`, by name -> type code: the K-quants on the CPU only
+    (no CUDA kernel reads them)."""
+    return {**q.KERNEL_TYPES, **(q.KQUANT_TYPES if device.type == "cpu" else {})}
+
+
+def _kernel_type(tensors: list[Any], device: torch.device) -> Optional[int]:
     """The shared type code when every tensor is of one type the kernels read, else None."""
     names = {t.tensor_type.name for t in tensors}
-    if len(names) != 1 or next(iter(names)) not in q.KERNEL_TYPES:
+    types = kernel_types(device)
+    if len(names) != 1 or next(iter(names)) not in types:
         return None
-    return q.KERNEL_TYPES[names.pop()]
+    return types[names.pop()]
 
 
-def _pack(tensors: list[Any], arch: LlamaArch, permuted: bool) -> Optional[tuple[torch.Tensor,
-                                                                                 int, int]]:
+def _pack(tensors: list[Any], arch: LlamaArch, permuted: bool,
+          device: torch.device) -> Optional[tuple[torch.Tensor, int, int]]:
     """(qweight [n, row_bytes], type code, k) of the stacked shards, or None when not packable."""
-    qtype = _kernel_type(tensors)
+    qtype = _kernel_type(tensors, device)
     k = int(tensors[0].shape[0])  # ggml order: [k, n]
-    if qtype is None or k % q.QBLOCK:
+    if qtype is None or k % q.block_values(qtype):
         return None
     rows = [_packed_rows(t, arch, permuted) for t in tensors]
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(rows))), qtype, k
@@ -115,7 +122,7 @@ def pack_model(net: LlamaForCausalLM, tensors: dict[str, Any], arch: LlamaArch,
     fallback: dict[str, list[str]] = {}
     for path, stems in _projections(arch).items():
         weights = [tensors[f"{s}.weight"] for s in stems]
-        got = _pack(weights, arch, permuted)
+        got = _pack(weights, arch, permuted, device)
         if got is None:
             fallback.setdefault("/".join(sorted({w.tensor_type.name for w in weights})),
                                 []).append(path)
@@ -129,9 +136,9 @@ def pack_model(net: LlamaForCausalLM, tensors: dict[str, Any], arch: LlamaArch,
         packed.update(f"{s}.weight" for s in stems)
     packed |= _pack_embedding_and_head(net, tensors, arch, fallback, device, dtype)
     for types, paths in fallback.items():
-        logger.info("CPU kernels read %s; %d projection(s) of type %s run on the torch path, "
-                    "dequantized (e.g. %s)", ", ".join(q.KERNEL_TYPES), len(paths), types,
-                    paths[0])
+        logger.info("%s kernels read %s; %d projection(s) of type %s run on the torch path, "
+                    "dequantized (e.g. %s)", device.type.upper(), ", ".join(kernel_types(device)),
+                    len(paths), types, paths[0])
     return packed
 
 
@@ -142,7 +149,7 @@ def _pack_embedding_and_head(net: LlamaForCausalLM, tensors: dict[str, Any], arc
     embedding itself when tied, as in SmolLM2) a PackedLinear over the same bytes."""
     packed: set[str] = set()
     embd = tensors["token_embd.weight"]
-    embedding = _pack([embd], arch, False)
+    embedding = _pack([embd], arch, False, device)
     if embedding is not None:
         embedding = (embedding[0].to(device),) + embedding[1:]
         net.model.embed_tokens = PackedEmbedding(embedding[0], embedding[1], arch.hidden_size,
@@ -151,7 +158,7 @@ def _pack_embedding_and_head(net: LlamaForCausalLM, tensors: dict[str, Any], arc
     head_tensor = tensors.get("output.weight")
     if head_tensor is None and not arch.tie_word_embeddings:
         return packed  # the loader reports the missing weight
-    head = embedding if head_tensor is None else _pack([head_tensor], arch, False)
+    head = embedding if head_tensor is None else _pack([head_tensor], arch, False, device)
     if head is not None:
         head = (head[0].to(device),) + head[1:]
     if head is None:

@@ -8,7 +8,8 @@ packed weights, with the same int8 activation rounding; float summation orders d
 agree to a few ulps before the rounding, and occasionally one int8 step after it.
 
 It serves only what it was built for: a single-rank Llama whose every projection is a
-`PackedLinear` (no bias but qkv's), float32 activations and a contiguous float32 or float16 KV
+`PackedLinear` of a type its int8 dot reads (`ops.quantized.KERNEL_TYPES`: not the K-quants,
+which run on the module path) with no bias but qkv's, float32 activations and a contiguous float32 or float16 KV
 cache (float16 by default here: `ops.kv_cache.resolve_kv_cache_dtype`); the
 model falls back to the module path for anything else, and always without the kernels
 (`TINYVLLM_DISABLE_CPU_KERNELS=1`) or with `--dequantize`.
@@ -53,7 +54,8 @@ class PackedDecoder:
         for layer in net.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projs = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(p, PackedLinear) for p in projs):
+            if not all(isinstance(p, PackedLinear) and p.qtype in q.KERNEL_TYPES.values()
+                       for p in projs):
                 return None
             if any(p.bias is not None for p in projs[1:]):
                 return None
