@@ -75,6 +75,9 @@ struct Kernels {
   float (*exp_sum)(float* x, int64_t n, float shift);
   // y[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i].
   void (*silu_mul)(const float* gate, const float* up, float* y, int64_t n);
+  // One packed row of k values of K-quant type qtype (12, 13, 14; k a multiple of 256) -> y[k],
+  // equal to gguf.quants.dequantize on every ISA (kquants.h).
+  void (*dequantize_kquant)(int qtype, const uint8_t* row, int64_t k, float* y);
 };
 
 // sum_i a[i] * b[i] in eight running sums (the AVX2 path's lanes) added pairwise at the end, so

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "kquants.h"
 
 namespace tinyvllm::cpu {
 namespace {
@@ -690,7 +691,7 @@ const Kernels& avx2_kernels() {
   static const Kernels k{"avx2",         quantize_row,   nullptr,        nullptr,
                          gemm_rows,      dot_tokens,     sum_tokens,     dot_tokens_f16,
                          sum_tokens_f16, to_f16,         int8_rows,      exp_sum,
-                         silu_mul};
+                         silu_mul,       dequantize_kquant_row};
   return k;
 }
 #endif

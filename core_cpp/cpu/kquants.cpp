@@ -1,7 +1,8 @@
 // The linear and row dequantization over K-quant weights (kquants.h). Per weight row: dequantize
-// every super-block to float32 (the same portable code on every ISA), then one float dot per
-// activation row through the ISA's dot_tokens (the attention helper; scale 1 is exact), with a
-// single token per call so that a row's result never depends on the batch it came in.
+// every super-block to float32 (Kernels::dequantize_kquant: kquants.h's code, vectorised by the
+// compiler for each ISA; the values are the same on all), then one float dot per activation row
+// through the ISA's dot_tokens (the attention helper; scale 1 is exact), a single token per call
+// so that a row's result never depends on the batch it came in.
 #include <algorithm>
 #include <mutex>
 #include <stdexcept>
@@ -16,21 +17,6 @@ namespace {
 
 constexpr int64_t kMinRowsPerThread = 16;  // below this a wake-up costs more than it saves
 constexpr int64_t kChunksPerThread = 8;
-
-template <typename Block>
-void dequantize_row_t(const uint8_t* row, int64_t k, float* y) {
-  const auto* blocks = reinterpret_cast<const Block*>(row);
-  for (int64_t b = 0; b < k / kSuperBlock; ++b) dequantize_super_block(blocks[b], y + b * kSuperBlock);
-}
-
-// One packed row of k values -> y[k].
-void dequantize_row(KQuantType type, const uint8_t* row, int64_t k, float* y) {
-  switch (type) {
-    case KQuantType::Q4_K: return dequantize_row_t<BlockQ4_K>(row, k, y);
-    case KQuantType::Q5_K: return dequantize_row_t<BlockQ5_K>(row, k, y);
-    case KQuantType::Q6_K: return dequantize_row_t<BlockQ6_K>(row, k, y);
-  }
-}
 
 int64_t super_block_bytes(KQuantType type) {
   switch (type) {
@@ -73,14 +59,13 @@ void kquant_linear(const float* x, int64_t x_stride, const uint8_t* w, int qtype
   }
   const Kernels& kern = select_kernels(isa);
   if (m == 0) return;
-  const auto type = static_cast<KQuantType>(qtype);
   std::lock_guard<std::mutex> lock(kernel_mutex());
   ThreadPool& workers = pool();
   auto rows = [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> w_row;  // [k] one dequantized weight row
     if (static_cast<int64_t>(w_row.size()) < k) w_row.resize(k);
     for (int64_t r = begin; r < end; ++r) {
-      dequantize_row(type, w + r * row_bytes, k, w_row.data());
+      kern.dequantize_kquant(qtype, w + r * row_bytes, k, w_row.data());
       for (int64_t j = 0; j < m; ++j) {
         float y;
         kern.dot_tokens(w_row.data(), x + j * x_stride, 0, 1, k, 1.0f, &y);
@@ -97,8 +82,9 @@ void kquant_linear(const float* x, int64_t x_stride, const uint8_t* w, int qtype
 void kquant_dequantize_rows(const uint8_t* w, int qtype, int64_t k, const int64_t* row_ids,
                             int64_t num_ids, float* out) {
   const int64_t row_bytes = kquant_row_bytes(qtype, k);
-  const auto type = static_cast<KQuantType>(qtype);
-  for (int64_t i = 0; i < num_ids; ++i) dequantize_row(type, w + row_ids[i] * row_bytes, k, out + i * k);
+  for (int64_t i = 0; i < num_ids; ++i) {
+    dequantize_kquant_row(qtype, w + row_ids[i] * row_bytes, k, out + i * k);  // a few rows
+  }
 }
 
 }  // namespace tinyvllm::cpu

@@ -40,6 +40,11 @@ struct BlockQ6_K {  // value = d * scales[v / 16] * (q - 32), q six bits: ql's n
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210,
               "ggml K-quant block sizes");
 
+// The functions below are compiled into each ISA's kernels file (kernels_*.cpp, built with that
+// ISA's flags, so the compiler vectorises them for it): internal linkage, so that the linker never
+// hands the portable path a copy built for AVX2.
+namespace {
+
 // Sub-block j's 6-bit scale and minimum from the 12 packed bytes (ggml's get_scale_min_k4):
 // bytes 0..3 hold scales 0..3 (low 6 bits), 4..7 minima 0..3; scales and minima 4..7 are the
 // nibbles of bytes 8..11 with their top two bits in the top bits of bytes 0..3 / 4..7.
@@ -56,29 +61,59 @@ inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
 // One super-block -> y[256], in gguf.quants' float32 order: (d * sc) * q - (dmin * m) for
 // Q4_K / Q5_K, (d * scale) * q for Q6_K; no fused multiply-add (the build passes
 // -ffp-contract=off), so the values equal gguf.quants.dequantize bit for bit.
+// Q4_K / Q5_K: 32 bytes of qs per 64 values, sub-block 2g in the low nibbles, 2g + 1 in the high
+// ones (constant shifts, so the compiler vectorises each loop); Q5_K's fifth bit of value l in
+// sub-block j is bit j of qh[l].
 inline void dequantize_super_block(const BlockQ4_K& b, float* y) {
   const float d = fp16_to_fp32(b.d), dmin = fp16_to_fp32(b.dmin);
-  for (int j = 0; j < 8; ++j) {
-    int sc, m;
-    scale_min_k4(j, b.scales, &sc, &m);
-    const float ds = d * static_cast<float>(sc), dm = dmin * static_cast<float>(m);
-    const uint8_t* q = b.qs + 32 * (j / 2);
-    const int shift = 4 * (j % 2);
-    for (int l = 0; l < 32; ++l) y[32 * j + l] = ds * static_cast<float>((q[l] >> shift) & 0x0f) - dm;
+  for (int g = 0; g < 4; ++g) {
+    int sc0, m0, sc1, m1;
+    scale_min_k4(2 * g, b.scales, &sc0, &m0);
+    scale_min_k4(2 * g + 1, b.scales, &sc1, &m1);
+    const float ds0 = d * static_cast<float>(sc0), dm0 = dmin * static_cast<float>(m0);
+    const float ds1 = d * static_cast<float>(sc1), dm1 = dmin * static_cast<float>(m1);
+    const uint8_t* q = b.qs + 32 * g;
+    float* yg = y + 64 * g;
+    for (int l = 0; l < 32; ++l) yg[l] = ds0 * static_cast<float>(q[l] & 0x0f) - dm0;
+    for (int l = 0; l < 32; ++l) yg[32 + l] = ds1 * static_cast<float>(q[l] >> 4) - dm1;
   }
 }
 
 inline void dequantize_super_block(const BlockQ5_K& b, float* y) {
   const float d = fp16_to_fp32(b.d), dmin = fp16_to_fp32(b.dmin);
-  for (int j = 0; j < 8; ++j) {
-    int sc, m;
-    scale_min_k4(j, b.scales, &sc, &m);
-    const float ds = d * static_cast<float>(sc), dm = dmin * static_cast<float>(m);
-    const uint8_t* q = b.qs + 32 * (j / 2);
-    const int shift = 4 * (j % 2);
+  for (int g = 0; g < 4; ++g) {
+    int sc0, m0, sc1, m1;
+    scale_min_k4(2 * g, b.scales, &sc0, &m0);
+    scale_min_k4(2 * g + 1, b.scales, &sc1, &m1);
+    const float ds0 = d * static_cast<float>(sc0), dm0 = dmin * static_cast<float>(m0);
+    const float ds1 = d * static_cast<float>(sc1), dm1 = dmin * static_cast<float>(m1);
+    const uint8_t* q = b.qs + 32 * g;
+    const uint8_t lo_bit = static_cast<uint8_t>(1u << (2 * g)), hi_bit = lo_bit << 1;
+    float* yg = y + 64 * g;
     for (int l = 0; l < 32; ++l) {
-      const int v = ((q[l] >> shift) & 0x0f) | (((b.qh[l] >> j) & 1) << 4);
-      y[32 * j + l] = ds * static_cast<float>(v) - dm;
+      const int v = (q[l] & 0x0f) | ((b.qh[l] & lo_bit) ? 16 : 0);
+      yg[l] = ds0 * static_cast<float>(v) - dm0;
+    }
+    for (int l = 0; l < 32; ++l) {
+      const int v = (q[l] >> 4) | ((b.qh[l] & hi_bit) ? 16 : 0);
+      yg[32 + l] = ds1 * static_cast<float>(v) - dm1;
+    }
+  }
+}
+
+// Q6_K, values [32P, 32P + 32) of a half (128 values): the low (P = 0, 1) or high (P = 2, 3)
+// nibbles of ql[32 (P % 2) + l], bits 2P and 2P + 1 of qh[l] on top, minus 32; one scale per 16
+// values. P is a template argument so that the shifts are constants the compiler vectorises.
+template <int P>
+inline void dequantize_q6_k_part(const uint8_t* ql, const uint8_t* qh, const int8_t* scales,
+                                 float d, float* y) {
+  constexpr int kLoShift = 4 * (P / 2), kHiShift = 2 * P;
+  ql += 32 * (P % 2);
+  for (int half = 0; half < 2; ++half) {
+    const float s = d * static_cast<float>(scales[2 * P + half]);
+    for (int l = 16 * half; l < 16 * half + 16; ++l) {
+      const int q = (((ql[l] >> kLoShift) & 0x0f) | (((qh[l] >> kHiShift) & 3) << 4)) - 32;
+      y[32 * P + l] = s * static_cast<float>(q);
     }
   }
 }
@@ -88,20 +123,31 @@ inline void dequantize_super_block(const BlockQ6_K& b, float* y) {
   for (int h = 0; h < 2; ++h) {  // two halves of 128 values: ql[64h..], qh[32h..], scales[8h..]
     const uint8_t* ql = b.ql + 64 * h;
     const uint8_t* qh = b.qh + 32 * h;
-    const int8_t* sc = b.scales + 8 * h;
-    float* yh = y + 128 * h;
-    for (int l = 0; l < 32; ++l) {
-      const int is = l / 16;
-      const int q1 = ((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4)) - 32;
-      const int q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32;
-      const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-      const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-      yh[l] = (d * static_cast<float>(sc[is])) * static_cast<float>(q1);
-      yh[l + 32] = (d * static_cast<float>(sc[is + 2])) * static_cast<float>(q2);
-      yh[l + 64] = (d * static_cast<float>(sc[is + 4])) * static_cast<float>(q3);
-      yh[l + 96] = (d * static_cast<float>(sc[is + 6])) * static_cast<float>(q4);
-    }
+    const int8_t* scales = b.scales + 8 * h;
+    dequantize_q6_k_part<0>(ql, qh, scales, d, y + 128 * h);
+    dequantize_q6_k_part<1>(ql, qh, scales, d, y + 128 * h);
+    dequantize_q6_k_part<2>(ql, qh, scales, d, y + 128 * h);
+    dequantize_q6_k_part<3>(ql, qh, scales, d, y + 128 * h);
   }
 }
+
+template <typename Block>
+void dequantize_kquant_row_t(const uint8_t* row, int64_t k, float* y) {
+  const auto* blocks = reinterpret_cast<const Block*>(row);
+  for (int64_t b = 0; b < k / kSuperBlock; ++b) {
+    dequantize_super_block(blocks[b], y + b * kSuperBlock);
+  }
+}
+
+// One packed row of k values (k a multiple of 256) of K-quant type `qtype` -> y[k].
+inline void dequantize_kquant_row(int qtype, const uint8_t* row, int64_t k, float* y) {
+  switch (static_cast<KQuantType>(qtype)) {
+    case KQuantType::Q4_K: return dequantize_kquant_row_t<BlockQ4_K>(row, k, y);
+    case KQuantType::Q5_K: return dequantize_kquant_row_t<BlockQ5_K>(row, k, y);
+    case KQuantType::Q6_K: return dequantize_kquant_row_t<BlockQ6_K>(row, k, y);
+  }
+}
+
+}  // namespace
 
 }  // namespace tinyvllm::cpu
