@@ -4,8 +4,9 @@ and a GPU with `--no-dequantize`).
 `load_gguf_packed` builds the Llama model with every projection (qkv, o, gate_up, down, lm_head)
 whose GGUF tensors the kernels read (`ops.quantized.KERNEL_TYPES`; on the CPU also
 `KQUANT_TYPES`) as a `PackedLinear` over the file's bytes, and a quantized token embedding as a
-`PackedEmbedding` (sharing its bytes with a tied lm_head). Everything else (norms, biases, any other quantization type) is dequantized and
-loaded as today, and each such projection is named in one log line.
+`PackedEmbedding` (sharing its bytes with a tied lm_head). Everything else (norms, biases, any
+other quantization type) is dequantized and loaded as today, and each such projection is named in
+one log line.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ agree to a few ulps before the rounding, and occasionally one int8 step after it
 
 It serves only what it was built for: a single-rank Llama whose every projection is a
 `PackedLinear` of a type its int8 dot reads (`ops.quantized.KERNEL_TYPES`: not the K-quants,
-which run on the module path) with no bias but qkv's, float32 activations and a contiguous float32 or float16 KV
-cache (float16 by default here: `ops.kv_cache.resolve_kv_cache_dtype`); the
+which run on the module path) with no bias but qkv's, float32 activations and a contiguous
+float32 or float16 KV cache (float16 by default here: `ops.kv_cache.resolve_kv_cache_dtype`); the
 model falls back to the module path for anything else, and always without the kernels
 (`TINYVLLM_DISABLE_CPU_KERNELS=1`) or with `--dequantize`.
 """
