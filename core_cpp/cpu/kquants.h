@@ -64,14 +64,23 @@ inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
 // Q4_K / Q5_K: 32 bytes of qs per 64 values, sub-block 2g in the low nibbles, 2g + 1 in the high
 // ones (constant shifts, so the compiler vectorises each loop); Q5_K's fifth bit of value l in
 // sub-block j is bit j of qh[l].
+// Sub-blocks 2g and 2g + 1 of a Q4_K / Q5_K super-block: d * scale and dmin * minimum of each.
+struct SubBlockPair {
+  float ds0, dm0, ds1, dm1;
+};
+
+inline SubBlockPair sub_block_pair(const uint8_t* scales, int g, float d, float dmin) {
+  int sc0, m0, sc1, m1;
+  scale_min_k4(2 * g, scales, &sc0, &m0);
+  scale_min_k4(2 * g + 1, scales, &sc1, &m1);
+  return {d * static_cast<float>(sc0), dmin * static_cast<float>(m0),
+          d * static_cast<float>(sc1), dmin * static_cast<float>(m1)};
+}
+
 inline void dequantize_super_block(const BlockQ4_K& b, float* y) {
   const float d = fp16_to_fp32(b.d), dmin = fp16_to_fp32(b.dmin);
   for (int g = 0; g < 4; ++g) {
-    int sc0, m0, sc1, m1;
-    scale_min_k4(2 * g, b.scales, &sc0, &m0);
-    scale_min_k4(2 * g + 1, b.scales, &sc1, &m1);
-    const float ds0 = d * static_cast<float>(sc0), dm0 = dmin * static_cast<float>(m0);
-    const float ds1 = d * static_cast<float>(sc1), dm1 = dmin * static_cast<float>(m1);
+    const auto [ds0, dm0, ds1, dm1] = sub_block_pair(b.scales, g, d, dmin);
     const uint8_t* q = b.qs + 32 * g;
     float* yg = y + 64 * g;
     for (int l = 0; l < 32; ++l) yg[l] = ds0 * static_cast<float>(q[l] & 0x0f) - dm0;
@@ -82,11 +91,7 @@ inline void dequantize_super_block(const BlockQ4_K& b, float* y) {
 inline void dequantize_super_block(const BlockQ5_K& b, float* y) {
   const float d = fp16_to_fp32(b.d), dmin = fp16_to_fp32(b.dmin);
   for (int g = 0; g < 4; ++g) {
-    int sc0, m0, sc1, m1;
-    scale_min_k4(2 * g, b.scales, &sc0, &m0);
-    scale_min_k4(2 * g + 1, b.scales, &sc1, &m1);
-    const float ds0 = d * static_cast<float>(sc0), dm0 = dmin * static_cast<float>(m0);
-    const float ds1 = d * static_cast<float>(sc1), dm1 = dmin * static_cast<float>(m1);
+    const auto [ds0, dm0, ds1, dm1] = sub_block_pair(b.scales, g, d, dmin);
     const uint8_t* q = b.qs + 32 * g;
     const uint8_t lo_bit = static_cast<uint8_t>(1u << (2 * g)), hi_bit = lo_bit << 1;
     float* yg = y + 64 * g;
