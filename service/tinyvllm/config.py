@@ -187,7 +187,7 @@ class ParallelConfig:
         return "uni" if self.tensor_parallel_size == 1 else "mp"
 
 
-GEMV_KERNEL_MAX_ROWS = 2
+GEMV_KERNEL_MAX_ROWS = 8
 """Most rows (tokens) one launch of the fused GEMV kernel serves (cuda/gemv.cu kGemvMaxM)."""
 
 
@@ -212,7 +212,9 @@ class KernelConfig:
         "cuBLAS plus the separate ops.")
     gemv_max_rows: int = _f(
         GEMV_KERNEL_MAX_ROWS, "Largest batch (tokens) that runs the fused GEMV decoder layer; "
-        f"larger ones use cuBLAS. 1 or {GEMV_KERNEL_MAX_ROWS} (the kernel's limit).",
+        "larger ones use cuBLAS. Past 2 rows only projections small enough for launch latency, "
+        f"not the kernel's issue rate, to set their time take it. 1 to {GEMV_KERNEL_MAX_ROWS} "
+        "(the kernel's limit).",
         choices=tuple(range(1, GEMV_KERNEL_MAX_ROWS + 1)))
     fused_rotary_cache: bool = _f(
         True, "Rotary, the K/V cache write and attention as one op on views into the qkv "
@@ -226,6 +228,10 @@ class KernelConfig:
         True, "On CUDA, a W8A8 projection with dynamic activation scales gets its input "
         "quantized by the RMSNorm or SiLU-and-mul before it, in the same kernel. Off: the "
         "projection quantizes the stored 16-bit rows in a launch of its own.")
+    fp8_fast_accum: bool = _f(
+        True, "FP8 W8A8 GEMMs (torch._scaled_mm) accumulate in the tensor cores' own precision "
+        "without promoting partial sums to float32 along k, as vLLM's CUTLASS FP8 kernels do "
+        "(FastAccum schedules). Off: the promoted, slower accumulation.")
     prefill_attention_kernel: str = _f(
         "auto", "CUDA attention of prefill and mixed steps: auto (on Hopper the warpgroup-MMA "
         "kernel over a cache of the query's dtype, elsewhere the mma.sync one) or mma_sync.",

@@ -20,7 +20,7 @@ import os
 import platform
 import statistics
 import subprocess
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -357,6 +357,48 @@ def bench_quant_linear(m, name, n, k, bits, group_size, copy_gbps, gen) -> Row:
                frac_copy_bw=gbps / copy_gbps, baselines_us=baselines)
 
 
+def bench_w8a8_gemm(m, name, n, k, qdtype, gen) -> Row:
+    """A W8A8 projection's GEMM (ops.w8a8_linear.scaled_gemm over rows quantized beforehand, as
+    the fused RMSNorm / SwiGLU hands them over; FP8 with the configured accumulation) against
+    cuBLAS bf16 over the same shape, and FP8 with the other accumulation, as CUDA-graph
+    replays; TFLOP/s of ours."""
+    from tinyvllm import ops
+    from tinyvllm.ops.w8a8_linear import QuantizedRows, scaled_gemm
+    cuda_ops_or_exit()
+    copies = max(1, -(-ROTATE_BYTES // (n * k)))
+    w = torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5
+    scale = w.abs().amax(1) / (448.0 if qdtype == torch.float8_e4m3fn else 127.0)
+    q = (w / scale[:, None])
+    q = q.to(qdtype) if qdtype == torch.float8_e4m3fn else q.round().to(torch.int8)
+    qweights = [q.clone() for _ in range(copies)]
+    bf16 = [w.to(DTYPE) for _ in range(max(1, -(-ROTATE_BYTES // (n * k * 2))))]
+    x = torch.randn(m, k, generator=gen, device="cuda")
+    xs = x.abs().amax(1, keepdim=True) / (448.0 if qdtype == torch.float8_e4m3fn else 127.0)
+    xq = x / xs
+    rows = QuantizedRows(xq.to(qdtype) if qdtype == torch.float8_e4m3fn
+                         else xq.round().to(torch.int8), xs.float(), DTYPE)
+    xb, out = x.to(DTYPE), torch.empty(m, n, device="cuda", dtype=DTYPE)
+
+    def ours(i):
+        scaled_gemm(rows, qweights[i % copies], scale)
+
+    us = time_graph_us(ours, calls=copies)
+    baselines = {"cublas_bf16": time_graph_us(
+        lambda i: torch.matmul(xb, bf16[i % len(bf16)].t(), out=out), calls=len(bf16))}
+    if qdtype == torch.float8_e4m3fn:
+        config = ops.kernel_config()
+        other = replace(config, fp8_fast_accum=not config.fp8_fast_accum)
+        ops.configure(other)
+        try:
+            label = "fp8_fast_accum" if other.fp8_fast_accum else "fp8_promoted_accum"
+            baselines[label] = time_graph_us(ours, calls=copies)
+        finally:
+            ops.configure(config)
+    kind = "fp8" if qdtype == torch.float8_e4m3fn else "int8"
+    return Row(f"w8a8 {kind} gemm", f"m{m} {name} {n}x{k}", us,
+               tflops=2 * m * n * k / us / 1e6, baselines_us=baselines)
+
+
 def bench_tile_fused(m, name, n, k, prologue, epilogue, copy_gbps, gen) -> Row:
     """The W4A16 tile GEMV with a decoder layer's fusions (GEMV_SHAPES' names), group 128, as
     LlamaDecoderLayer.forward_fused runs it (gate_up interleaved, writing the SwiGLU product)."""
@@ -501,7 +543,8 @@ def run(quick: bool, only: Optional[str] = None) -> tuple[float, list[Row]]:
     rows.append(bench_rms_norm(kernels, 4096, 4096, copy_gbps, gen))
     rows.append(bench_silu(kernels, 4096, 14336, copy_gbps, gen))
     for model, shapes in GEMV_SHAPES.items():
-        for m in ([1] if quick else [1, 2]):
+        # smollm2 at 5 and 8 rows: a k = 4 / 7 verification step, on the GEMV where it serves
+        for m in ([1] if quick else [1, 2, 5, 8] if model == "smollm2" else [1, 2]):
             for name, n, k, prologue, epilogue in shapes:
                 rows.append(bench_gemv(model, name, m, n, k, prologue, epilogue, copy_gbps, gen))
     for mode in ("top_k50+top_p0.9", "greedy", "temperature"):
@@ -519,6 +562,10 @@ def quant_rows(quick: bool, copy_gbps: float, gen) -> list[Row]:
     for m in [1, 2]:
         for name, n, k, prologue, epilogue in GEMV_SHAPES["llama3-8b"][:5]:
             rows.append(bench_tile_fused(m, name, n, k, prologue, epilogue, copy_gbps, gen))
+    for qdtype in (torch.float8_e4m3fn, torch.int8):
+        for m in ([2048] if quick else [16, 256, 2048, 8192, 16384]):
+            for name, n, k in QUANT_SHAPES:
+                rows.append(bench_w8a8_gemm(m, name, n, k, qdtype, gen))
     for qtype_name in GGUF_TYPES:
         for m in ([1] if quick else [1, 4, 8]):
             for name, n, k in QUANT_SHAPES:

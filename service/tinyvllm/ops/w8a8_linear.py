@@ -336,7 +336,8 @@ def scaled_gemm(x: Union[torch.Tensor, QuantizedRows], qweight: torch.Tensor,
         # Row-wise scaling: scale_a float32 [m, 1] and scale_b [1, n], both contiguous; the
         # bias (in the output dtype, as torch._scaled_mm requires) is added before rounding.
         y = torch._scaled_mm(rows.q, qweight.t(), scale_a=rows.scales.contiguous(),
-                             scale_b=weight_scale.view(1, n), bias=bias, out_dtype=rows.dtype)
+                             scale_b=weight_scale.view(1, n), bias=bias, out_dtype=rows.dtype,
+                             use_fast_accum=kernel_config().fp8_fast_accum)
     return y.view(*lead, n)
 
 
