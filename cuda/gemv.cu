@@ -2,9 +2,8 @@
 // grid so that every warp is resident at once, and launches with programmatic dependent launch so
 // that the weight prefetch overlaps the previous kernel's tail.
 //
-// Instantiations: {float16, bfloat16} x M {1, 2, 4, 8} x prologue {none, rmsnorm, silu_mul, merge},
-// and the SwiGLU-product epilogue after {none, rmsnorm}. m rows run the smallest M >= m (rows past
-// m are staged as zeros); a row's sums do not depend on M, so its output does not either.
+// Instantiations: {float16, bfloat16} x M {1, 2} x prologue {none, rmsnorm, silu_mul, merge}, and
+// the SwiGLU-product epilogue after {none, rmsnorm}.
 #include <algorithm>
 #include <mutex>
 #include <string>
@@ -15,7 +14,7 @@
 namespace tinyvllm {
 namespace {
 
-constexpr int kGemvMaxM = 8;
+constexpr int kGemvMaxM = 2;
 constexpr int kGemvSmemBytes = 64 * 1024;  // the staged activations, M x k
 
 int num_sms() {
@@ -64,17 +63,11 @@ void launch_m(int m, T* out, const T* x, const T* weight, const T* bias, const T
               const T* norm_weight, int n, int k, int64_t x_stride, int64_t out_stride,
               int64_t residual_stride, float eps, bool prefetch_all, cudaStream_t s,
               const DecodePartitions& parts = {}) {
-  if (m <= 1) {
+  if (m == 1) {
     launch<T, 1, P, S>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride,
                        out_stride, residual_stride, eps, prefetch_all, parts, s);
-  } else if (m <= 2) {
-    launch<T, 2, P, S>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride,
-                       out_stride, residual_stride, eps, prefetch_all, parts, s);
-  } else if (m <= 4) {
-    launch<T, 4, P, S>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride,
-                       out_stride, residual_stride, eps, prefetch_all, parts, s);
   } else {
-    launch<T, 8, P, S>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride,
+    launch<T, 2, P, S>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride,
                        out_stride, residual_stride, eps, prefetch_all, parts, s);
   }
 }

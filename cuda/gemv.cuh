@@ -1,4 +1,4 @@
-// Skinny linear layer for decode: out[m, n] = act(x)[m, :k] . weight[n, :k] + bias, m <= 8.
+// Skinny linear layer for decode: out[m, n] = act(x)[m, :k] . weight[n, :k] + bias, m <= 2.
 //
 // At decode batch sizes the product is a matrix-vector product bound by reading the weight once,
 // so the kernel streams every weight row exactly once, 16 bytes per lane per load, with several

@@ -18,7 +18,7 @@ def parse(*argv: str) -> EngineConfig:
 
 def test_kernel_flags_default_to_every_fusion():
     assert parse().kernel == KernelConfig() == KernelConfig(
-        fused_gemv=True, gemv_max_rows=8, fused_rotary_cache=True, merge_in_o_proj=True,
+        fused_gemv=True, gemv_max_rows=2, fused_rotary_cache=True, merge_in_o_proj=True,
         fused_act_quant=True, fp8_fast_accum=True, prefill_attention_kernel="auto",
         split_mixed_attention=True)
 
@@ -38,9 +38,9 @@ def test_kernel_flags_turn_fusions_off():
 
 def test_gemv_max_rows_beyond_the_kernel_is_refused(capsys):
     with pytest.raises(SystemExit):
-        parse("--gemv-max-rows", "9")
-    assert "--gemv-max-rows: invalid choice: 9" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"gemv_max_rows must be in \[1, 8\]"):
+        parse("--gemv-max-rows", "3")
+    assert "--gemv-max-rows: invalid choice: 3" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"gemv_max_rows must be in \[1, 2\]"):
         EngineConfig.from_kwargs(gemv_max_rows=0)
 
 

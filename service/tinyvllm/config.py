@@ -187,7 +187,7 @@ class ParallelConfig:
         return "uni" if self.tensor_parallel_size == 1 else "mp"
 
 
-GEMV_KERNEL_MAX_ROWS = 8
+GEMV_KERNEL_MAX_ROWS = 2
 """Most rows (tokens) one launch of the fused GEMV kernel serves (cuda/gemv.cu kGemvMaxM)."""
 
 
@@ -212,9 +212,7 @@ class KernelConfig:
         "cuBLAS plus the separate ops.")
     gemv_max_rows: int = _f(
         GEMV_KERNEL_MAX_ROWS, "Largest batch (tokens) that runs the fused GEMV decoder layer; "
-        "larger ones use cuBLAS. Past 2 rows only projections small enough for launch latency, "
-        f"not the kernel's issue rate, to set their time take it. 1 to {GEMV_KERNEL_MAX_ROWS} "
-        "(the kernel's limit).",
+        f"larger ones use cuBLAS. 1 or {GEMV_KERNEL_MAX_ROWS} (the kernel's limit).",
         choices=tuple(range(1, GEMV_KERNEL_MAX_ROWS + 1)))
     fused_rotary_cache: bool = _f(
         True, "Rotary, the K/V cache write and attention as one op on views into the qkv "

@@ -59,57 +59,6 @@ def test_fused_linear_matches_reference(dtype, m, n, k, prologue, epilogue):
     assert rel_err(got, expected) <= REL_TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [3, 5, 8])
-@pytest.mark.parametrize("n,k", [(7, 8), (1001, 584), (576, 1536), (960, 576), (1024, 1024)])
-@pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
-@pytest.mark.parametrize("epilogue", ["plain", "residual", "silu_mul_out"])
-def test_fused_linear_wide_rows_match_reference_and_narrow_rows(dtype, m, n, k, prologue,
-                                                                 epilogue):
-    """3 to 8 rows (a verification step's k + 1 positions, small-model batches) through the
-    kernel's M = 4 / 8 instantiations: the reference's values, and every row bit for bit what
-    the same row gives alone (a row's sums do not depend on the rows beside it)."""
-    if epilogue == "silu_mul_out" and prologue == "silu_mul":
-        pytest.skip("one SwiGLU per projection")
-    seed = m * 131 + n * 7 + k
-    swiglu = epilogue == "silu_mul_out"
-    rows = 2 * n if swiglu else n
-    x = rand(m, 2 * k if prologue == "silu_mul" else k, dtype=dtype, seed=seed)
-    weight = rand(rows, k, dtype=dtype, seed=seed + 1, scale=k ** -0.5)
-    norm_weight = rand(k, dtype=dtype, seed=seed + 3) if prologue == "rms_norm" else None
-    residual = rand(m, n, dtype=dtype, seed=seed + 4) if epilogue == "residual" else None
-    kwargs = dict(norm_weight=norm_weight, eps=1e-5, silu_mul=prologue == "silu_mul",
-                  silu_mul_out=swiglu)
-    assert fused_linear_supported(x, weight)
-
-    def run(rows_x, rows_residual):
-        if rows_residual is None:
-            out = torch.full((rows_x.shape[0], n), float("nan"), dtype=dtype, device="cuda")
-            return fused_linear(rows_x, weight, out=out, **kwargs)
-        return fused_linear(rows_x, weight, residual=rows_residual.clone(), **kwargs)
-
-    got = run(x, residual)
-    expected = fused_linear_ref(x, weight,
-                                residual=None if residual is None else residual.clone(), **kwargs)
-    assert rel_err(got, expected) <= REL_TOL[dtype]
-    for i in range(m):
-        alone = run(x[i:i + 1], None if residual is None else residual[i:i + 1])
-        assert torch.equal(got[i:i + 1], alone), f"row {i} of {m}"
-
-
-def test_wide_rows_leave_large_weights_to_cublas(monkeypatch):
-    """Past 2 rows a weight over GEMV_WIDE_MAX_BYTES is not taken (the kernel is issue-bound
-    there); the kernel itself still computes it right when asked."""
-    from tinyvllm.ops import linear
-    x = rand(5, 4096, dtype=torch.bfloat16, seed=60)
-    weight = rand(4104, 4096, dtype=torch.bfloat16, seed=61, scale=4096 ** -0.5)
-    assert not fused_linear_supported(x, weight)
-    assert fused_linear_supported(x[:2], weight)
-    monkeypatch.setattr(linear, "GEMV_WIDE_MAX_BYTES", 1 << 40)
-    assert fused_linear_supported(x, weight)
-    assert rel_err(fused_linear(x, weight), fused_linear_ref(x, weight)) <= 1e-2
-
-
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("n,k", [(7, 8), (4096, 4096), (1001, 584), (96, 14336)])
 def test_fused_linear_prefetch_weight_changes_nothing(m, n, k):
@@ -165,12 +114,12 @@ def test_fused_linear_rejects_what_it_cannot_serve():
     x = rand(2, 12, dtype=torch.bfloat16, seed=7)
     weight = rand(5, 12, dtype=torch.bfloat16, seed=8)
     assert not fused_linear_supported(x, weight)  # k % 8 != 0: the caller keeps cuBLAS
-    assert not fused_linear_supported(rand(9, 16, dtype=torch.bfloat16, seed=9),
+    assert not fused_linear_supported(rand(3, 16, dtype=torch.bfloat16, seed=9),
                                       rand(5, 16, dtype=torch.bfloat16, seed=10))
     with pytest.raises(ValueError, match="k=12"):
         cuda_ops().gemv(**gemv_args(x, weight))
-    with pytest.raises(ValueError, match="m=9"):
-        cuda_ops().gemv(**gemv_args(x, weight, m=9, k=16, x_stride=16))
+    with pytest.raises(ValueError, match="m=3"):
+        cuda_ops().gemv(**gemv_args(x, weight, m=3, k=16, x_stride=16))
     x16, w16 = rand(2, 16, dtype=torch.bfloat16, seed=11), rand(5, 16, dtype=torch.bfloat16, seed=12)
     with pytest.raises(ValueError, match="norm_weight"):
         fused_linear(x16, w16, norm_weight=rand(8, dtype=torch.bfloat16, seed=13))
@@ -220,7 +169,7 @@ def fused_and_unfused_logits(model, batch: int, dtype: torch.dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("batch", [1, 2, 5])
+@pytest.mark.parametrize("batch", [1, 2])
 def test_decoder_fused_path_matches_unfused(dtype, batch):
     """A decode step through the fused projections gives the logits of the cuBLAS + ops path."""
     from tinyvllm.model.synthetic import make_random_model, tiny_arch
@@ -274,8 +223,7 @@ def random_partitions(m, num_heads, head_dim, dtype, seed, num_splits=6, partiti
     """A split decode's partitions for m sequences of ragged lengths; partitions past a
     sequence's end hold NaN (never read)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    seq_lens = torch.tensor([300, 64, 1, 200, 129, 17, 250, 33, 100][:m], dtype=torch.int32,
-                            device="cuda")
+    seq_lens = torch.tensor([300, 64, 1][:m], dtype=torch.int32, device="cuda")
     out = torch.randn(m, num_heads, num_splits, head_dim, generator=gen, device="cuda")
     stats = torch.randn(2, m, num_heads, num_splits, generator=gen, device="cuda")
     mx, sm = stats[0] * 4, stats[1].abs() * 5 + 1
@@ -297,7 +245,7 @@ def merge_ref(parts: DecodePartitions) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 5, 9])  # 9: more rows than the GEMV serves, merged first
+@pytest.mark.parametrize("m", [1, 2, 3])  # 3: more rows than the GEMV serves, merged first
 @pytest.mark.parametrize("num_heads,head_dim", [(9, 64), (8, 128), (32, 128)])
 def test_fused_linear_merges_decode_partitions(dtype, m, num_heads, head_dim):
     """o_proj straight from a split decode's partitions: the merge launch's result bit for bit

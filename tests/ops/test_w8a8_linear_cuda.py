@@ -2,7 +2,8 @@
 against an exact float64 reference of the same quantized values, on awkward shapes.
 
 The reference takes x quantized on the GPU by the op's own torch ops (the same values the CPU
-gives: the scale is max|x| / divisor and x / scale, both IEEE divisions, round half to even)
+gives: the scale is max|x| / divisor, an IEEE division; then x / scale for int8, rounded half
+to even, and x times the scale's rounded reciprocal for FP8)
 and forms the exact product sum in float64, so the tolerance is what the GEMM may add to it,
 element by element:
 

@@ -13,8 +13,8 @@ residual add that consumes it:
     else y
 
 On CUDA with at most `KernelConfig.gemv_max_rows` rows of float16 / bfloat16 it is one launch of
-the GEMV kernel (cuda/gemv.cuh), which streams the weight once (past `GEMV_NARROW_ROWS` rows, only
-for weights of at most `GEMV_WIDE_MAX_BYTES`); `fused_linear_supported` says when that applies, and `use_fused_decode` whether a decoder layer runs as such projections
+the GEMV kernel (cuda/gemv.cuh), which streams the weight once; `fused_linear_supported` says when
+that applies, and `use_fused_decode` whether a decoder layer runs as such projections
 (`KernelConfig.fused_gemv`).
 Elsewhere the torch reference runs: the unfused ops in the same order and with the same roundings.
 
@@ -43,15 +43,6 @@ from tinyvllm.ops.layers import rms_norm_ref, silu_and_mul_ref
 _GEMV_STAGING_BYTES = 64 * 1024  # cuda/gemv.cu: the m x k activations staged per CTA
 _PROLOGUE = {None: 0, "rms_norm": 1, "silu_mul": 2}
 
-GEMV_NARROW_ROWS = 2
-"""Rows the GEMV serves at any weight size, streaming it near copy bandwidth."""
-GEMV_WIDE_MAX_BYTES = 4 << 20
-"""Largest weight the GEMV serves at 3 to 8 rows. It multiplies every weight vector with each
-staged row in scalar FMAs, ~6.7 issued operations per weight byte at 8 rows: 3-4x slower than
-cuBLAS on Llama-3-8B's projections (cuda/NOTES.md). A small weight's time is launch latency and
-ramp-up instead (SmolLM2's projections), where the fused launch saves the unfused ops' launches:
-a verification step's k + 1 rows of one sequence, batches of 3-8 small-model decodes."""
-
 
 def use_fused_decode(x: torch.Tensor, *projections: torch.nn.Module) -> bool:
     """Whether a decoder layer over activations like x [num_tokens, hidden] runs these
@@ -77,17 +68,11 @@ def fused_linear_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `fused_linear` runs as the GEMV kernel for activations like x and these weights."""
     if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
         return False
-    m = x.shape[0]
-    if m > kernel_config().gemv_max_rows or not kernel_enabled("fused_linear"):
+    if x.shape[0] > kernel_config().gemv_max_rows or not kernel_enabled("fused_linear"):
         return False
     return all(w.shape[-1] % 8 == 0 and w.is_contiguous()
-               and m * w.shape[-1] * x.element_size() <= _GEMV_STAGING_BYTES
-               and (m <= GEMV_NARROW_ROWS or _bytes(w) <= GEMV_WIDE_MAX_BYTES)
+               and x.shape[0] * w.shape[-1] * x.element_size() <= _GEMV_STAGING_BYTES
                for w in weights)
-
-
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def fused_linear(x: torch.Tensor | DecodePartitions, weight: torch.Tensor,
@@ -173,7 +158,6 @@ def _merge_supported(parts: DecodePartitions, weight: torch.Tensor) -> bool:
     m, heads, splits, head_dim = parts.out.shape
     k = heads * head_dim
     return (m <= kernel_config().gemv_max_rows and parts.dtype in (torch.float16, torch.bfloat16)
-            and (m <= GEMV_NARROW_ROWS or _bytes(weight) <= GEMV_WIDE_MAX_BYTES)
             and m * k * splits * 4 <= _MERGE_BYTES_PER_CTA and kernel_enabled("fused_linear")
             and weight.dim() == 2 and weight.shape[1] == k and weight.is_contiguous()
             and m * k * weight.element_size() <= _GEMV_STAGING_BYTES)
