@@ -134,7 +134,9 @@ void silu_and_mul_quant(ptr_t out,           // [num_tokens, d] int8 / fp8 e4m3,
     constexpr int n = 16 / sizeof(scalar_t);
     const bool wide = can_go_wide(sizeof(scalar_t), d, {x_stride}, {x}) && out_stride % n == 0 &&
                       out % n == 0;
-    const unsigned threads = row_threads(wide ? d / n : d);
+    const int64_t packs = wide ? d / n : d;
+    const unsigned threads = static_cast<unsigned>(std::min<int64_t>(
+        kSiluQuantThreads, std::max<int64_t>(32, (packs + 31) / 32 * 32)));
     dispatch_quant<n>(qdtype, wide, [&](auto int8, auto width) {
       constexpr auto kernel =
           silu_and_mul_quant_kernel<scalar_t, decltype(int8)::value, decltype(width)::value>;

@@ -115,13 +115,20 @@ __global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(
 
 // Packs per thread that the fused kernels keep in registers between computing a row and
 // quantizing it: with 256 threads of 16-byte packs, rms_norm_quant holds a row of 8192 16-bit
-// values (16 registers a thread) and silu_and_mul_quant one of 16384 (32 registers). Packs past
+// values (16 registers a thread), and with 512 threads silu_and_mul_quant one of 16384. Packs past
 // these are computed again for each pass instead: longer rows, and past 4 elements a thread in
 // the single-element form (rows of no multiple of 16 bytes; ptxas gives those kernels 32
 // registers, and 8 held elements spilled).
 constexpr int kNormHeldPacks = 4;
-constexpr int kSiluHeldPacks = 8;
+constexpr int kSiluHeldPacks = 4;
 constexpr int kSingleHeldPacks = 4;
+
+// silu_and_mul_quant's CTA: 512 threads at most 64 registers each, so that two CTAs (two rows)
+// share an SM and one loads while the other reduces its max. With rms_norm's 256 threads holding
+// 8 packs (103 registers) two CTAs of half the size fitted, and the kernel took 1.8x the time of
+// silu_and_mul (H100, the 8B prefill-heavy profile). Any CTA size gives the same values: a row's
+// max does not depend on the order it is taken in.
+constexpr int kSiluQuantThreads = 512;
 
 constexpr int held_packs(int wide_held, int n) { return n == 1 ? kSingleHeldPacks : wide_held; }
 
@@ -211,7 +218,7 @@ __global__ void __launch_bounds__(kRowThreads) rms_norm_quant_kernel(
 // silu_and_mul_kernel (layers.cuh) then quantize_rows_kernel, the product kept in registers: one
 // CTA per token, x = [gate | up].
 template <typename T, bool kInt8, int N>
-__global__ void __launch_bounds__(kRowThreads) silu_and_mul_quant_kernel(
+__global__ void __launch_bounds__(kSiluQuantThreads, 2) silu_and_mul_quant_kernel(
     uint8_t* __restrict__ out,  // [num_tokens, out_stride] int8 / e4m3 bytes, d columns used
     float* __restrict__ scales, // [num_tokens]
     const T* __restrict__ x,    // [num_tokens, x_stride], 2 * d columns used
