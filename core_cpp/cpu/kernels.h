@@ -7,6 +7,10 @@
 #include "quant_blocks.h"
 
 namespace tinyvllm::cpu {
+struct BlockQ8K;  // kquants.h
+}
+
+namespace tinyvllm::cpu {
 
 struct GemmArgs {
   const ActBlock* xq;    // [m, nb] activations, quantized per block
@@ -75,9 +79,10 @@ struct Kernels {
   float (*exp_sum)(float* x, int64_t n, float shift);
   // y[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i].
   void (*silu_mul)(const float* gate, const float* up, float* y, int64_t n);
-  // One packed row of k values of K-quant type qtype (12, 13, 14; k a multiple of 256) -> y[k],
-  // equal to gguf.quants.dequantize on every ISA (kquants.h).
-  void (*dequantize_kquant)(int qtype, const uint8_t* row, int64_t k, float* y);
+  // k activations -> k / 256 BlockQ8K (kquants.h quantize_row_q8k), and a packed K-quant row's
+  // dot product with them (kquant_dot); the same values on every ISA.
+  void (*quantize_q8k)(const float* x, int64_t k, BlockQ8K* y);
+  float (*kquant_dot)(int qtype, const uint8_t* row, const BlockQ8K* x, int64_t num_blocks);
 };
 
 // sum_i a[i] * b[i] in eight running sums (the AVX2 path's lanes) added pairwise at the end, so

@@ -684,6 +684,92 @@ void silu_mul(const float* gate, const float* up, float* y, int64_t n) {
   for (; i < n; ++i) y[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
+// K-quant super-block dot products (kquants.h's dot_super_block, the same integers: every sum is
+// exact, so the order differs freely) with llama.cpp's instructions: the unsigned 4- to 6-bit
+// values times the int8 activations with vpmaddubsw (pairs at most 2 * 63 * 127, no saturation),
+// then times the sub-block scales with vpmaddwd into int32 lanes; the float part is kquants.h's.
+inline __m256i nibbles_lo(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+inline __m256i nibbles_hi(__m256i v) {
+  return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
+}
+inline __m256i load256(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+// 0x10 where bit `mask` of the qh byte is set (Q5_K's fifth bit), else 0.
+inline __m256i fifth_bit(__m256i qh, uint8_t mask) {
+  const __m256i m = _mm256_set1_epi8(static_cast<char>(mask));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m), m), _mm256_set1_epi8(0x10));
+}
+
+template <bool kFive, typename Block>
+inline float dot_q45_k_avx2(const Block& b, const BlockQ8K& x) {
+  __m256i acc = _mm256_setzero_si256();
+  int32_t summ = 0;
+  __m256i qh = _mm256_setzero_si256();
+  if constexpr (kFive) qh = load256(b.qh);
+  for (int g = 0; g < 4; ++g) {
+    int sc0, m0, sc1, m1;
+    scale_min_k4(2 * g, b.scales, &sc0, &m0);
+    scale_min_k4(2 * g + 1, b.scales, &sc1, &m1);
+    const __m256i q = load256(b.qs + 32 * g);
+    __m256i v0 = nibbles_lo(q), v1 = nibbles_hi(q);
+    if constexpr (kFive) {
+      v0 = _mm256_or_si256(v0, fifth_bit(qh, static_cast<uint8_t>(1u << (2 * g))));
+      v1 = _mm256_or_si256(v1, fifth_bit(qh, static_cast<uint8_t>(2u << (2 * g))));
+    }
+    const __m256i p0 = _mm256_maddubs_epi16(v0, load256(x.qs + 64 * g));
+    const __m256i p1 = _mm256_maddubs_epi16(v1, load256(x.qs + 64 * g + 32));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p0, _mm256_set1_epi16(static_cast<int16_t>(sc0))));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p1, _mm256_set1_epi16(static_cast<int16_t>(sc1))));
+    summ += m0 * (x.bsums[4 * g] + x.bsums[4 * g + 1]) +
+            m1 * (x.bsums[4 * g + 2] + x.bsums[4 * g + 3]);
+  }
+  return x.d * (half(b.d) * static_cast<float>(hsum_i32(acc))) -
+         x.d * (half(b.dmin) * static_cast<float>(summ));
+}
+
+inline float dot_q6_k_avx2(const BlockQ6_K& b, const BlockQ8K& x) {
+  __m256i acc = _mm256_setzero_si256();
+  int32_t offset = 0;
+  const __m256i three = _mm256_set1_epi8(3);
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = b.ql + 64 * h;
+    const int8_t* scales = b.scales + 8 * h;
+    const __m256i lo = load256(ql), hi = load256(ql + 32), qh = load256(b.qh + 32 * h);
+    const __m256i low4[4] = {nibbles_lo(lo), nibbles_lo(hi), nibbles_hi(lo), nibbles_hi(hi)};
+    for (int p = 0; p < 4; ++p) {  // values [32p, 32p + 32) of the half
+      const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), three);
+      const __m256i q = _mm256_or_si256(low4[p], _mm256_slli_epi16(top, 4));
+      const __m256i prod = _mm256_maddubs_epi16(q, load256(x.qs + 128 * h + 32 * p));
+      const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16(scales[2 * p]),
+                                           _mm_set1_epi16(scales[2 * p + 1]));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(prod, sc));
+    }
+    for (int j = 0; j < 8; ++j) offset += scales[j] * x.bsums[8 * h + j];
+  }
+  return x.d * (half(b.d) * static_cast<float>(hsum_i32(acc) - 32 * offset));
+}
+
+template <typename Block, typename Dot>
+float kquant_row_dot(const uint8_t* row, const BlockQ8K* x, int64_t num_blocks, Dot dot) {
+  const auto* blocks = reinterpret_cast<const Block*>(row);
+  float acc = 0.0f;
+  for (int64_t b = 0; b < num_blocks; ++b) acc += dot(blocks[b], x[b]);
+  return acc;
+}
+
+float kquant_dot_avx2(int qtype, const uint8_t* row, const BlockQ8K* x, int64_t num_blocks) {
+  switch (static_cast<KQuantType>(qtype)) {
+    case KQuantType::Q4_K:
+      return kquant_row_dot<BlockQ4_K>(row, x, num_blocks, dot_q45_k_avx2<false, BlockQ4_K>);
+    case KQuantType::Q5_K:
+      return kquant_row_dot<BlockQ5_K>(row, x, num_blocks, dot_q45_k_avx2<true, BlockQ5_K>);
+    case KQuantType::Q6_K:
+      return kquant_row_dot<BlockQ6_K>(row, x, num_blocks, dot_q6_k_avx2);
+  }
+  return 0.0f;
+}
+
 }  // namespace
 
 #if !defined(TINYVLLM_KERNELS_VNNI)
@@ -691,7 +777,7 @@ const Kernels& avx2_kernels() {
   static const Kernels k{"avx2",         quantize_row,   nullptr,        nullptr,
                          gemm_rows,      dot_tokens,     sum_tokens,     dot_tokens_f16,
                          sum_tokens_f16, to_f16,         int8_rows,      exp_sum,
-                         silu_mul,       dequantize_kquant_row};
+                         silu_mul,       quantize_row_q8k, kquant_dot_avx2};
   return k;
 }
 #endif

@@ -1,8 +1,9 @@
-// The linear and row dequantization over K-quant weights (kquants.h). Per weight row: dequantize
-// every super-block to float32 (Kernels::dequantize_kquant: kquants.h's code, vectorised by the
-// compiler for each ISA; the values are the same on all), then one float dot per activation row
-// through the ISA's dot_tokens (the attention helper; scale 1 is exact), a single token per call
-// so that a row's result never depends on the batch it came in.
+// The linear and row dequantization over K-quant weights (kquants.h). The linear quantizes each
+// activation row once per call to int8 per 256 values (Kernels::quantize_q8k), then takes each
+// (weight row, activation row) pair's dot product over the packed super-blocks in integers
+// (Kernels::kquant_dot: kquants.h's code, vectorised by the compiler for each ISA; the same values
+// on all), one pair at a time, so that a row's result never depends on the batch it came in. The
+// embedding lookup dequantizes rows with ggml's arithmetic.
 #include <algorithm>
 #include <mutex>
 #include <stdexcept>
@@ -61,14 +62,15 @@ void kquant_linear(const float* x, int64_t x_stride, const uint8_t* w, int qtype
   if (m == 0) return;
   std::lock_guard<std::mutex> lock(kernel_mutex());
   ThreadPool& workers = pool();
+  const int64_t num_blocks = k / kSuperBlock;
+  static std::vector<BlockQ8K> xq;  // [m, num_blocks]; guarded by kernel_mutex
+  if (static_cast<int64_t>(xq.size()) < m * num_blocks) xq.resize(m * num_blocks);
+  for (int64_t j = 0; j < m; ++j) kern.quantize_q8k(x + j * x_stride, k, &xq[j * num_blocks]);
   auto rows = [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> w_row;  // [k] one dequantized weight row
-    if (static_cast<int64_t>(w_row.size()) < k) w_row.resize(k);
     for (int64_t r = begin; r < end; ++r) {
-      kern.dequantize_kquant(qtype, w + r * row_bytes, k, w_row.data());
+      const uint8_t* w_row = w + r * row_bytes;
       for (int64_t j = 0; j < m; ++j) {
-        float y;
-        kern.dot_tokens(w_row.data(), x + j * x_stride, 0, 1, k, 1.0f, &y);
+        const float y = kern.kquant_dot(qtype, w_row, &xq[j * num_blocks], num_blocks);
         out[j * out_stride + r] = bias ? y + bias[r] : y;
       }
     }

@@ -1,9 +1,12 @@
 // GGUF K-quant super-blocks (ggml-common.h; gguf-py's gguf.quants Q4_K / Q5_K / Q6_K): 256 values
 // in sub-blocks of 32 (Q4_K, Q5_K) or 16 (Q6_K), each with its own integer scale under one fp16
-// super-block scale. The linear over them dequantizes each weight row to float32 with ggml's
-// arithmetic and takes float dot products (no activation quantization): kquants.cpp.
+// super-block scale. The linear over them quantizes each activation row to int8 per 256 values
+// (BlockQ8K, llama.cpp's block_q8_K) and takes integer dot products against the packed values,
+// as llama.cpp does; the embedding lookup dequantizes rows with ggml's arithmetic: kquants.cpp.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "quant_blocks.h"
@@ -37,6 +40,14 @@ struct BlockQ6_K {  // value = d * scales[v / 16] * (q - 32), q six bits: ql's n
   uint16_t d;  // fp16
 };
 #pragma pack(pop)
+
+// 256 activations for the K-quant dot products (llama.cpp's block_q8_K with a float scale):
+// x ~= d * qs; bsums[i] the sum of qs[16 i, 16 i + 16).
+struct BlockQ8K {
+  float d;
+  int8_t qs[kSuperBlock];
+  int16_t bsums[kSuperBlock / 16];
+};
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210,
               "ggml K-quant block sizes");
 
@@ -151,6 +162,136 @@ inline void dequantize_kquant_row(int qtype, const uint8_t* row, int64_t k, floa
     case KQuantType::Q5_K: return dequantize_kquant_row_t<BlockQ5_K>(row, k, y);
     case KQuantType::Q6_K: return dequantize_kquant_row_t<BlockQ6_K>(row, k, y);
   }
+}
+
+// k activations -> k / 256 blocks, each x ~= d * qs with d = max|x| / 127 and qs = round(x / d)
+// (x times 1 / d, half to even: quantize_row's arithmetic over 256 values instead of 32).
+inline void quantize_row_q8k(const float* x, int64_t k, BlockQ8K* y) {
+  for (int64_t b = 0; b < k / kSuperBlock; ++b) {
+    const float* xb = x + b * kSuperBlock;
+    float amax = 0.0f;
+    for (int i = 0; i < kSuperBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < kSuperBlock; ++i) {
+      y[b].qs[i] = static_cast<int8_t>(std::nearbyint(xb[i] * id));  // default mode: half to even
+    }
+    for (int g = 0; g < kSuperBlock / 16; ++g) {
+      int sum = 0;
+      for (int i = 0; i < 16; ++i) sum += y[b].qs[16 * g + i];
+      y[b].bsums[g] = static_cast<int16_t>(sum);
+    }
+    y[b].d = d;
+  }
+}
+
+// A super-block's dot product with its 256 activations. The integer sums are exact (below 2^31:
+// Q4_K / Q5_K at most 8 * 63 * 32 * 31 * 127, Q6_K 16 * 128 * 16 * 32 * 127), so any order the
+// compiler vectorises them in gives the same integers on every ISA; the float part is the fixed
+// expression below:
+//   Q4_K / Q5_K: x.d * (d * sum_j sc_j * (q_j . x_j)) - x.d * (dmin * sum_j m_j * sum(x_j))
+//   Q6_K:        x.d * (d * sum_j sc_j * ((q_j - 32) . x_j))
+// The integer sums run in 32 lanes, one per value l of a sub-block, reduced once per super-block:
+// the compiler vectorises the lanes with no horizontal sum per sub-block.
+inline int32_t lane_total(const int32_t (&lanes)[32]) {
+  int32_t total = 0;
+  for (int l = 0; l < 32; ++l) total += lanes[l];
+  return total;
+}
+
+inline float dot_super_block(const BlockQ4_K& b, const BlockQ8K& x) {
+  int32_t lanes[32] = {};
+  int32_t summ = 0;
+  for (int g = 0; g < 4; ++g) {
+    int sc0, m0, sc1, m1;
+    scale_min_k4(2 * g, b.scales, &sc0, &m0);
+    scale_min_k4(2 * g + 1, b.scales, &sc1, &m1);
+    const uint8_t* q = b.qs + 32 * g;
+    const int8_t* a = x.qs + 64 * g;
+    for (int l = 0; l < 32; ++l) {
+      lanes[l] += sc0 * ((q[l] & 0x0f) * a[l]) + sc1 * ((q[l] >> 4) * a[32 + l]);
+    }
+    summ += m0 * (x.bsums[4 * g] + x.bsums[4 * g + 1]) +
+            m1 * (x.bsums[4 * g + 2] + x.bsums[4 * g + 3]);
+  }
+  const int32_t sumi = lane_total(lanes);
+  return x.d * (fp16_to_fp32(b.d) * static_cast<float>(sumi)) -
+         x.d * (fp16_to_fp32(b.dmin) * static_cast<float>(summ));
+}
+
+inline float dot_super_block(const BlockQ5_K& b, const BlockQ8K& x) {
+  int32_t lanes[32] = {};
+  int32_t summ = 0;
+  for (int g = 0; g < 4; ++g) {
+    int sc0, m0, sc1, m1;
+    scale_min_k4(2 * g, b.scales, &sc0, &m0);
+    scale_min_k4(2 * g + 1, b.scales, &sc1, &m1);
+    const uint8_t* q = b.qs + 32 * g;
+    const int8_t* a = x.qs + 64 * g;
+    const int lo_shift = 2 * g, hi_shift = 2 * g + 1;
+    for (int l = 0; l < 32; ++l) {
+      const int v0 = (q[l] & 0x0f) | (((b.qh[l] >> lo_shift) & 1) << 4);
+      const int v1 = (q[l] >> 4) | (((b.qh[l] >> hi_shift) & 1) << 4);
+      lanes[l] += sc0 * (v0 * a[l]) + sc1 * (v1 * a[32 + l]);
+    }
+    summ += m0 * (x.bsums[4 * g] + x.bsums[4 * g + 1]) +
+            m1 * (x.bsums[4 * g + 2] + x.bsums[4 * g + 3]);
+  }
+  const int32_t sumi = lane_total(lanes);
+  return x.d * (fp16_to_fp32(b.d) * static_cast<float>(sumi)) -
+         x.d * (fp16_to_fp32(b.dmin) * static_cast<float>(summ));
+}
+
+// Q6_K's values [32P, 32P + 32) of a half, as dequantize_q6_k_part reads them, into the lanes:
+// sc_j * (q . x) of each 16-value sub-block j, with q its unsigned six bits; the - 32 of every
+// value is applied once per sub-block through its activation sum (bsums).
+template <int P>
+inline void q6_k_part_dot(const uint8_t* ql, const uint8_t* qh, const int8_t* scales,
+                          const int8_t* a, int32_t (&lanes)[32]) {
+  constexpr int kLoShift = 4 * (P / 2), kHiShift = 2 * P;
+  ql += 32 * (P % 2);
+  const int sc0 = scales[2 * P], sc1 = scales[2 * P + 1];
+  for (int l = 0; l < 32; ++l) {
+    const int q = ((ql[l] >> kLoShift) & 0x0f) | (((qh[l] >> kHiShift) & 3) << 4);
+    lanes[l] += (l < 16 ? sc0 : sc1) * (q * a[32 * P + l]);
+  }
+}
+
+inline float dot_super_block(const BlockQ6_K& b, const BlockQ8K& x) {
+  int32_t lanes[32] = {};
+  int32_t offset = 0;  // sum_j sc_j * sum(x_j): the values' - 32, times 32 below
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = b.ql + 64 * h;
+    const uint8_t* qh = b.qh + 32 * h;
+    const int8_t* scales = b.scales + 8 * h;
+    const int8_t* a = x.qs + 128 * h;
+    q6_k_part_dot<0>(ql, qh, scales, a, lanes);
+    q6_k_part_dot<1>(ql, qh, scales, a, lanes);
+    q6_k_part_dot<2>(ql, qh, scales, a, lanes);
+    q6_k_part_dot<3>(ql, qh, scales, a, lanes);
+    for (int j = 0; j < 8; ++j) offset += scales[j] * x.bsums[8 * h + j];
+  }
+  const int32_t sumi = lane_total(lanes) - 32 * offset;
+  return x.d * (fp16_to_fp32(b.d) * static_cast<float>(sumi));
+}
+
+template <typename Block>
+float kquant_dot_t(const uint8_t* row, const BlockQ8K* x, int64_t num_blocks) {
+  const auto* blocks = reinterpret_cast<const Block*>(row);
+  float acc = 0.0f;
+  for (int64_t b = 0; b < num_blocks; ++b) acc += dot_super_block(blocks[b], x[b]);
+  return acc;
+}
+
+// dot(dequantize(row), x) over num_blocks super-blocks of K-quant type `qtype`, x quantized by
+// quantize_row_q8k; super-blocks summed in order.
+inline float kquant_dot(int qtype, const uint8_t* row, const BlockQ8K* x, int64_t num_blocks) {
+  switch (static_cast<KQuantType>(qtype)) {
+    case KQuantType::Q4_K: return kquant_dot_t<BlockQ4_K>(row, x, num_blocks);
+    case KQuantType::Q5_K: return kquant_dot_t<BlockQ5_K>(row, x, num_blocks);
+    case KQuantType::Q6_K: return kquant_dot_t<BlockQ6_K>(row, x, num_blocks);
+  }
+  return 0.0f;
 }
 
 }  // namespace

@@ -48,8 +48,8 @@ QType check_qtype(int qtype);
 // values (raises std::invalid_argument unless k is a positive multiple of 256).
 bool is_kquant(int qtype);
 int64_t kquant_row_bytes(int qtype, int64_t k);
-// quantized_linear for the K-quants: each weight row dequantized to float, float dot products
-// (the activations are not quantized). Shapes as quantized_linear's.
+// quantized_linear for the K-quants: activations int8 per 256 values, integer dot products over
+// the packed super-blocks (kquants.h). Shapes as quantized_linear's.
 void kquant_linear(const float* x, int64_t x_stride, const uint8_t* w, int qtype,
                    const float* bias, float* out, int64_t out_stride, int64_t m, int64_t n,
                    int64_t k, const std::string& isa);

@@ -168,7 +168,7 @@ def test_kquant_projections_stay_packed_on_the_module_path(kquant_gguf, caplog):
 
 def test_kquant_logits_equal_the_dequantized_path(kquant_gguf, paged_run):
     """Prefill then decode: the packed K-quant kernels against F.linear over the same weights
-    dequantized at load, float summation order apart."""
+    dequantized at load, the activations' int8 rounding (per 256 values) apart."""
     cpu = torch.device("cpu")
     packed = load_model(str(kquant_gguf), torch.float32, cpu, packed=True).model
     ref = load_model(str(kquant_gguf), torch.float32, cpu).model
@@ -177,4 +177,5 @@ def test_kquant_logits_equal_the_dequantized_path(kquant_gguf, paged_run):
     ids = list(range(3, 23))
     for chunk in [(ids, 0), ([41], len(ids)), ([7], len(ids) + 1)]:
         got, want = (run.step([chunk]) for run in runs)
-        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+        assert ((got - want).norm() / want.norm()).item() < 3e-3  # seen 3.5e-4
+        assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -192,7 +192,7 @@ def test_leading_dims_and_empty_batch():
     assert np.isfinite(got.numpy()).all()
 
 
-# --- K-quants: rows dequantized to float32, float dot products ---------------------------------
+# --- K-quants: activations int8 per 256 values, integer dot products -----------------------------
 
 K_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 """Byte offsets of each K-quant block's fp16 scales (d, dmin; Q6_K's d is last), ggml-common.h."""
@@ -213,8 +213,11 @@ def random_kquant_rows(n: int, k: int, qtype: int, seed: int) -> torch.Tensor:
 
 def _assert_float_sum_order_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
                                   bias: torch.Tensor | None) -> None:
-    want = F.linear(x, w, bias)
-    bound = SUM_ORDER_RTOL * (F.linear(x.abs(), w.abs()) + (0 if bias is None else bias.abs()))
+    """got = x's int8 round trip per 256 values (the K-quant kernels' activations) against w,
+    up to float summation order."""
+    xq = q.quantize_activations_ref(x, q.QK_K)
+    want = F.linear(xq, w, bias)
+    bound = SUM_ORDER_RTOL * (F.linear(xq.abs(), w.abs()) + (0 if bias is None else bias.abs()))
     err = (got - want).abs()
     assert bool((err <= bound + 1e-6).all()), f"max excess {(err - bound).max().item():.3g}"
 
@@ -222,9 +225,10 @@ def _assert_float_sum_order_close(got: torch.Tensor, x: torch.Tensor, w: torch.T
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("type_name,qtype", K_TYPES)
-def test_kquant_linear_equals_x_times_the_dequantized_weight(type_name, qtype, isa, threads):
-    """No activation rounding: only float summation order separates the kernel from
-    x @ dequantize(w).T (and from `quantized_linear_ref`, the same product)."""
+def test_kquant_linear_equals_the_int8_reference(type_name, qtype, isa, threads):
+    """x rounded to int8 per 256 values (`quantize_activations_ref(x, 256)`) times
+    dequantize(w), up to float summation order: the integer sums are exact. `quantized_linear_ref`
+    is the same product; the unrounded x @ dequantize(w).T is within the activations' rounding."""
     q.set_num_threads(threads)
     try:
         for k in (256, 512, 2304):
@@ -234,13 +238,31 @@ def test_kquant_linear_equals_x_times_the_dequantized_weight(type_name, qtype, i
                 assert bool(w.isfinite().all())
                 bias = torch.randn(n) if n % 2 else None
                 for m in (1, 3, 17):
-                    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                    x = _activations(m, k, seed=m)
                     got = q.quantized_linear(x, qweight, qtype, k, bias, isa=isa)
                     _assert_float_sum_order_close(got, x, w, bias)
                     _assert_float_sum_order_close(
                         q.quantized_linear_ref(x, qweight, qtype, k, bias), x, w, bias)
+                    # against the unrounded x: each value moves by at most half a step
+                    # (max|x| / 254 over its 256-value block)
+                    step = x.reshape(m, -1, q.QK_K).abs().amax(-1, keepdim=True) / 254
+                    half_step = step.expand(m, k // q.QK_K, q.QK_K).reshape(m, k)
+                    bound = F.linear(half_step, w.abs()) * (1 + 1e-4) + 1e-5
+                    assert bool(((got - F.linear(x, w, bias)).abs() <= bound).all())
     finally:
         q.set_num_threads(None)
+
+
+@pytest.mark.parametrize("type_name,qtype", K_TYPES)
+def test_kquant_every_isa_gives_the_same_bits(type_name, qtype):
+    """Exact integer sums and one float expression per super-block: the SIMD paths (vpmaddubsw)
+    and the portable one agree bit for bit, whatever the batch."""
+    k, n = 1024, 37
+    qweight = random_kquant_rows(n, k, qtype, seed=9)
+    x = _activations(5, k, seed=10)
+    outs = [q.quantized_linear(x, qweight, qtype, k, isa=isa) for isa in ISAS]
+    for isa, out in zip(ISAS[1:], outs[1:]):
+        assert torch.equal(out, outs[0]), f"{isa} against {ISAS[0]}"
 
 
 @pytest.mark.parametrize("type_name,qtype", K_TYPES)

@@ -7,13 +7,12 @@ Q4_K, Q5_K, Q6_K).
 laid out as ggml writes it. The C++ kernels (`tinyvllm._cpu`, core_cpp/cpu/) quantize each row of
 x to int8 per 32-value block on the fly (a float scale per block, round half to even) and take
 integer dot products, as llama.cpp does. The K-quants (`KQUANT_TYPES`, 256-value super-blocks)
-take another route: each weight row is dequantized to float32 with ggml's arithmetic and dotted
-with x as it is (no activation rounding), on the CPU only (the CUDA kernels and the fused decoder
-step read the 32-value types). Two torch references:
+do the same per 256 values (llama.cpp's Q8_K: one float scale a super-block), on the CPU only (the
+CUDA kernels and the fused decoder step read the 32-value types). Two torch references:
 
-- `quantized_linear_ref`: the same arithmetic in torch (x through the same int8 round trip, none
-  for the K-quants; the weight dequantized by `gguf.quants`); the kernels match it up to float
-  summation order.
+- `quantized_linear_ref`: the same arithmetic in torch (x through the same int8 round trip, per
+  32 values, per 256 for the K-quants; the weight dequantized by `gguf.quants`); the kernels match
+  it up to float summation order.
 - `dequantized_linear_ref`: plain `F.linear` over the dequantized weight, the path the engine runs
   with `--dequantize`; the kernels differ from it by the activations' int8 rounding.
 """
@@ -43,7 +42,7 @@ KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 type code (gguf.GGMLQuantizationType values)."""
 
 KQUANT_TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-"""GGUF K-quant types the CPU kernels read with float dot products (the module path only)."""
+"""GGUF K-quant types the CPU kernels read (activations int8 per 256 values; the module path only)."""
 
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 12: 144, 13: 176, 14: 210}
 """Bytes per block (32 values; K-quants 256), by type code (ggml-common.h)."""
@@ -230,10 +229,11 @@ def dequantize(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1, k))
 
 
-def quantize_activations_ref(x: torch.Tensor) -> torch.Tensor:
-    """x after the kernels' int8 round trip: per 32 values d = max|x| / 127, q = round(x / d)
-    (x times 1 / d, half to even), back to q * d. Shape: [..., k] -> [..., k] float32."""
-    blocks = x.float().reshape(*x.shape[:-1], -1, QBLOCK)
+def quantize_activations_ref(x: torch.Tensor, block: int = QBLOCK) -> torch.Tensor:
+    """x after the kernels' int8 round trip: per `block` values (32; 256 for the K-quants)
+    d = max|x| / 127, q = round(x / d) (x times 1 / d, half to even), back to q * d.
+    Shape: [..., k] -> [..., k] float32."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, block)
     d = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(blocks * inv)
@@ -242,9 +242,9 @@ def quantize_activations_ref(x: torch.Tensor) -> torch.Tensor:
 
 def quantized_linear_ref(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k: int,
                          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """What the kernels compute, in torch: int8-rounded x (x as it is for the K-quants, whose
-    kernel takes float dot products) against the dequantized weight."""
-    xq = x if qtype in KQUANT_TYPES.values() else quantize_activations_ref(x)
+    """What the kernels compute, in torch: int8-rounded x (per 32 values, per 256 for the
+    K-quants) against the dequantized weight."""
+    xq = quantize_activations_ref(x, block_values(qtype))
     return F.linear(xq, dequantize(qweight, qtype, k).to(x.device), bias)
 
 
