@@ -185,10 +185,10 @@ inline void quantize_row_q8k(const float* x, int64_t k, BlockQ8K* y) {
   }
 }
 
-// A super-block's dot product with its 256 activations. The integer sums are exact (below 2^31:
-// Q4_K / Q5_K at most 8 * 63 * 32 * 31 * 127, Q6_K 16 * 128 * 16 * 32 * 127), so any order the
-// compiler vectorises them in gives the same integers on every ISA; the float part is the fixed
-// expression below:
+// A super-block's dot product with its 256 activations (the portable path; kernels_avx2.cpp
+// computes the same integers with intrinsics). The integer sums are exact (below 2^31: Q4_K /
+// Q5_K at most 8 * 63 * 32 * 31 * 127, Q6_K 16 * 128 * 16 * 63 * 127 before its offset), so any
+// order gives the same integers; the float part is the fixed expression below:
 //   Q4_K / Q5_K: x.d * (d * sum_j sc_j * (q_j . x_j)) - x.d * (dmin * sum_j m_j * sum(x_j))
 //   Q6_K:        x.d * (d * sum_j sc_j * ((q_j - 32) . x_j))
 // The integer sums run in 32 lanes, one per value l of a sub-block, reduced once per super-block:
@@ -199,7 +199,9 @@ inline int32_t lane_total(const int32_t (&lanes)[32]) {
   return total;
 }
 
-inline float dot_super_block(const BlockQ4_K& b, const BlockQ8K& x) {
+// Q4_K, and with kFive Q5_K's fifth bits (bit 2g of qh[l] for sub-block 2g, 2g + 1 for 2g + 1).
+template <bool kFive, typename Block>
+inline float dot_q45_k(const Block& b, const BlockQ8K& x) {
   int32_t lanes[32] = {};
   int32_t summ = 0;
   for (int g = 0; g < 4; ++g) {
@@ -209,7 +211,12 @@ inline float dot_super_block(const BlockQ4_K& b, const BlockQ8K& x) {
     const uint8_t* q = b.qs + 32 * g;
     const int8_t* a = x.qs + 64 * g;
     for (int l = 0; l < 32; ++l) {
-      lanes[l] += sc0 * ((q[l] & 0x0f) * a[l]) + sc1 * ((q[l] >> 4) * a[32 + l]);
+      int v0 = q[l] & 0x0f, v1 = q[l] >> 4;
+      if constexpr (kFive) {
+        v0 |= ((b.qh[l] >> (2 * g)) & 1) << 4;
+        v1 |= ((b.qh[l] >> (2 * g + 1)) & 1) << 4;
+      }
+      lanes[l] += sc0 * (v0 * a[l]) + sc1 * (v1 * a[32 + l]);
     }
     summ += m0 * (x.bsums[4 * g] + x.bsums[4 * g + 1]) +
             m1 * (x.bsums[4 * g + 2] + x.bsums[4 * g + 3]);
@@ -219,27 +226,11 @@ inline float dot_super_block(const BlockQ4_K& b, const BlockQ8K& x) {
          x.d * (fp16_to_fp32(b.dmin) * static_cast<float>(summ));
 }
 
+inline float dot_super_block(const BlockQ4_K& b, const BlockQ8K& x) {
+  return dot_q45_k<false>(b, x);
+}
 inline float dot_super_block(const BlockQ5_K& b, const BlockQ8K& x) {
-  int32_t lanes[32] = {};
-  int32_t summ = 0;
-  for (int g = 0; g < 4; ++g) {
-    int sc0, m0, sc1, m1;
-    scale_min_k4(2 * g, b.scales, &sc0, &m0);
-    scale_min_k4(2 * g + 1, b.scales, &sc1, &m1);
-    const uint8_t* q = b.qs + 32 * g;
-    const int8_t* a = x.qs + 64 * g;
-    const int lo_shift = 2 * g, hi_shift = 2 * g + 1;
-    for (int l = 0; l < 32; ++l) {
-      const int v0 = (q[l] & 0x0f) | (((b.qh[l] >> lo_shift) & 1) << 4);
-      const int v1 = (q[l] >> 4) | (((b.qh[l] >> hi_shift) & 1) << 4);
-      lanes[l] += sc0 * (v0 * a[l]) + sc1 * (v1 * a[32 + l]);
-    }
-    summ += m0 * (x.bsums[4 * g] + x.bsums[4 * g + 1]) +
-            m1 * (x.bsums[4 * g + 2] + x.bsums[4 * g + 3]);
-  }
-  const int32_t sumi = lane_total(lanes);
-  return x.d * (fp16_to_fp32(b.d) * static_cast<float>(sumi)) -
-         x.d * (fp16_to_fp32(b.dmin) * static_cast<float>(summ));
+  return dot_q45_k<true>(b, x);
 }
 
 // Q6_K's values [32P, 32P + 32) of a half, as dequantize_q6_k_part reads them, into the lanes:
