@@ -191,37 +191,34 @@ inline void quantize_row_q8k(const float* x, int64_t k, BlockQ8K* y) {
 // order gives the same integers; the float part is the fixed expression below:
 //   Q4_K / Q5_K: x.d * (d * sum_j sc_j * (q_j . x_j)) - x.d * (dmin * sum_j m_j * sum(x_j))
 //   Q6_K:        x.d * (d * sum_j sc_j * ((q_j - 32) . x_j))
-// The integer sums run in 32 lanes, one per value l of a sub-block, reduced once per super-block:
-// the compiler vectorises the lanes with no horizontal sum per sub-block.
-inline int32_t lane_total(const int32_t (&lanes)[32]) {
-  int32_t total = 0;
-  for (int l = 0; l < 32; ++l) total += lanes[l];
-  return total;
-}
-
+// Each sub-block's integer dot is summed on its own (16-bit products widened and added: pmaddwd,
+// NEON's smlal), then times its scale in scalar code; a product times the scale in every lane
+// would need 32-bit multiplies, which SSE2 lacks.
 // Q4_K, and with kFive Q5_K's fifth bits (bit 2g of qh[l] for sub-block 2g, 2g + 1 for 2g + 1).
 template <bool kFive, typename Block>
 inline float dot_q45_k(const Block& b, const BlockQ8K& x) {
-  int32_t lanes[32] = {};
-  int32_t summ = 0;
+  int32_t sumi = 0, summ = 0;
   for (int g = 0; g < 4; ++g) {
     int sc0, m0, sc1, m1;
     scale_min_k4(2 * g, b.scales, &sc0, &m0);
     scale_min_k4(2 * g + 1, b.scales, &sc1, &m1);
     const uint8_t* q = b.qs + 32 * g;
     const int8_t* a = x.qs + 64 * g;
+    int32_t s0 = 0, s1 = 0;
     for (int l = 0; l < 32; ++l) {
-      int v0 = q[l] & 0x0f, v1 = q[l] >> 4;
-      if constexpr (kFive) {
-        v0 |= ((b.qh[l] >> (2 * g)) & 1) << 4;
-        v1 |= ((b.qh[l] >> (2 * g + 1)) & 1) << 4;
-      }
-      lanes[l] += sc0 * (v0 * a[l]) + sc1 * (v1 * a[32 + l]);
+      int16_t v = q[l] & 0x0f;
+      if constexpr (kFive) v |= ((b.qh[l] >> (2 * g)) & 1) << 4;
+      s0 += v * a[l];
     }
+    for (int l = 0; l < 32; ++l) {
+      int16_t v = q[l] >> 4;
+      if constexpr (kFive) v |= ((b.qh[l] >> (2 * g + 1)) & 1) << 4;
+      s1 += v * a[32 + l];
+    }
+    sumi += sc0 * s0 + sc1 * s1;
     summ += m0 * (x.bsums[4 * g] + x.bsums[4 * g + 1]) +
             m1 * (x.bsums[4 * g + 2] + x.bsums[4 * g + 3]);
   }
-  const int32_t sumi = lane_total(lanes);
   return x.d * (fp16_to_fp32(b.d) * static_cast<float>(sumi)) -
          x.d * (fp16_to_fp32(b.dmin) * static_cast<float>(summ));
 }
@@ -233,37 +230,38 @@ inline float dot_super_block(const BlockQ5_K& b, const BlockQ8K& x) {
   return dot_q45_k<true>(b, x);
 }
 
-// Q6_K's values [32P, 32P + 32) of a half, as dequantize_q6_k_part reads them, into the lanes:
-// sc_j * (q . x) of each 16-value sub-block j, with q its unsigned six bits; the - 32 of every
-// value is applied once per sub-block through its activation sum (bsums).
+// Q6_K's values [32P, 32P + 32) of a half, as dequantize_q6_k_part reads them: sc_j * (q . x) of
+// each 16-value sub-block j, q its unsigned six bits (the - 32 of every value is applied once
+// per sub-block through its activation sum, bsums).
 template <int P>
-inline void q6_k_part_dot(const uint8_t* ql, const uint8_t* qh, const int8_t* scales,
-                          const int8_t* a, int32_t (&lanes)[32]) {
+inline int32_t q6_k_part_dot(const uint8_t* ql, const uint8_t* qh, const int8_t* scales,
+                             const int8_t* a) {
   constexpr int kLoShift = 4 * (P / 2), kHiShift = 2 * P;
   ql += 32 * (P % 2);
-  const int sc0 = scales[2 * P], sc1 = scales[2 * P + 1];
-  for (int l = 0; l < 32; ++l) {
-    const int q = ((ql[l] >> kLoShift) & 0x0f) | (((qh[l] >> kHiShift) & 3) << 4);
-    lanes[l] += (l < 16 ? sc0 : sc1) * (q * a[32 * P + l]);
+  int32_t sum = 0;
+  for (int half = 0; half < 2; ++half) {
+    int32_t s = 0;
+    for (int l = 16 * half; l < 16 * half + 16; ++l) {
+      const int16_t q = ((ql[l] >> kLoShift) & 0x0f) | (((qh[l] >> kHiShift) & 3) << 4);
+      s += q * a[32 * P + l];
+    }
+    sum += scales[2 * P + half] * s;
   }
+  return sum;
 }
 
 inline float dot_super_block(const BlockQ6_K& b, const BlockQ8K& x) {
-  int32_t lanes[32] = {};
-  int32_t offset = 0;  // sum_j sc_j * sum(x_j): the values' - 32, times 32 below
+  int32_t sumi = 0, offset = 0;  // offset: sum_j sc_j * sum(x_j), the values' - 32 over 32
   for (int h = 0; h < 2; ++h) {
     const uint8_t* ql = b.ql + 64 * h;
     const uint8_t* qh = b.qh + 32 * h;
     const int8_t* scales = b.scales + 8 * h;
     const int8_t* a = x.qs + 128 * h;
-    q6_k_part_dot<0>(ql, qh, scales, a, lanes);
-    q6_k_part_dot<1>(ql, qh, scales, a, lanes);
-    q6_k_part_dot<2>(ql, qh, scales, a, lanes);
-    q6_k_part_dot<3>(ql, qh, scales, a, lanes);
+    sumi += q6_k_part_dot<0>(ql, qh, scales, a) + q6_k_part_dot<1>(ql, qh, scales, a) +
+            q6_k_part_dot<2>(ql, qh, scales, a) + q6_k_part_dot<3>(ql, qh, scales, a);
     for (int j = 0; j < 8; ++j) offset += scales[j] * x.bsums[8 * h + j];
   }
-  const int32_t sumi = lane_total(lanes) - 32 * offset;
-  return x.d * (fp16_to_fp32(b.d) * static_cast<float>(sumi));
+  return x.d * (fp16_to_fp32(b.d) * static_cast<float>(sumi - 32 * offset));
 }
 
 template <typename Block>
