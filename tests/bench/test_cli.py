@@ -159,3 +159,21 @@ def test_table_titles_name_the_weights_format():
     assert model_label({**record, "quantization": "none (GGUF Q4_1 dequantized at load)"}) == (
         "llama3-8b-shape bfloat16")
     assert model_label(record) == "llama3-8b-shape bfloat16"
+
+
+def test_kernels_only_cpu_times_the_packed_linear_without_a_gpu(tmp_path, monkeypatch, capsys):
+    """`bench kernels --only cpu` times the CPU's packed GGUF linear (here one K-quant and one
+    32-value type, on the portable kernels, one short batch each) against torch, records JSON
+    and prints the ratio."""
+    import json
+
+    from tinyvllm.bench import kernels
+
+    monkeypatch.setattr(kernels, "cpu_rows", lambda quick: [
+        kernels.bench_cpu_linear(t, 1, "tiny", 16, 256, "scalar") for t in ("Q4_K", "Q8_0")])
+    out = tmp_path / "k.json"
+    kernels.main(["--only", "cpu", "--quick", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert [r["name"] for r in record["results"]] == ["cpu Q4_K", "cpu Q8_0"]
+    assert all(r["us"] > 0 and r["ratios"]["torch_f32"] > 0 for r in record["results"])
+    assert "cpu Q4_K" in capsys.readouterr().out

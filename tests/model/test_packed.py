@@ -21,7 +21,6 @@ from tinyvllm.model.synthetic import make_random_model, tiny_arch
 from tinyvllm.ops import quantized as q
 from tests.model.test_loader_gguf import TOKENS, _hf_state, _write_gguf
 from tests.model.test_loader_gguf import tiny  # noqa: F401  (the module-scoped fixture)
-from tests.ops.test_quantized import random_kquant_rows
 
 pytest.importorskip("tinyvllm._cpu")
 
@@ -143,7 +142,7 @@ def kquant_gguf(tmp_path_factory):
     for i, (name, tensor) in enumerate(_hf_state(model).items()):
         if tensor.ndim == 2:
             qtype = q.KQUANT_TYPES[K_TYPE_BY_TENSOR[name.split(".")[-2]]]
-            blocks = random_kquant_rows(tensor.shape[0], tensor.shape[1], qtype, seed=i)
+            blocks = q.random_kquant_rows(tensor.shape[0], tensor.shape[1], qtype, seed=i)
             raw[name] = (blocks.numpy(), gguf.GGMLQuantizationType(qtype))
     path = tmp_path_factory.mktemp("gguf") / "tiny-kquants.gguf"
     _write_gguf(path, model, raw=raw)

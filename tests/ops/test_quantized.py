@@ -194,23 +194,6 @@ def test_leading_dims_and_empty_batch():
 
 # --- K-quants: activations int8 per 256 values, integer dot products -----------------------------
 
-K_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-"""Byte offsets of each K-quant block's fp16 scales (d, dmin; Q6_K's d is last), ggml-common.h."""
-
-
-def random_kquant_rows(n: int, k: int, qtype: int, seed: int) -> torch.Tensor:
-    """[n, row_bytes] random K-quant blocks: random bytes, the fp16 scales set to small positive
-    halves (finite values of a sane size; random bytes there would give inf / nan)."""
-    gen = np.random.default_rng(seed)
-    rows = gen.integers(0, 256, (n * k // q.QK_K, q.BLOCK_BYTES[qtype]), dtype=np.uint8)
-    # Q6_K's int8 sub-block scales reach 127 * 32 per step: a smaller d keeps values near 1.
-    scale = 1e-4 if qtype == q.KQUANT_TYPES["Q6_K"] else 2e-3
-    for offset in K_SCALE_OFFSETS[q._TYPE_NAMES[qtype]]:
-        halves = gen.uniform(0.25, 1.0, rows.shape[0]).astype(np.float16) * np.float16(scale)
-        rows[:, offset:offset + 2] = halves.view(np.uint8).reshape(-1, 2)
-    return torch.from_numpy(rows.reshape(n, -1))
-
-
 def _assert_float_sum_order_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
                                   bias: torch.Tensor | None) -> None:
     """got = x's int8 round trip per 256 values (the K-quant kernels' activations) against w,
@@ -233,7 +216,7 @@ def test_kquant_linear_equals_the_int8_reference(type_name, qtype, isa, threads)
     try:
         for k in (256, 512, 2304):
             for n in (1, 7, 64):
-                qweight = random_kquant_rows(n, k, qtype, seed=n + k)
+                qweight = q.random_kquant_rows(n, k, qtype, seed=n + k)
                 w = q.dequantize(qweight, qtype, k)
                 assert bool(w.isfinite().all())
                 bias = torch.randn(n) if n % 2 else None
@@ -258,7 +241,7 @@ def test_kquant_every_isa_gives_the_same_bits(type_name, qtype):
     """Exact integer sums and one float expression per super-block: the SIMD paths (vpmaddubsw)
     and the portable one agree bit for bit, whatever the batch."""
     k, n = 1024, 37
-    qweight = random_kquant_rows(n, k, qtype, seed=9)
+    qweight = q.random_kquant_rows(n, k, qtype, seed=9)
     x = _activations(5, k, seed=10)
     outs = [q.quantized_linear(x, qweight, qtype, k, isa=isa) for isa in ISAS]
     for isa, out in zip(ISAS[1:], outs[1:]):
@@ -268,7 +251,7 @@ def test_kquant_every_isa_gives_the_same_bits(type_name, qtype):
 @pytest.mark.parametrize("type_name,qtype", K_TYPES)
 def test_kquant_kernel_writes_every_output_and_nothing_else(type_name, qtype):
     n, k, m, stride = 70, 512, 5, 75  # n: past one thread's share
-    qweight = random_kquant_rows(n, k, qtype, seed=1)
+    qweight = q.random_kquant_rows(n, k, qtype, seed=1)
     x = torch.randn(m, k)
     out = torch.full((m, stride), float("nan"))
     _cpu.linear(out.data_ptr(), x.data_ptr(), qweight.data_ptr(), 0, qtype, m, n, k, k, stride)
@@ -280,7 +263,7 @@ def test_kquant_kernel_writes_every_output_and_nothing_else(type_name, qtype):
 @pytest.mark.parametrize("type_name,qtype", K_TYPES)
 def test_kquant_rows_result_does_not_depend_on_its_batch(type_name, qtype, isa):
     n, k = 67, 512
-    qweight = random_kquant_rows(n, k, qtype, seed=2)
+    qweight = q.random_kquant_rows(n, k, qtype, seed=2)
     x = torch.randn(19, k, generator=torch.Generator().manual_seed(3))
     batch = q.quantized_linear(x, qweight, qtype, k, isa=isa)
     for j in range(x.shape[0]):
@@ -291,7 +274,7 @@ def test_kquant_rows_result_does_not_depend_on_its_batch(type_name, qtype, isa):
 @pytest.mark.parametrize("type_name,qtype", K_TYPES)
 def test_kquant_embedding_rows_equal_the_gguf_dequantization_exactly(type_name, qtype):
     k = 768
-    qweight = random_kquant_rows(40, k, qtype, seed=4)
+    qweight = q.random_kquant_rows(40, k, qtype, seed=4)
     want = torch.from_numpy(gguf.quants.dequantize(
         qweight.numpy(), gguf.GGMLQuantizationType(qtype)).reshape(40, k))
     ids = torch.tensor([[0, 39, 7], [7, 13, 0]])
@@ -307,7 +290,7 @@ def test_kquant_k_not_a_multiple_of_256_is_named(type_name, qtype):
                                          f"{type_name}, got 320"):
         q.row_bytes(qtype, 320)
     assert q.row_bytes(qtype, 512) == 2 * q.BLOCK_BYTES[qtype]
-    qweight = random_kquant_rows(4, 256, qtype, seed=5)
+    qweight = q.random_kquant_rows(4, 256, qtype, seed=5)
     with pytest.raises(ValueError, match="k: expected a positive multiple of 256"):
         q.quantized_linear(torch.randn(2, 288), qweight, qtype, 288)
     out, x = torch.empty(2, 4), torch.randn(2, 288)

@@ -21,7 +21,8 @@ _ENGINE_BENCHMARKS = {
              "Speculative decoding on vs off on the same prompts (repetitive and open)."),
 }
 _DELEGATED = {  # modules with their own argument parser: the rest of the command line goes there
-    "kernels": ("tinyvllm.bench.kernels", "GPU kernels against torch / cuBLAS baselines."),
+    "kernels": ("tinyvllm.bench.kernels", "GPU kernels against torch / cuBLAS baselines "
+                "(--only cpu: the CPU's packed GGUF linear against torch)."),
     "serve": ("tinyvllm.bench.serve", "The gRPC service under Poisson arrivals: TTFT, TPOT, ITL."),
 }
 

@@ -497,6 +497,78 @@ def bench_sample(kernels, num_rows, mode, copy_gbps, gen) -> Row:
                baselines_us={baseline: time_graph_us(reference, calls=min(copies, 64))})
 
 
+# ---- CPU: the packed GGUF linear (tinyvllm._cpu) --------------------------------------------
+
+CPU_SHAPES = [("smollm2 down", 576, 1536), ("2048 x 2048", 2048, 2048)]
+"""(name, n, k) of the CPU rows: k a multiple of 256, so every GGUF type runs."""
+
+
+def time_cpu_us(fn: Callable[[], None], reps: int = 7) -> float:
+    """Best of `reps` batches of calls (a batch ~50 ms), microseconds per call."""
+    import time
+    fn()
+    start = time.perf_counter()
+    fn()
+    calls = max(1, int(0.05 / max(time.perf_counter() - start, 1e-6)))
+    best = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
+def bench_cpu_linear(type_name: str, m: int, name: str, n: int, k: int, isa: str) -> Row:
+    """`quantized_linear` over packed GGUF rows on one thread (one ISA's kernels), against
+    F.linear over the dequantized float32 weight on one thread; GB/s of packed weight read."""
+    import gguf
+
+    from tinyvllm.ops import quantized as q
+    qtype = {**q.KERNEL_TYPES, **q.KQUANT_TYPES}[type_name]
+    gen = torch.Generator().manual_seed(n + k)
+    if qtype in q.KQUANT_TYPES.values():
+        qweight = q.random_kquant_rows(n, k, qtype, seed=n + k)
+    else:
+        w = torch.randn(n, k, generator=gen).numpy()
+        qweight = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype)))
+    weight = q.dequantize(qweight, qtype, k)
+    x = torch.randn(m, k, generator=gen)
+    us = time_cpu_us(lambda: q.quantized_linear(x, qweight, qtype, k, isa=isa))
+    return Row(f"cpu {type_name}", f"{isa} m{m} {n}x{k} ({name})", us,
+               gbps=qweight.numel() / us / 1e3,
+               baselines_us={"torch_f32": time_cpu_us(lambda: F.linear(x, weight))})
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux's cpuinfo), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def cpu_rows(quick: bool) -> list[Row]:
+    """Every GGUF type the CPU kernels read, on each ISA this CPU has, one thread each."""
+    from tinyvllm.ops import quantized as q
+    isas = [isa for isa in ("avx512vnni", "avx2", "scalar") if q.isa_available(isa)]
+    types = [*q.KERNEL_TYPES, *q.KQUANT_TYPES]
+    torch_threads = torch.get_num_threads()
+    q.set_num_threads(1)
+    torch.set_num_threads(1)
+    try:
+        return [bench_cpu_linear(t, m, name, n, k, isa)
+                for name, n, k in (CPU_SHAPES[:1] if quick else CPU_SHAPES)
+                for m in ((1,) if quick else (1, 8)) for t in types for isa in isas]
+    finally:
+        q.set_num_threads(None)
+        torch.set_num_threads(torch_threads)
+
+
 def cuda_ops_or_exit():
     from tinyvllm.ops._dispatch import cuda_ops
     kernels = cuda_ops()
@@ -572,8 +644,9 @@ def quant_rows(quick: bool, copy_gbps: float, gen) -> list[Row]:
     return rows
 
 
-def print_table(copy_gbps: float, rows: list[Row]) -> None:
-    print(f"\ncopy bandwidth (d2d, read+write): {copy_gbps:.0f} GB/s")
+def print_table(copy_gbps: Optional[float], rows: list[Row]) -> None:
+    if copy_gbps is not None:
+        print(f"\ncopy bandwidth (d2d, read+write): {copy_gbps:.0f} GB/s")
     print(f"{'kernel':<18} {'shape':<32} {'us':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8}  "
           "ratios (baseline time / ours)")
     for r in rows:
@@ -588,11 +661,17 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench-results/kernels.json", help="JSON record path")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
-    parser.add_argument("--only", choices=["quant"], help="only these rows")
+    parser.add_argument("--only", choices=["quant", "cpu"],
+                        help="only these rows: quant (the GPU's quantized matmuls) or cpu (the "
+                        "packed GGUF linear of tinyvllm._cpu, one thread, every ISA this CPU has, "
+                        "against torch's float32 F.linear; needs no GPU)")
     args = parser.parse_args(argv)
-    copy_gbps, rows = run(args.quick, args.only)
+    if args.only == "cpu":
+        copy_gbps, rows, device = None, cpu_rows(args.quick), cpu_name()
+    else:
+        (copy_gbps, rows), device = run(args.quick, args.only), torch.cuda.get_device_name()
     record = {
-        "benchmark": "kernels", "git_rev": git_rev(), "device": torch.cuda.get_device_name(),
+        "benchmark": "kernels", "git_rev": git_rev(), "device": device,
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
         "dtype": str(DTYPE).removeprefix("torch."), "block_size": BLOCK_SIZE,
         "copy_bandwidth_gbps": copy_gbps,

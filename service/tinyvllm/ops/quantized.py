@@ -229,6 +229,24 @@ def dequantize(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1, k))
 
 
+_K_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+"""Byte offsets of each K-quant block's fp16 scales (d, dmin; Q6_K's d is last), ggml-common.h."""
+
+
+def random_kquant_rows(n: int, k: int, qtype: int, seed: int) -> torch.Tensor:
+    """[n, row_bytes] random K-quant blocks (tests and `bench kernels --only cpu`; gguf-py cannot
+    quantize to the K types): random bytes, the fp16 scales set to small positive halves (finite
+    values of a sane size; random bytes there would give inf / nan)."""
+    gen = np.random.default_rng(seed)
+    rows = gen.integers(0, 256, (n * k // QK_K, BLOCK_BYTES[qtype]), dtype=np.uint8)
+    # Q6_K's int8 sub-block scales reach 127 * 32 per step: a smaller d keeps values near 1.
+    scale = 1e-4 if qtype == KQUANT_TYPES["Q6_K"] else 2e-3
+    for offset in _K_SCALE_OFFSETS[_TYPE_NAMES[qtype]]:
+        halves = gen.uniform(0.25, 1.0, rows.shape[0]).astype(np.float16) * np.float16(scale)
+        rows[:, offset:offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(rows.reshape(n, -1))
+
+
 def quantize_activations_ref(x: torch.Tensor, block: int = QBLOCK) -> torch.Tensor:
     """x after the kernels' int8 round trip: per `block` values (32; 256 for the K-quants)
     d = max|x| / 127, q = round(x / d) (x times 1 / d, half to even), back to q * d.
