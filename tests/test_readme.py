@@ -67,6 +67,7 @@ SMALL_FLAGS = {
                                     "repetitive", "--no-baseline"],
     ("tinyvllm", "bench", "serve"): ["--request-rate", "inf", "--num-prompts", "2",
                                      "--input-len", "8", "--output-len", "4"],
+    ("tinyvllm", "bench", "kernels"): ["--quick"],
     ("tinyvllm", "eval", "perplexity"): ["--window", "16", "--max-model-len", "128",
                                          "--kv-cache-memory-gb", "0.1"],
 }
@@ -187,7 +188,7 @@ def skip_reason(words: list[str]) -> Optional[str]:
     for prefix, reason in SKIPPED_COMMANDS.items():
         if _starts_with(words, prefix):
             return reason
-    if _starts_with(words, ("tinyvllm", "bench", "kernels")):
+    if _starts_with(words, ("tinyvllm", "bench", "kernels")) and words[3:5] != ["--only", "cpu"]:
         import torch
         if not torch.cuda.is_available():
             return "bench kernels times CUDA kernels: needs a GPU"
