@@ -80,9 +80,11 @@ struct Kernels {
   // y[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i].
   void (*silu_mul)(const float* gate, const float* up, float* y, int64_t n);
   // k activations -> k / 256 BlockQ8K (kquants.h quantize_row_q8k), and a packed K-quant row's
-  // dot product with them (kquant_dot); the same values on every ISA.
+  // dot product with num_rows activation rows of them (row c at x + c * x_stride) into out[c]
+  // (kquant_dot_rows); the same values on every ISA and in any tile of rows.
   void (*quantize_q8k)(const float* x, int64_t k, BlockQ8K* y);
-  float (*kquant_dot)(int qtype, const uint8_t* row, const BlockQ8K* x, int64_t num_blocks);
+  void (*kquant_dot_rows)(int qtype, const uint8_t* row, const BlockQ8K* x, int64_t x_stride,
+                          int64_t num_rows, int64_t num_blocks, float* out);
 };
 
 // sum_i a[i] * b[i] in eight running sums (the AVX2 path's lanes) added pairwise at the end, so

@@ -701,10 +701,17 @@ inline __m256i fifth_bit(__m256i qh, uint8_t mask) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m), m), _mm256_set1_epi8(0x10));
 }
 
-template <bool kFive, typename Block>
-inline float dot_q45_k_avx2(const Block& b, const BlockQ8K& x) {
-  __m256i acc = _mm256_setzero_si256();
-  int32_t summ = 0;
+// One super-block against C activation rows at once (xs[c]: row c's block): the weight values
+// are unpacked once for the C rows. out[c] += the row's term, kquants.h's float expression, so
+// a row's result is the same in any tile.
+template <int C, bool kFive, typename Block>
+inline void dot_q45_k_avx2(const Block& b, const BlockQ8K* const (&xs)[C], float (&out)[C]) {
+  __m256i acc[C];
+  int32_t summ[C];
+  for (int c = 0; c < C; ++c) {
+    acc[c] = _mm256_setzero_si256();
+    summ[c] = 0;
+  }
   __m256i qh = _mm256_setzero_si256();
   if constexpr (kFive) qh = load256(b.qh);
   for (int g = 0; g < 4; ++g) {
@@ -717,20 +724,33 @@ inline float dot_q45_k_avx2(const Block& b, const BlockQ8K& x) {
       v0 = _mm256_or_si256(v0, fifth_bit(qh, static_cast<uint8_t>(1u << (2 * g))));
       v1 = _mm256_or_si256(v1, fifth_bit(qh, static_cast<uint8_t>(2u << (2 * g))));
     }
-    const __m256i p0 = _mm256_maddubs_epi16(v0, load256(x.qs + 64 * g));
-    const __m256i p1 = _mm256_maddubs_epi16(v1, load256(x.qs + 64 * g + 32));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p0, _mm256_set1_epi16(static_cast<int16_t>(sc0))));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p1, _mm256_set1_epi16(static_cast<int16_t>(sc1))));
-    summ += m0 * (x.bsums[4 * g] + x.bsums[4 * g + 1]) +
-            m1 * (x.bsums[4 * g + 2] + x.bsums[4 * g + 3]);
+    const __m256i s0 = _mm256_set1_epi16(static_cast<int16_t>(sc0));
+    const __m256i s1 = _mm256_set1_epi16(static_cast<int16_t>(sc1));
+    for (int c = 0; c < C; ++c) {
+      const BlockQ8K& x = *xs[c];
+      const __m256i p0 = _mm256_maddubs_epi16(v0, load256(x.qs + 64 * g));
+      const __m256i p1 = _mm256_maddubs_epi16(v1, load256(x.qs + 64 * g + 32));
+      acc[c] = _mm256_add_epi32(acc[c], _mm256_add_epi32(_mm256_madd_epi16(p0, s0),
+                                                         _mm256_madd_epi16(p1, s1)));
+      summ[c] += m0 * (x.bsums[4 * g] + x.bsums[4 * g + 1]) +
+                 m1 * (x.bsums[4 * g + 2] + x.bsums[4 * g + 3]);
+    }
   }
-  return x.d * (half(b.d) * static_cast<float>(hsum_i32(acc))) -
-         x.d * (half(b.dmin) * static_cast<float>(summ));
+  const float d = half(b.d), dmin = half(b.dmin);
+  for (int c = 0; c < C; ++c) {
+    out[c] += xs[c]->d * (d * static_cast<float>(hsum_i32(acc[c]))) -
+              xs[c]->d * (dmin * static_cast<float>(summ[c]));
+  }
 }
 
-inline float dot_q6_k_avx2(const BlockQ6_K& b, const BlockQ8K& x) {
-  __m256i acc = _mm256_setzero_si256();
-  int32_t offset = 0;
+template <int C>
+inline void dot_q6_k_avx2(const BlockQ6_K& b, const BlockQ8K* const (&xs)[C], float (&out)[C]) {
+  __m256i acc[C];
+  int32_t offset[C];
+  for (int c = 0; c < C; ++c) {
+    acc[c] = _mm256_setzero_si256();
+    offset[c] = 0;
+  }
   const __m256i three = _mm256_set1_epi8(3);
   for (int h = 0; h < 2; ++h) {
     const uint8_t* ql = b.ql + 64 * h;
@@ -740,34 +760,76 @@ inline float dot_q6_k_avx2(const BlockQ6_K& b, const BlockQ8K& x) {
     for (int p = 0; p < 4; ++p) {  // values [32p, 32p + 32) of the half
       const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), three);
       const __m256i q = _mm256_or_si256(low4[p], _mm256_slli_epi16(top, 4));
-      const __m256i prod = _mm256_maddubs_epi16(q, load256(x.qs + 128 * h + 32 * p));
       const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16(scales[2 * p]),
                                            _mm_set1_epi16(scales[2 * p + 1]));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(prod, sc));
+      for (int c = 0; c < C; ++c) {
+        const __m256i prod = _mm256_maddubs_epi16(q, load256(xs[c]->qs + 128 * h + 32 * p));
+        acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(prod, sc));
+      }
     }
-    for (int j = 0; j < 8; ++j) offset += scales[j] * x.bsums[8 * h + j];
+    for (int c = 0; c < C; ++c) {
+      for (int j = 0; j < 8; ++j) offset[c] += scales[j] * xs[c]->bsums[8 * h + j];
+    }
   }
-  return x.d * (half(b.d) * static_cast<float>(hsum_i32(acc) - 32 * offset));
+  const float d = half(b.d);
+  for (int c = 0; c < C; ++c) {
+    out[c] += xs[c]->d * (d * static_cast<float>(hsum_i32(acc[c]) - 32 * offset[c]));
+  }
 }
 
-template <typename Block, typename Dot>
-float kquant_row_dot(const uint8_t* row, const BlockQ8K* x, int64_t num_blocks, Dot dot) {
+// out[c] = the row's dot with activation row c (x + c * x_stride), for C rows at once.
+template <int C, typename Block, typename Dot>
+void kquant_tile(const uint8_t* row, const BlockQ8K* x, int64_t x_stride, int64_t num_blocks,
+                 float* out, Dot dot) {
   const auto* blocks = reinterpret_cast<const Block*>(row);
-  float acc = 0.0f;
-  for (int64_t b = 0; b < num_blocks; ++b) acc += dot(blocks[b], x[b]);
-  return acc;
+  float acc[C] = {};
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const BlockQ8K* xs[C];
+    for (int c = 0; c < C; ++c) xs[c] = x + c * x_stride + b;
+    dot(blocks[b], xs, acc);
+  }
+  for (int c = 0; c < C; ++c) out[c] = acc[c];
 }
 
-float kquant_dot_avx2(int qtype, const uint8_t* row, const BlockQ8K* x, int64_t num_blocks) {
+template <typename Block, template <int> class Dot>
+void kquant_rows(const uint8_t* row, const BlockQ8K* x, int64_t x_stride, int64_t num_rows,
+                 int64_t num_blocks, float* out) {
+  constexpr int kTile = 4;  // activation rows sharing each unpacked super-block
+  int64_t c = 0;
+  for (; c + kTile <= num_rows; c += kTile) {
+    kquant_tile<kTile, Block>(row, x + c * x_stride, x_stride, num_blocks, out + c, Dot<kTile>{});
+  }
+  for (; c < num_rows; ++c) {
+    kquant_tile<1, Block>(row, x + c * x_stride, x_stride, num_blocks, out + c, Dot<1>{});
+  }
+}
+
+template <int C> struct DotQ4K {
+  void operator()(const BlockQ4_K& b, const BlockQ8K* const (&xs)[C], float (&o)[C]) const {
+    dot_q45_k_avx2<C, false>(b, xs, o);
+  }
+};
+template <int C> struct DotQ5K {
+  void operator()(const BlockQ5_K& b, const BlockQ8K* const (&xs)[C], float (&o)[C]) const {
+    dot_q45_k_avx2<C, true>(b, xs, o);
+  }
+};
+template <int C> struct DotQ6K {
+  void operator()(const BlockQ6_K& b, const BlockQ8K* const (&xs)[C], float (&o)[C]) const {
+    dot_q6_k_avx2<C>(b, xs, o);
+  }
+};
+
+void kquant_dot_rows_avx2(int qtype, const uint8_t* row, const BlockQ8K* x, int64_t x_stride,
+                          int64_t num_rows, int64_t num_blocks, float* out) {
   switch (static_cast<KQuantType>(qtype)) {
     case KQuantType::Q4_K:
-      return kquant_row_dot<BlockQ4_K>(row, x, num_blocks, dot_q45_k_avx2<false, BlockQ4_K>);
+      return kquant_rows<BlockQ4_K, DotQ4K>(row, x, x_stride, num_rows, num_blocks, out);
     case KQuantType::Q5_K:
-      return kquant_row_dot<BlockQ5_K>(row, x, num_blocks, dot_q45_k_avx2<true, BlockQ5_K>);
+      return kquant_rows<BlockQ5_K, DotQ5K>(row, x, x_stride, num_rows, num_blocks, out);
     case KQuantType::Q6_K:
-      return kquant_row_dot<BlockQ6_K>(row, x, num_blocks, dot_q6_k_avx2);
+      return kquant_rows<BlockQ6_K, DotQ6K>(row, x, x_stride, num_rows, num_blocks, out);
   }
-  return 0.0f;
 }
 
 }  // namespace
@@ -777,7 +839,7 @@ const Kernels& avx2_kernels() {
   static const Kernels k{"avx2",         quantize_row,   nullptr,        nullptr,
                          gemm_rows,      dot_tokens,     sum_tokens,     dot_tokens_f16,
                          sum_tokens_f16, to_f16,         int8_rows,      exp_sum,
-                         silu_mul,       quantize_row_q8k, kquant_dot_avx2};
+                         silu_mul,       quantize_row_q8k, kquant_dot_rows_avx2};
   return k;
 }
 #endif

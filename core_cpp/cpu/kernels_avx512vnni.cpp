@@ -654,7 +654,7 @@ const Kernels& avx512vnni_kernels() {
   static const Kernels k{"avx512vnni",   quantize_row512, prepare512,    prepare_piece512,
                          gemm_rows512,   dot_tokens,      sum_tokens,    dot_tokens_f16,
                          sum_tokens_f16, to_f16,          int8_rows512,  exp_sum,
-                         silu_mul512,    quantize_row_q8k, kquant_dot_avx2};
+                         silu_mul512,    quantize_row_q8k, kquant_dot_rows_avx2};
   return k;
 }
 

@@ -169,7 +169,7 @@ const Kernels& scalar_kernels() {
   static const Kernels k{"scalar",       quantize_row,   nullptr,        nullptr,
                          gemm_rows,      dot_tokens,     sum_tokens,     dot_tokens_f16,
                          sum_tokens_f16, to_f16,         int8_rows,      exp_sum,
-                         silu_mul,       quantize_row_q8k, kquant_dot};
+                         silu_mul,       quantize_row_q8k, kquant_dot_rows};
   return k;
 }
 

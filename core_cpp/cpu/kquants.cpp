@@ -67,11 +67,17 @@ void kquant_linear(const float* x, int64_t x_stride, const uint8_t* w, int qtype
   if (static_cast<int64_t>(xq.size()) < m * num_blocks) xq.resize(m * num_blocks);
   for (int64_t j = 0; j < m; ++j) kern.quantize_q8k(x + j * x_stride, k, &xq[j * num_blocks]);
   auto rows = [&](int64_t begin, int64_t end) {
+    constexpr int64_t kChunk = 64;  // activation rows per call, into y
+    float y[kChunk];
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* w_row = w + r * row_bytes;
-      for (int64_t j = 0; j < m; ++j) {
-        const float y = kern.kquant_dot(qtype, w_row, &xq[j * num_blocks], num_blocks);
-        out[j * out_stride + r] = bias ? y + bias[r] : y;
+      for (int64_t j0 = 0; j0 < m; j0 += kChunk) {
+        const int64_t rows_here = std::min(kChunk, m - j0);
+        kern.kquant_dot_rows(qtype, w_row, &xq[j0 * num_blocks], num_blocks, rows_here,
+                             num_blocks, y);
+        for (int64_t j = 0; j < rows_here; ++j) {
+          out[(j0 + j) * out_stride + r] = bias ? y[j] + bias[r] : y[j];
+        }
       }
     }
   };

@@ -499,8 +499,9 @@ def bench_sample(kernels, num_rows, mode, copy_gbps, gen) -> Row:
 
 # ---- CPU: the packed GGUF linear (tinyvllm._cpu) --------------------------------------------
 
-CPU_SHAPES = [("smollm2 down", 576, 1536), ("2048 x 2048", 2048, 2048)]
-"""(name, n, k) of the CPU rows: k a multiple of 256, so every GGUF type runs."""
+CPU_SHAPES = [("down", 576, 1536), ("sq", 2048, 2048)]
+"""(name, n, k) of the CPU rows (SmolLM2's down_proj, a square 2048): k a multiple of 256, so
+every GGUF type runs."""
 
 
 def time_cpu_us(fn: Callable[[], None], reps: int = 7) -> float:
@@ -535,7 +536,7 @@ def bench_cpu_linear(type_name: str, m: int, name: str, n: int, k: int, isa: str
     weight = q.dequantize(qweight, qtype, k)
     x = torch.randn(m, k, generator=gen)
     us = time_cpu_us(lambda: q.quantized_linear(x, qweight, qtype, k, isa=isa))
-    return Row(f"cpu {type_name}", f"{isa} m{m} {n}x{k} ({name})", us,
+    return Row(f"cpu {type_name}", f"{isa} m{m} {name} {n}x{k}", us,
                gbps=qweight.numel() / us / 1e3,
                baselines_us={"torch_f32": time_cpu_us(lambda: F.linear(x, weight))})
 
