@@ -80,8 +80,7 @@ std::vector<cpu::LayerParams> layer_params(const std::vector<uintptr_t>& f) {
   std::vector<cpu::LayerParams> out;
   for (size_t i = 0; i < f.size(); i += kLayerFields) {
     auto packed = [&](size_t j) {
-      return cpu::PackedWeight{ptr<const uint8_t>(f[i + j]),
-                               cpu::check_qtype(static_cast<int>(f[i + j + 1]))};
+      return cpu::PackedWeight{ptr<const uint8_t>(f[i + j]), static_cast<int>(f[i + j + 1])};
     };
     const float* qkv_bias = f[i + 3] ? ptr<const float>(f[i + 3]) : nullptr;
     out.push_back({ptr<const float>(f[i]), packed(1), qkv_bias, packed(4),

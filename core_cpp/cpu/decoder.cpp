@@ -8,6 +8,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "attention.h"
 #include "linear.h"
@@ -52,13 +53,18 @@ void rms_norm(ThreadPool& workers, const float* x, const float* w, float* y, int
   });
 }
 
-// out[rows, n] (+)= x[rows, k] @ dequant(w).T + bias.
+// out[rows, n] (+)= x[rows, k] @ dequant(w).T + bias: int8 activations per 32 values against the
+// 32-value blocks, per 256 against the K-quants (kquants.cpp), as quantized_linear computes them.
 void project(const Kernels& kern, ThreadPool& workers, Workspace& ws, const float* x, int64_t k,
              PackedWeight w, const float* bias, float* out, int64_t n, int64_t rows,
              bool accumulate) {
+  if (is_kquant(w.qtype)) {
+    return kquant_project(kern, workers, x, k, w.w, w.qtype, bias, out, n, rows, n, k,
+                          accumulate);
+  }
   const int64_t nb = k / kBlock;
   quantize_rows(kern, x, k, rows, nb, ws.xq.data(), workers);
-  GemmArgs args{ws.xq.data(), w.w, bias, out, n, rows, nb, w.qtype};
+  GemmArgs args{ws.xq.data(), w.w, bias, out, n, rows, nb, static_cast<QType>(w.qtype)};
   args.accumulate = accumulate;
   gemm_parallel(kern, args, n, workers);
 }
@@ -122,9 +128,16 @@ void check_shape(const DecoderShape& s, const std::vector<LayerParams>& layers) 
         std::to_string(s.num_heads) + "/" + std::to_string(s.num_kv_heads) + " head_dim=" +
         std::to_string(s.head_dim));
   }
+  const int64_t q_size = s.num_heads * s.head_dim;
   for (const LayerParams& l : layers) {
-    for (QType t : {l.qkv.qtype, l.o.qtype, l.gate_up.qtype, l.down.qtype}) {
-      check_qtype(static_cast<int>(t));
+    // each projection's type and its k (a K-quant's a multiple of 256: kquant_row_bytes says so)
+    for (const auto& [w, k] : {std::pair{l.qkv, s.hidden}, std::pair{l.o, q_size},
+                               std::pair{l.gate_up, s.hidden}, std::pair{l.down, s.intermediate}}) {
+      if (is_kquant(w.qtype)) {
+        kquant_row_bytes(w.qtype, k);
+      } else {
+        check_qtype(w.qtype);
+      }
     }
   }
 }

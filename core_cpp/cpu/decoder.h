@@ -14,8 +14,8 @@
 namespace tinyvllm::cpu {
 
 struct PackedWeight {
-  const uint8_t* w;  // [n, k / 32 * block_bytes(qtype)] GGUF blocks
-  QType qtype;
+  const uint8_t* w;  // [n, k / 32 * block_bytes] GGUF blocks, or K-quant super-blocks
+  int qtype;         // ggml's code: Q4_0, Q4_1, Q8_0 (QType) or Q4_K, Q5_K, Q6_K (kquants.h)
 };
 
 struct LayerParams {

@@ -48,20 +48,10 @@ int64_t kquant_row_bytes(int qtype, int64_t k) {
   return k / kSuperBlock * super_block_bytes(static_cast<KQuantType>(qtype));
 }
 
-void kquant_linear(const float* x, int64_t x_stride, const uint8_t* w, int qtype,
-                   const float* bias, float* out, int64_t out_stride, int64_t m, int64_t n,
-                   int64_t k, const std::string& isa) {
+void kquant_project(const Kernels& kern, ThreadPool& workers, const float* x, int64_t x_stride,
+                    const uint8_t* w, int qtype, const float* bias, float* out,
+                    int64_t out_stride, int64_t m, int64_t n, int64_t k, bool accumulate) {
   const int64_t row_bytes = kquant_row_bytes(qtype, k);
-  if (n <= 0 || m < 0 || x_stride < k || out_stride < n) {
-    throw std::invalid_argument(
-        "quantized_linear: need n > 0, m >= 0, x_stride >= k and out_stride >= n; got m=" +
-        std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
-        " x_stride=" + std::to_string(x_stride) + " out_stride=" + std::to_string(out_stride));
-  }
-  const Kernels& kern = select_kernels(isa);
-  if (m == 0) return;
-  std::lock_guard<std::mutex> lock(kernel_mutex());
-  ThreadPool& workers = pool();
   const int64_t num_blocks = k / kSuperBlock;
   static std::vector<BlockQ8K> xq;  // [m, num_blocks]; guarded by kernel_mutex
   if (static_cast<int64_t>(xq.size()) < m * num_blocks) xq.resize(m * num_blocks);
@@ -76,7 +66,9 @@ void kquant_linear(const float* x, int64_t x_stride, const uint8_t* w, int qtype
         kern.kquant_dot_rows(qtype, w_row, &xq[j0 * num_blocks], num_blocks, rows_here,
                              num_blocks, y);
         for (int64_t j = 0; j < rows_here; ++j) {
-          out[(j0 + j) * out_stride + r] = bias ? y[j] + bias[r] : y[j];
+          float& o = out[(j0 + j) * out_stride + r];
+          const float v = bias ? y[j] + bias[r] : y[j];
+          o = accumulate ? o + v : v;
         }
       }
     }
@@ -85,6 +77,22 @@ void kquant_linear(const float* x, int64_t x_stride, const uint8_t* w, int qtype
   const int64_t grain = std::max<int64_t>(kMinRowsPerThread,
                                           n / (kChunksPerThread * workers.num_threads()));
   workers.run(n, grain, rows);
+}
+
+void kquant_linear(const float* x, int64_t x_stride, const uint8_t* w, int qtype,
+                   const float* bias, float* out, int64_t out_stride, int64_t m, int64_t n,
+                   int64_t k, const std::string& isa) {
+  kquant_row_bytes(qtype, k);  // checks qtype and k
+  if (n <= 0 || m < 0 || x_stride < k || out_stride < n) {
+    throw std::invalid_argument(
+        "quantized_linear: need n > 0, m >= 0, x_stride >= k and out_stride >= n; got m=" +
+        std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+        " x_stride=" + std::to_string(x_stride) + " out_stride=" + std::to_string(out_stride));
+  }
+  const Kernels& kern = select_kernels(isa);
+  if (m == 0) return;
+  std::lock_guard<std::mutex> lock(kernel_mutex());
+  kquant_project(kern, pool(), x, x_stride, w, qtype, bias, out, out_stride, m, n, k, false);
 }
 
 void kquant_dequantize_rows(const uint8_t* w, int qtype, int64_t k, const int64_t* row_ids,

@@ -53,6 +53,11 @@ int64_t kquant_row_bytes(int qtype, int64_t k);
 void kquant_linear(const float* x, int64_t x_stride, const uint8_t* w, int qtype,
                    const float* bias, float* out, int64_t out_stride, int64_t m, int64_t n,
                    int64_t k, const std::string& isa);
+// out[m, n] (+= with accumulate) x @ dequant(w).T + bias over K-quant rows, on the pool, the
+// caller holding kernel_mutex(): kquant_linear's work, and the fused decoder step's projections.
+void kquant_project(const Kernels& kern, ThreadPool& workers, const float* x, int64_t x_stride,
+                    const uint8_t* w, int qtype, const float* bias, float* out,
+                    int64_t out_stride, int64_t m, int64_t n, int64_t k, bool accumulate);
 // dequantize_rows for the K-quants, row ids already checked.
 void kquant_dequantize_rows(const uint8_t* w, int qtype, int64_t k, const int64_t* row_ids,
                             int64_t num_ids, float* out);

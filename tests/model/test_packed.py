@@ -149,7 +149,7 @@ def kquant_gguf(tmp_path_factory):
     return path
 
 
-def test_kquant_projections_stay_packed_on_the_module_path(kquant_gguf, caplog):
+def test_kquant_projections_stay_packed_and_run_the_fused_step(kquant_gguf, caplog):
     with caplog.at_level(logging.INFO, logger="tinyvllm.model.packed"):
         net = load_model(str(kquant_gguf), torch.float32, torch.device("cpu"), packed=True).model
     num_packed = 7 * 2 + 1  # seven matrices per layer, the embedding (the tied head shares it)
@@ -162,7 +162,7 @@ def test_kquant_projections_stay_packed_on_the_module_path(kquant_gguf, caplog):
     assert isinstance(net.model.embed_tokens, PackedEmbedding)
     assert net.model.embed_tokens.qtype == q.KQUANT_TYPES["Q4_K"]
     assert net.lm_head.qweight.data_ptr() == net.model.embed_tokens.qweight.data_ptr()
-    assert net.packed_decoder is None  # the fused step reads the 32-value types only
+    assert net.packed_decoder is not None  # the fused step reads the K-quants too
 
 
 def test_kquant_logits_equal_the_dequantized_path(kquant_gguf, paged_run):

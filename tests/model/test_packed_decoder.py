@@ -94,6 +94,10 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_fused_step_matches_the_module_path(arch_name, type_name, isa, threads, monkeypatch):
     monkeypatch.setenv("TINYVLLM_CPU_ISA", isa)
     net = _packed_model(ARCHS[arch_name], q.KERNEL_TYPES[type_name], seed=len(arch_name))
+    _assert_fused_matches_the_module_path(net, threads)
+
+
+def _assert_fused_matches_the_module_path(net, threads: int) -> None:
     q.set_num_threads(threads)
     try:
         fused, fused_caches = _run(net, fused=True)
@@ -133,11 +137,13 @@ def test_fused_step_over_a_float16_cache_matches_the_module_path(type_name, isa,
 
 @pytest.mark.skipif("avx512vnni" not in ISAS, reason="needs a CPU with AVX-512 VNNI")
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_avx512_step_equals_the_avx2_step(type_name, kv_dtype, monkeypatch):
     """The 512-bit tiles follow the block dot contract and the 512-bit quantize_row and SwiGLU
-    the 256-bit arithmetic: the whole fused step gives the same bits on either."""
-    net = _packed_model(ARCHS["gqa-bias"], q.KERNEL_TYPES[type_name], seed=9)
+    the 256-bit arithmetic, and the K-quant dots are exact integers: the whole fused step gives
+    the same bits on either."""
+    net = (_kquant_model(type_name, seed=9) if type_name in q.KQUANT_TYPES
+           else _packed_model(ARCHS["gqa-bias"], q.KERNEL_TYPES[type_name], seed=9))
     runs = {}
     for isa in ("avx2", "avx512vnni"):
         monkeypatch.setenv("TINYVLLM_CPU_ISA", isa)
@@ -145,6 +151,47 @@ def test_avx512_step_equals_the_avx2_step(type_name, kv_dtype, monkeypatch):
     (logits, caches), (logits512, caches512) = runs["avx2"], runs["avx512vnni"]
     assert all(torch.equal(a, b) for a, b in zip(logits, logits512))
     assert all(torch.equal(a, b) for a, b in zip(caches, caches512))
+
+
+KQUANT_ARCH = tiny_arch(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                        intermediate_size=512)
+"""Every projection's k a multiple of 256 (hidden, q_size, intermediate), as the K-quants need."""
+
+
+def _kquant_model(type_name: str, seed: int):
+    """KQUANT_ARCH with random K-quant blocks of one type as its four projections per layer."""
+    net = make_random_model(KQUANT_ARCH, seed, torch.float32, torch.device("cpu"))
+    qtype = q.KQUANT_TYPES[type_name]
+    for i, layer in enumerate(net.model.layers):
+        for j, path in enumerate(PROJECTIONS):
+            parent, name = path.rsplit(".", 1)
+            old = layer.get_submodule(path)
+            rows = q.random_kquant_rows(old.out_features, old.in_features, qtype,
+                                        seed=seed + 10 * i + j)
+            setattr(layer.get_submodule(parent), name, PackedLinear(rows, qtype, old.in_features))
+    net.packed_decoder = PackedDecoder.for_model(net)
+    assert net.packed_decoder is not None
+    return net
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", sorted(q.KQUANT_TYPES))
+def test_fused_step_over_kquants_matches_the_module_path(type_name, isa, threads, monkeypatch):
+    """The K-quant projections run the same kernel in both paths (activations int8 per 256
+    values); the rest differs in float summation order as for the 32-value types."""
+    monkeypatch.setenv("TINYVLLM_CPU_ISA", isa)
+    _assert_fused_matches_the_module_path(_kquant_model(type_name, seed=11), threads)
+
+
+def test_a_kquant_projection_of_k_not_a_multiple_of_256_is_refused():
+    """The kernel names the type and k when a K-quant projection's k does not fit (the Python
+    side never builds such a step: a K-quant's row bytes need k a multiple of 256)."""
+    net = _kquant_model("Q4_K", seed=12)
+    shape = net.packed_decoder.dims[:]
+    net.packed_decoder.dims = [shape[0], shape[1], shape[2], shape[3], 320]  # intermediate
+    with pytest.raises(ValueError, match="k: expected a positive multiple of 256 for K-quant"):
+        _run(net, fused=True)
 
 
 def test_the_dequantized_model_has_no_fused_step(tiny_model):

@@ -4,12 +4,13 @@ At batch 1 the op-by-op module path spends more time in Python and torch per op 
 layer) than in the projections themselves. `PackedDecoder` hands the kernels every layer's
 weights once, as pointers, and runs a step's norms, projections, rotary, K/V writes, attention and
 SwiGLU in C++ (core_cpp/cpu/decoder.cpp). It computes what the module path computes over the same
-packed weights, with the same int8 activation rounding; float summation orders differ, so results
-agree to a few ulps before the rounding, and occasionally one int8 step after it.
+packed weights, with the same int8 activation rounding (per 32 values, per 256 for the K-quants)
+and the same projection kernels; float summation orders elsewhere differ, so results agree to a
+few ulps before the rounding, and occasionally one int8 step after it.
 
 It serves only what it was built for: a single-rank Llama whose every projection is a
-`PackedLinear` of a type its int8 dot reads (`ops.quantized.KERNEL_TYPES`: not the K-quants,
-which run on the module path) with no bias but qkv's, float32 activations and a contiguous
+`PackedLinear` the CPU kernels read (`ops.quantized.KERNEL_TYPES` and `KQUANT_TYPES`) with no
+bias but qkv's, float32 activations and a contiguous
 float32 or float16 KV cache (float16 by default here: `ops.kv_cache.resolve_kv_cache_dtype`); the
 model falls back to the module path for anything else, and always without the kernels
 (`TINYVLLM_DISABLE_CPU_KERNELS=1`) or with `--dequantize`.
@@ -54,7 +55,8 @@ class PackedDecoder:
         for layer in net.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projs = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(p, PackedLinear) and p.qtype in q.KERNEL_TYPES.values()
+            if not all(isinstance(p, PackedLinear) and (p.qtype in q.KERNEL_TYPES.values()
+                                                        or p.qtype in q.KQUANT_TYPES.values())
                        for p in projs):
                 return None
             if any(p.bias is not None for p in projs[1:]):

@@ -8,7 +8,7 @@ laid out as ggml writes it. The C++ kernels (`tinyvllm._cpu`, core_cpp/cpu/) qua
 x to int8 per 32-value block on the fly (a float scale per block, round half to even) and take
 integer dot products, as llama.cpp does. The K-quants (`KQUANT_TYPES`, 256-value super-blocks)
 do the same per 256 values (llama.cpp's Q8_K: one float scale a super-block), on the CPU only (the
-CUDA kernels and the fused decoder step read the 32-value types). Two torch references:
+CUDA kernels read the 32-value types). Two torch references:
 
 - `quantized_linear_ref`: the same arithmetic in torch (x through the same int8 round trip, per
   32 values, per 256 for the K-quants; the weight dequantized by `gguf.quants`); the kernels match
@@ -42,7 +42,7 @@ KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 type code (gguf.GGMLQuantizationType values)."""
 
 KQUANT_TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-"""GGUF K-quant types the CPU kernels read (activations int8 per 256 values; the module path only)."""
+"""GGUF K-quant types the CPU kernels read (activations int8 per 256 values; the CPU only)."""
 
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 12: 144, 13: 176, 14: 210}
 """Bytes per block (32 values; K-quants 256), by type code (ggml-common.h)."""
