@@ -286,7 +286,9 @@ inline float kquant_dot(int qtype, const uint8_t* row, const BlockQ8K* x, int64_
 // kquant_dot for each of num_rows activation rows (row c at x + c * x_stride) -> out[c].
 inline void kquant_dot_rows(int qtype, const uint8_t* row, const BlockQ8K* x, int64_t x_stride,
                             int64_t num_rows, int64_t num_blocks, float* out) {
-  for (int64_t c = 0; c < num_rows; ++c) out[c] = kquant_dot(qtype, row, x + c * x_stride, num_blocks);
+  for (int64_t c = 0; c < num_rows; ++c) {
+    out[c] = kquant_dot(qtype, row, x + c * x_stride, num_blocks);
+  }
 }
 
 }  // namespace

@@ -10,8 +10,8 @@ def linear(out: int, x: int, w: int, bias: int, qtype: int, m: int, n: int, k: i
     w: [n, k / 32 * block_bytes] GGUF blocks of ggml type `qtype` (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8;
     x quantized to int8 per 32 values), or [n, k / 256 * block_bytes] K-quant super-blocks
     (Q4_K = 12, Q5_K = 13, Q6_K = 14; x quantized to int8 per 256 values, integer dot
-    products); x and out float32 with row strides x_stride and out_stride. isa: auto, avx512vnni, avx2 or
-    scalar (TINYVLLM_CPU_ISA replaces auto).
+    products); x and out float32 with row strides x_stride and out_stride. isa: auto,
+    avx512vnni, avx2 or scalar (TINYVLLM_CPU_ISA replaces auto).
     """
 
 def int8_linear(out: int, x: int, w: int, w_scale: int, input_scale: int, scale_divisor: float,

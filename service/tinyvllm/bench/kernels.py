@@ -20,6 +20,7 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -506,7 +507,6 @@ every GGUF type runs."""
 
 def time_cpu_us(fn: Callable[[], None], reps: int = 7) -> float:
     """Best of `reps` batches of calls (a batch ~50 ms), microseconds per call."""
-    import time
     fn()
     start = time.perf_counter()
     fn()
