@@ -16,7 +16,7 @@ import torch
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.model.loader import load_model
-from tinyvllm.model.packed import PackedEmbedding, PackedLinear
+from tinyvllm.model.packed import PackedEmbedding, PackedLinear, PackedShards
 from tinyvllm.model.synthetic import make_random_model, tiny_arch
 from tinyvllm.ops import quantized as q
 from tests.model.test_loader_gguf import TOKENS, _hf_state, _write_gguf
@@ -130,23 +130,36 @@ K_PROJECTIONS = {"self_attn.qkv_proj": "Q4_K", "self_attn.o_proj": "Q5_K",
                  "mlp.gate_up_proj": "Q6_K", "mlp.down_proj": "Q5_K"}
 
 
-@pytest.fixture(scope="module")
-def kquant_gguf(tmp_path_factory):
+def _kquant_gguf(tmp_path_factory, types: dict[str, str], name: str):
     """A tiny Llama (hidden 256, intermediate 512: whole super-blocks) whose matrices are random
-    K-quant blocks, its token embedding tied to the lm_head."""
+    K-quant blocks of `types` (by GGUF tensor stem), its token embedding tied to the lm_head."""
     arch = tiny_arch(vocab_size=len(TOKENS), tie_word_embeddings=True, hidden_size=256,
                      intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64,
                      max_position_embeddings=64)
     model = make_random_model(arch, 7, torch.float32, torch.device("cpu"))
     raw = {}
-    for i, (name, tensor) in enumerate(_hf_state(model).items()):
+    for i, (tensor_name, tensor) in enumerate(_hf_state(model).items()):
         if tensor.ndim == 2:
-            qtype = q.KQUANT_TYPES[K_TYPE_BY_TENSOR[name.split(".")[-2]]]
+            qtype = q.KQUANT_TYPES[types[tensor_name.split(".")[-2]]]
             blocks = q.random_kquant_rows(tensor.shape[0], tensor.shape[1], qtype, seed=i)
-            raw[name] = (blocks.numpy(), gguf.GGMLQuantizationType(qtype))
-    path = tmp_path_factory.mktemp("gguf") / "tiny-kquants.gguf"
+            raw[tensor_name] = (blocks.numpy(), gguf.GGMLQuantizationType(qtype))
+    path = tmp_path_factory.mktemp("gguf") / name
     _write_gguf(path, model, raw=raw)
     return path
+
+
+@pytest.fixture(scope="module")
+def kquant_gguf(tmp_path_factory):
+    return _kquant_gguf(tmp_path_factory, K_TYPE_BY_TENSOR, "tiny-kquants.gguf")
+
+
+MIXED_TYPE_BY_TENSOR = {**K_TYPE_BY_TENSOR, "attn_v": "Q6_K"}
+"""As llama.cpp's Q4_K_M writes some layers: attn_v at Q6_K beside Q4_K q and k."""
+
+
+@pytest.fixture(scope="module")
+def mixed_kquant_gguf(tmp_path_factory):
+    return _kquant_gguf(tmp_path_factory, MIXED_TYPE_BY_TENSOR, "tiny-q4_k_m.gguf")
 
 
 def test_kquant_projections_stay_packed_and_run_the_fused_step(kquant_gguf, caplog):
@@ -178,3 +191,33 @@ def test_kquant_logits_equal_the_dequantized_path(kquant_gguf, paged_run):
         got, want = (run.step([chunk]) for run in runs)
         assert ((got - want).norm() / want.norm()).item() < 3e-3  # seen 3.5e-4
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_stack_of_mixed_types_stays_packed_shard_by_shard(mixed_kquant_gguf, paged_run, caplog):
+    """qkv of Q4_K q and k beside a Q6_K v (a Q4_K_M layer) is kept packed as PackedShards, one
+    kernel per shard, instead of dequantized: its rows are the dequantized load's in the same
+    order (q / k unpermuted), its output each shard's kernel side by side, within the
+    activations' int8 rounding of x @ W.T. Such a model runs op by op (the fused step takes one
+    type a projection)."""
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.INFO, logger="tinyvllm.model.packed"):
+        packed = load_model(str(mixed_kquant_gguf), torch.float32, cpu, packed=True).model
+    assert any("15 GGUF tensors kept packed for the CPU kernels, 5 dequantized" in r.message
+               for r in caplog.records)
+    assert packed.packed_decoder is None
+    ref = load_model(str(mixed_kquant_gguf), torch.float32, cpu).model
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
+    for layer, ref_layer in zip(packed.model.layers, ref.model.layers, strict=True):
+        qkv = layer.self_attn.qkv_proj
+        assert isinstance(qkv, PackedShards)
+        assert [p.qtype for p in qkv.parts] == [q.KQUANT_TYPES[t] for t in ("Q4_K", "Q4_K", "Q6_K")]
+        assert [p.out_features for p in qkv.parts] == [256, 128, 128]
+        w = torch.cat([q.dequantize(p.qweight, p.qtype, p.in_features) for p in qkv.parts])
+        assert torch.equal(w, ref_layer.self_attn.qkv_proj.weight)
+        got = qkv(x)
+        assert torch.equal(got, torch.cat([p(x) for p in qkv.parts], dim=-1))
+        half_step = x.abs().amax(-1, keepdim=True) / 254  # one 256-value block a row
+        bound = half_step * w.abs().sum(-1) * (1 + 1e-4) + 1e-5
+        assert bool(((got - x @ w.T).abs() <= bound).all())
+    run = paged_run(packed, 32)
+    assert bool(run.step([(list(range(3, 23)), 0)]).isfinite().all())

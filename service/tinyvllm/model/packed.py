@@ -50,6 +50,26 @@ class PackedLinear(nn.Module):
                 f"qtype={self.qtype}, bias={self.bias is not None}")
 
 
+class PackedShards(nn.Module):
+    """A stacked projection (qkv, gate_up) whose GGUF shards are of different types, as llama.cpp's
+    mixed quantizations write them (Q4_K_M keeps attn_v at Q6_K in some layers beside Q4_K q and
+    k): one PackedLinear per shard, their outputs side by side in row order, then the bias.
+    The fused CPU decoder step takes single-type projections only; a model with these runs op by
+    op."""
+
+    def __init__(self, parts: list[PackedLinear], bias: Optional[torch.Tensor] = None) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., in_features] float32 -> [..., out_features] float32."""
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias
+
+
 class PackedEmbedding(nn.Module):
     """Token embedding over packed rows: each lookup dequantizes the rows it needs (to `dtype`:
     float32 on the CPU, the model's 16-bit dtype on a GPU)."""
@@ -124,16 +144,21 @@ def pack_model(net: LlamaForCausalLM, tensors: dict[str, Any], arch: LlamaArch,
     for path, stems in _projections(arch).items():
         weights = [tensors[f"{s}.weight"] for s in stems]
         got = _pack(weights, arch, permuted, device)
-        if got is None:
+        shards = None if got is not None else [_pack([w], arch, permuted, device) for w in weights]
+        if got is None and (len(weights) == 1 or any(shard is None for shard in shards)):
             fallback.setdefault("/".join(sorted({w.tensor_type.name for w in weights})),
                                 []).append(path)
             continue
         parent, name = path.rsplit(".", 1)
         old = net.get_submodule(path)
         bias = None if old.bias is None else torch.zeros_like(old.bias)  # loaded later
-        qweight, qtype, k = got
-        setattr(net.get_submodule(parent), name,
-                PackedLinear(qweight.to(device), qtype, k, bias=bias))
+        if got is not None:
+            qweight, qtype, k = got
+            module = PackedLinear(qweight.to(device), qtype, k, bias=bias)
+        else:  # shards of several types the kernels read, each packed on its own
+            module = PackedShards([PackedLinear(qweight.to(device), qtype, k)
+                                   for qweight, qtype, k in shards], bias=bias)
+        setattr(net.get_submodule(parent), name, module)
         packed.update(f"{s}.weight" for s in stems)
     packed |= _pack_embedding_and_head(net, tensors, arch, fallback, device, dtype)
     for types, paths in fallback.items():
