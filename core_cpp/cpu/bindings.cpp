@@ -68,13 +68,14 @@ void to_float16(uintptr_t y, uintptr_t x, int64_t n, const std::string& isa) {
   cpu::select_kernels(isa).to_f16(ptr<const float>(x), ptr<uint16_t>(y), n);
 }
 
-// Per layer, kLayerFields integers: input_norm, qkv_w, qkv_qtype, qkv_bias (0: none), o_w,
-// o_qtype, post_norm, gate_up_w, gate_up_qtype, down_w, down_qtype, kv_cache.
-constexpr size_t kLayerFields = 12;
+// Per layer, kLayerFields integers: input_norm; qkv as 3 shards of (w, qtype, rows) in row
+// order (rows 0: no shard); qkv_bias (0: none); o_w, o_qtype; post_norm; gate_up as 2 shards;
+// down_w, down_qtype; kv_cache.
+constexpr size_t kLayerFields = 23;
 
 std::vector<cpu::LayerParams> layer_params(const std::vector<uintptr_t>& f) {
   if (f.size() % kLayerFields) {
-    throw std::invalid_argument("decoder_layers: layers must hold 12 integers per layer, got " +
+    throw std::invalid_argument("decoder_layers: layers must hold 23 integers per layer, got " +
                                 std::to_string(f.size()));
   }
   std::vector<cpu::LayerParams> out;
@@ -82,9 +83,19 @@ std::vector<cpu::LayerParams> layer_params(const std::vector<uintptr_t>& f) {
     auto packed = [&](size_t j) {
       return cpu::PackedWeight{ptr<const uint8_t>(f[i + j]), static_cast<int>(f[i + j + 1])};
     };
-    const float* qkv_bias = f[i + 3] ? ptr<const float>(f[i + 3]) : nullptr;
-    out.push_back({ptr<const float>(f[i]), packed(1), qkv_bias, packed(4),
-                   ptr<const float>(f[i + 6]), packed(7), packed(9), ptr<void>(f[i + 11])});
+    auto shard = [&](size_t j) {
+      return cpu::PackedShard{packed(j), static_cast<int64_t>(f[i + j + 2])};
+    };
+    cpu::LayerParams l{};
+    l.input_norm = ptr<const float>(f[i]);
+    for (size_t s = 0; s < 3; ++s) l.qkv[s] = shard(1 + 3 * s);
+    l.qkv_bias = f[i + 10] ? ptr<const float>(f[i + 10]) : nullptr;
+    l.o = packed(11);
+    l.post_norm = ptr<const float>(f[i + 13]);
+    for (size_t s = 0; s < 2; ++s) l.gate_up[s] = shard(14 + 3 * s);
+    l.down = packed(20);
+    l.kv_cache = ptr<void>(f[i + 22]);
+    out.push_back(l);
   }
   return out;
 }

@@ -8,7 +8,6 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <utility>
 
 #include "attention.h"
 #include "linear.h"
@@ -55,18 +54,34 @@ void rms_norm(ThreadPool& workers, const float* x, const float* w, float* y, int
 
 // out[rows, n] (+)= x[rows, k] @ dequant(w).T + bias: int8 activations per 32 values against the
 // 32-value blocks, per 256 against the K-quants (kquants.cpp), as quantized_linear computes them.
+// out has row stride out_stride (n columns written).
 void project(const Kernels& kern, ThreadPool& workers, Workspace& ws, const float* x, int64_t k,
-             PackedWeight w, const float* bias, float* out, int64_t n, int64_t rows,
-             bool accumulate) {
+             PackedWeight w, const float* bias, float* out, int64_t n, int64_t out_stride,
+             int64_t rows, bool accumulate) {
   if (is_kquant(w.qtype)) {
-    return kquant_project(kern, workers, x, k, w.w, w.qtype, bias, out, n, rows, n, k,
+    return kquant_project(kern, workers, x, k, w.w, w.qtype, bias, out, out_stride, rows, n, k,
                           accumulate);
   }
   const int64_t nb = k / kBlock;
   quantize_rows(kern, x, k, rows, nb, ws.xq.data(), workers);
-  GemmArgs args{ws.xq.data(), w.w, bias, out, n, rows, nb, static_cast<QType>(w.qtype)};
+  GemmArgs args{ws.xq.data(), w.w, bias, out, out_stride, rows, nb,
+                static_cast<QType>(w.qtype)};
   args.accumulate = accumulate;
   gemm_parallel(kern, args, n, workers);
+}
+
+// A stacked projection's shards (n output rows in all), each into its columns of out.
+template <size_t N>
+void project_shards(const Kernels& kern, ThreadPool& workers, Workspace& ws, const float* x,
+                    int64_t k, const PackedShard (&shards)[N], const float* bias, float* out,
+                    int64_t n, int64_t rows) {
+  int64_t first = 0;
+  for (const PackedShard& shard : shards) {
+    if (shard.rows == 0) continue;
+    project(kern, workers, ws, x, k, shard.weight, bias ? bias + first : nullptr, out + first,
+            shard.rows, n, rows, false);
+    first += shard.rows;
+  }
 }
 
 // GPT-NeoX rotary on q and k in place (the halves of each head), then K and V to their slots
@@ -129,16 +144,32 @@ void check_shape(const DecoderShape& s, const std::vector<LayerParams>& layers) 
         std::to_string(s.head_dim));
   }
   const int64_t q_size = s.num_heads * s.head_dim;
-  for (const LayerParams& l : layers) {
-    // each projection's type and its k (a K-quant's a multiple of 256: kquant_row_bytes says so)
-    for (const auto& [w, k] : {std::pair{l.qkv, s.hidden}, std::pair{l.o, q_size},
-                               std::pair{l.gate_up, s.hidden}, std::pair{l.down, s.intermediate}}) {
-      if (is_kquant(w.qtype)) {
-        kquant_row_bytes(w.qtype, k);
-      } else {
-        check_qtype(w.qtype);
-      }
+  const int64_t width = q_size + 2 * s.num_kv_heads * s.head_dim;
+  // a projection's type and its k (a K-quant's a multiple of 256: kquant_row_bytes says so)
+  auto check_weight = [](PackedWeight w, int64_t k) {
+    if (is_kquant(w.qtype)) {
+      kquant_row_bytes(w.qtype, k);
+    } else {
+      check_qtype(w.qtype);
     }
+  };
+  auto check_shards = [&](const auto& shards, int64_t k, int64_t n, const char* name) {
+    int64_t rows = 0;
+    for (const PackedShard& shard : shards) {
+      if (shard.rows < 0) bad(std::string(name) + ": a shard of negative rows");
+      if (shard.rows > 0) check_weight(shard.weight, k);
+      rows += shard.rows;
+    }
+    if (rows != n) {
+      bad(std::string(name) + ": shards of " + std::to_string(rows) + " rows in all, expected " +
+          std::to_string(n));
+    }
+  };
+  for (const LayerParams& l : layers) {
+    check_shards(l.qkv, s.hidden, width, "qkv");
+    check_weight(l.o, q_size);
+    check_shards(l.gate_up, s.hidden, 2 * s.intermediate, "gate_up");
+    check_weight(l.down, s.intermediate);
   }
 }
 
@@ -189,8 +220,8 @@ void layer_forward(const Kernels& kern, ThreadPool& workers, Workspace& ws, floa
   const int64_t width = q_size + 2 * kv_size;
   const int64_t num_rows = st.query_start_loc[st.num_seqs];
   rms_norm(workers, residual, l.input_norm, ws.normed.data(), T, H, s.eps);
-  project(kern, workers, ws, ws.normed.data(), H, l.qkv, l.qkv_bias, ws.qkv.data(), width, T,
-          false);
+  project_shards(kern, workers, ws, ws.normed.data(), H, l.qkv, l.qkv_bias, ws.qkv.data(), width,
+                 T);
   for_rows(workers, T, [&](int64_t begin, int64_t end) {
     rotary_and_cache(kern, s, st, ws.qkv.data(), width, l.kv_cache, begin, end);
   });
@@ -200,12 +231,12 @@ void layer_forward(const Kernels& kern, ThreadPool& workers, Workspace& ws, floa
                        ws.row_ctx.data(), num_rows, s.scale};
   attend_rows(rows, kern, workers);
   std::fill(ws.attn.begin() + num_rows * q_size, ws.attn.begin() + T * q_size, 0.0f);
-  project(kern, workers, ws, ws.attn.data(), q_size, l.o, nullptr, residual, H, T, true);
+  project(kern, workers, ws, ws.attn.data(), q_size, l.o, nullptr, residual, H, H, T, true);
   rms_norm(workers, residual, l.post_norm, ws.normed.data(), T, H, s.eps);
-  project(kern, workers, ws, ws.normed.data(), H, l.gate_up, nullptr, ws.gate_up.data(), 2 * I,
-          T, false);
+  project_shards(kern, workers, ws, ws.normed.data(), H, l.gate_up, nullptr, ws.gate_up.data(),
+                 2 * I, T);
   silu_and_mul(kern, workers, ws.gate_up.data(), ws.act.data(), T, I);
-  project(kern, workers, ws, ws.act.data(), I, l.down, nullptr, residual, H, T, true);
+  project(kern, workers, ws, ws.act.data(), I, l.down, nullptr, residual, H, H, T, true);
 }
 
 }  // namespace

@@ -18,13 +18,20 @@ struct PackedWeight {
   int qtype;         // ggml's code: Q4_0, Q4_1, Q8_0 (QType) or Q4_K, Q5_K, Q6_K (kquants.h)
 };
 
+// Consecutive output rows of a stacked projection in one type: a stack of one type is one shard;
+// GGUF files of mixed quantizations (Q4_K_M: a Q6_K attn_v beside Q4_K q and k) give several.
+struct PackedShard {
+  PackedWeight weight;  // [rows, k] packed
+  int64_t rows;         // 0: no shard
+};
+
 struct LayerParams {
   const float* input_norm;  // [hidden]
-  PackedWeight qkv;         // [q_size + 2 * kv_size, hidden]
+  PackedShard qkv[3];       // [q_size + 2 * kv_size, hidden] in row order
   const float* qkv_bias;    // [q_size + 2 * kv_size] or null
   PackedWeight o;           // [hidden, q_size]
   const float* post_norm;   // [hidden]
-  PackedWeight gate_up;     // [2 * intermediate, hidden]: gate rows, then up rows
+  PackedShard gate_up[2];   // [2 * intermediate, hidden]: gate rows, then up rows
   PackedWeight down;        // [hidden, intermediate]
   void* kv_cache;           // [2, num_blocks, block_size, num_kv_heads, head_dim], kv_type
 };

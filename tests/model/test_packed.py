@@ -197,14 +197,14 @@ def test_a_stack_of_mixed_types_stays_packed_shard_by_shard(mixed_kquant_gguf, p
     """qkv of Q4_K q and k beside a Q6_K v (a Q4_K_M layer) is kept packed as PackedShards, one
     kernel per shard, instead of dequantized: its rows are the dequantized load's in the same
     order (q / k unpermuted), its output each shard's kernel side by side, within the
-    activations' int8 rounding of x @ W.T. Such a model runs op by op (the fused step takes one
-    type a projection)."""
+    activations' int8 rounding of x @ W.T. The fused step runs the shards too, as the module
+    path does."""
     cpu = torch.device("cpu")
     with caplog.at_level(logging.INFO, logger="tinyvllm.model.packed"):
         packed = load_model(str(mixed_kquant_gguf), torch.float32, cpu, packed=True).model
     assert any("15 GGUF tensors kept packed for the CPU kernels, 5 dequantized" in r.message
                for r in caplog.records)
-    assert packed.packed_decoder is None
+    assert packed.packed_decoder is not None
     ref = load_model(str(mixed_kquant_gguf), torch.float32, cpu).model
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
     for layer, ref_layer in zip(packed.model.layers, ref.model.layers, strict=True):
@@ -219,5 +219,13 @@ def test_a_stack_of_mixed_types_stays_packed_shard_by_shard(mixed_kquant_gguf, p
         half_step = x.abs().amax(-1, keepdim=True) / 254  # one 256-value block a row
         bound = half_step * w.abs().sum(-1) * (1 + 1e-4) + 1e-5
         assert bool(((got - x @ w.T).abs() <= bound).all())
-    run = paged_run(packed, 32)
-    assert bool(run.step([(list(range(3, 23)), 0)]).isfinite().all())
+    decoder = packed.packed_decoder
+    steps = []
+    for fused in (decoder, None):  # the fused step, then op by op
+        packed.packed_decoder = fused
+        run = paged_run(packed, 32)
+        steps.append([run.step([chunk]) for chunk in [(list(range(3, 23)), 0), ([41], 20)]])
+    packed.packed_decoder = decoder
+    for got, want in zip(*steps):
+        assert bool(got.isfinite().all())
+        assert ((got - want).norm() / want.norm()).item() < 1e-4  # seen 1e-7, 2e-7

@@ -184,13 +184,17 @@ def test_fused_step_over_kquants_matches_the_module_path(type_name, isa, threads
     _assert_fused_matches_the_module_path(_kquant_model(type_name, seed=11), threads)
 
 
-def test_a_kquant_projection_of_k_not_a_multiple_of_256_is_refused():
-    """The kernel names the type and k when a K-quant projection's k does not fit (the Python
-    side never builds such a step: a K-quant's row bytes need k a multiple of 256)."""
+def test_projections_that_do_not_fit_the_shape_are_refused():
+    """The kernel names what does not fit before it runs (the Python side never builds such a
+    step): a K-quant projection whose k is not a multiple of 256, shards whose rows do not add
+    up to the projection's."""
     net = _kquant_model("Q4_K", seed=12)
-    shape = net.packed_decoder.dims[:]
-    net.packed_decoder.dims = [shape[0], shape[1], shape[2], shape[3], 320]  # intermediate
+    dims = net.packed_decoder.dims[:]
+    net.packed_decoder.dims = [320, *dims[1:]]  # hidden: qkv's and gate_up's k
     with pytest.raises(ValueError, match="k: expected a positive multiple of 256 for K-quant"):
+        _run(net, fused=True)
+    net.packed_decoder.dims = [*dims[:4], 320]  # intermediate: gate_up's 1024 rows are too many
+    with pytest.raises(ValueError, match="gate_up: shards of 1024 rows in all, expected 640"):
         _run(net, fused=True)
 
 

@@ -54,8 +54,7 @@ class PackedShards(nn.Module):
     """A stacked projection (qkv, gate_up) whose GGUF shards are of different types, as llama.cpp's
     mixed quantizations write them (Q4_K_M keeps attn_v at Q6_K in some layers beside Q4_K q and
     k): one PackedLinear per shard, their outputs side by side in row order, then the bias.
-    The fused CPU decoder step takes single-type projections only; a model with these runs op by
-    op."""
+    The fused CPU decoder step runs the shards the same way (model/packed_decoder.py)."""
 
     def __init__(self, parts: list[PackedLinear], bias: Optional[torch.Tensor] = None) -> None:
         super().__init__()

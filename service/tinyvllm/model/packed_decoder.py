@@ -9,8 +9,9 @@ and the same projection kernels; float summation orders elsewhere differ, so res
 few ulps before the rounding, and occasionally one int8 step after it.
 
 It serves only what it was built for: a single-rank Llama whose every projection is a
-`PackedLinear` the CPU kernels read (`ops.quantized.KERNEL_TYPES` and `KQUANT_TYPES`) with no
-bias but qkv's, float32 activations and a contiguous
+`PackedLinear` the CPU kernels read (`ops.quantized.KERNEL_TYPES` and `KQUANT_TYPES`; qkv and
+gate_up may be `PackedShards` of such parts, one type a shard) with no bias but qkv's, float32
+activations and a contiguous
 float32 or float16 KV cache (float16 by default here: `ops.kv_cache.resolve_kv_cache_dtype`); the
 model falls back to the module path for anything else, and always without the kernels
 (`TINYVLLM_DISABLE_CPU_KERNELS=1`) or with `--dequantize`.
@@ -26,8 +27,10 @@ from tinyvllm import ops
 from tinyvllm.ops import quantized as q
 from tinyvllm.ops.kv_cache import CPU_KERNEL_KV_DTYPES, kv_dtype_name
 
-LAYER_FIELDS = 12
+LAYER_FIELDS = 23
 """Integers per layer in the kernel's table (core_cpp/cpu/bindings.cpp, kLayerFields)."""
+QKV_SHARDS, GATE_UP_SHARDS = 3, 2
+"""Shards of one type each the table holds for qkv (q, k, v) and gate_up (gate, up)."""
 
 
 class PackedDecoder:
@@ -48,18 +51,15 @@ class PackedDecoder:
 
     @classmethod
     def for_model(cls, net) -> Optional["PackedDecoder"]:
-        from tinyvllm.model.packed import PackedLinear
-
         if net.tp.size != 1 or not net.model.layers:
             return None
         for layer in net.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            projs = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(p, PackedLinear) and (p.qtype in q.KERNEL_TYPES.values()
-                                                        or p.qtype in q.KQUANT_TYPES.values())
-                       for p in projs):
+            projs = {attn.qkv_proj: QKV_SHARDS, attn.o_proj: 1, mlp.gate_up_proj: GATE_UP_SHARDS,
+                     mlp.down_proj: 1}
+            if not all(_shards(p, most) is not None for p, most in projs.items()):
                 return None
-            if any(p.bias is not None for p in projs[1:]):
+            if any(p.bias is not None for p in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
                 return None
         return cls(net)
 
@@ -108,12 +108,26 @@ class PackedDecoder:
         layers = layers[:len(kv_caches)]
         first = layers[0]
         key = (tuple(c.data_ptr() for c in kv_caches),
-               first.self_attn.qkv_proj.qweight.data_ptr(), first.input_layernorm.data_ptr())
+               _shards(first.self_attn.qkv_proj, QKV_SHARDS)[0].qweight.data_ptr(),
+               first.input_layernorm.data_ptr())
         if key != self._table_key:
             self._table = [v for layer, cache in zip(layers, kv_caches)
                            for v in _layer_fields(layer, cache)]
             self._table_key = key
         return self._table
+
+
+def _shards(proj, most: int) -> Optional[list]:
+    """proj's PackedLinear parts of one kernel-read type each (a PackedLinear alone, or a
+    PackedShards' parts; at most `most`), or None when the fused step cannot run it."""
+    from tinyvllm.model.packed import PackedLinear, PackedShards
+
+    parts = list(proj.parts) if isinstance(proj, PackedShards) else [proj]
+    readable = (*q.KERNEL_TYPES.values(), *q.KQUANT_TYPES.values())
+    if len(parts) > most or not all(isinstance(p, PackedLinear) and p.qtype in readable
+                                    for p in parts):
+        return None
+    return parts  # a PackedShards' parts carry no bias: the stack's is on proj
 
 
 def _layer_fields(layer, kv_cache: torch.Tensor) -> list[int]:
@@ -122,10 +136,15 @@ def _layer_fields(layer, kv_cache: torch.Tensor) -> list[int]:
     def packed(p) -> list[int]:
         return [p.qweight.data_ptr(), p.qtype]
 
+    def shards(proj, count: int) -> list[int]:
+        parts = _shards(proj, count)
+        fields = [v for p in parts for v in (*packed(p), p.out_features)]
+        return fields + [0, 0, 0] * (count - len(parts))
+
     qkv_bias = attn.qkv_proj.bias
-    fields = [layer.input_layernorm.data_ptr(), *packed(attn.qkv_proj),
+    fields = [layer.input_layernorm.data_ptr(), *shards(attn.qkv_proj, QKV_SHARDS),
               0 if qkv_bias is None else qkv_bias.data_ptr(), *packed(attn.o_proj),
-              layer.post_attention_layernorm.data_ptr(), *packed(mlp.gate_up_proj),
+              layer.post_attention_layernorm.data_ptr(), *shards(mlp.gate_up_proj, GATE_UP_SHARDS),
               *packed(mlp.down_proj), kv_cache.data_ptr()]
     assert len(fields) == LAYER_FIELDS
     return fields
