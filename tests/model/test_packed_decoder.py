@@ -16,7 +16,7 @@ import gguf
 import pytest
 import torch
 
-from tinyvllm.model.packed import PackedLinear
+from tinyvllm.model.packed import PackedLinear, PackedShards
 from tinyvllm.model.packed_decoder import PackedDecoder
 from tinyvllm.model.synthetic import make_random_model, tiny_arch
 from tinyvllm.ops import quantized as q
@@ -182,6 +182,42 @@ def test_fused_step_over_kquants_matches_the_module_path(type_name, isa, threads
     values); the rest differs in float summation order as for the 32-value types."""
     monkeypatch.setenv("TINYVLLM_CPU_ISA", isa)
     _assert_fused_matches_the_module_path(_kquant_model(type_name, seed=11), threads)
+
+
+def _sharded_model(seed: int):
+    """ARCHS["gqa-bias"] with every qkv as PackedShards of Q4_1 q and k rows and Q8_0 v rows, and
+    every gate_up as Q4_0 gate rows beside Q4_1 up rows (the shards' outputs land in columns of
+    a wider row: the GEMM's out_stride)."""
+    arch = ARCHS["gqa-bias"]
+    net = _packed_model(arch, q.KERNEL_TYPES["Q4_1"], seed)
+    ref = make_random_model(arch, seed, torch.float32, torch.device("cpu"))
+    q_rows, kv_rows = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    splits = {"self_attn.qkv_proj": [(q_rows, "Q4_1"), (kv_rows, "Q4_1"), (kv_rows, "Q8_0")],
+              "mlp.gate_up_proj": [(arch.intermediate_size, "Q4_0"),
+                                   (arch.intermediate_size, "Q4_1")]}
+    for layer, ref_layer in zip(net.model.layers, ref.model.layers):
+        for path, shards in splits.items():
+            parent, name = path.rsplit(".", 1)
+            old = layer.get_submodule(path)
+            weight, parts, first = ref_layer.get_submodule(path).weight.numpy(), [], 0
+            for rows, type_name in shards:
+                qtype = q.KERNEL_TYPES[type_name]
+                qweight = gguf.quants.quantize(weight[first:first + rows],
+                                               gguf.GGMLQuantizationType(qtype))
+                parts.append(PackedLinear(torch.from_numpy(qweight), qtype, old.in_features))
+                first += rows
+            setattr(layer.get_submodule(parent), name, PackedShards(parts, bias=old.bias))
+    net.packed_decoder = PackedDecoder.for_model(net)
+    assert net.packed_decoder is not None
+    return net
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_fused_step_over_shards_of_mixed_types_matches_the_module_path(isa, monkeypatch):
+    """Stacks of mixed 32-value types (the GEMM writing each shard's columns of the wider qkv and
+    gate_up rows, qkv's bias split with them) against the module path's PackedShards."""
+    monkeypatch.setenv("TINYVLLM_CPU_ISA", isa)
+    _assert_fused_matches_the_module_path(_sharded_model(seed=13), threads=2)
 
 
 def test_projections_that_do_not_fit_the_shape_are_refused():
