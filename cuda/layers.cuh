@@ -22,11 +22,12 @@ struct alignas(sizeof(T) * N) Pack {
 constexpr int kRowThreads = 256;
 
 // The CTA size of a one-CTA-per-row kernel over `packs` accesses per row: a warp multiple, at most
-// kRowThreads. A row's sum of squares depends on it (each thread sums its own packs first), so
-// rms_norm_quant launches exactly as many threads as rms_norm.
-inline unsigned row_threads(int64_t packs) {
+// max_threads (kRowThreads unless the kernel says otherwise). A row's sum of squares depends on it
+// (each thread sums its own packs first), so rms_norm_quant launches exactly as many threads as
+// rms_norm.
+inline unsigned row_threads(int64_t packs, int64_t max_threads = kRowThreads) {
   return static_cast<unsigned>(
-      std::min<int64_t>(kRowThreads, std::max<int64_t>(32, (packs + 31) / 32 * 32)));
+      std::min<int64_t>(max_threads, std::max<int64_t>(32, (packs + 31) / 32 * 32)));
 }
 
 // Whether rows of n elements of `elem` bytes can move as 16-byte packs: n and every row stride

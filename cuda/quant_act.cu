@@ -70,8 +70,7 @@ void quantize_rows(ptr_t out,           // [num_tokens, k] int8 / fp8 e4m3, row 
   TINYVLLM_DISPATCH_FLOAT(dtype, "quantize_rows", {
     auto* xi = reinterpret_cast<const scalar_t*>(x);
     constexpr int n = 16 / sizeof(scalar_t);
-    const bool wide = k % n == 0 && x_stride % n == 0 && out_stride % n == 0 &&
-                      aligned16(reinterpret_cast<void*>(x)) && out % n == 0;
+    const bool wide = can_go_wide(sizeof(scalar_t), k, {x_stride, out_stride}, {x}) && out % n == 0;
     const unsigned threads = row_threads(wide ? k / n : k);
     dispatch_quant<n>(qdtype, wide, [&](auto int8, auto width) {
       constexpr auto kernel =
@@ -132,11 +131,8 @@ void silu_and_mul_quant(ptr_t out,           // [num_tokens, d] int8 / fp8 e4m3,
   const cudaStream_t s = as_stream(stream);
   TINYVLLM_DISPATCH_FLOAT(dtype, "silu_and_mul_quant", {
     constexpr int n = 16 / sizeof(scalar_t);
-    const bool wide = can_go_wide(sizeof(scalar_t), d, {x_stride}, {x}) && out_stride % n == 0 &&
-                      out % n == 0;
-    const int64_t packs = wide ? d / n : d;
-    const unsigned threads = static_cast<unsigned>(std::min<int64_t>(
-        kSiluQuantThreads, std::max<int64_t>(32, (packs + 31) / 32 * 32)));
+    const bool wide = can_go_wide(sizeof(scalar_t), d, {x_stride, out_stride}, {x}) && out % n == 0;
+    const unsigned threads = row_threads(wide ? d / n : d, kSiluQuantThreads);
     dispatch_quant<n>(qdtype, wide, [&](auto int8, auto width) {
       constexpr auto kernel =
           silu_and_mul_quant_kernel<scalar_t, decltype(int8)::value, decltype(width)::value>;
