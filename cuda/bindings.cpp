@@ -92,7 +92,7 @@ PYBIND11_MODULE(_cuda, m) {
 
   def_launcher(m, "gemv", &tinyvllm::gemv, "out", "x", "weight", "bias", "residual", "norm_weight",
                "m", "n", "k", "x_stride", "out_stride", "residual_stride", "eps", "prologue",
-               "silu_mul_out", "prefetch_weight", "dtype", "stream");
+               "silu_mul_out", "prefetch_weight", "mma", "dtype", "stream");
 
   def_launcher(m, "quant_gemv", &tinyvllm::quant_gemv, "out", "x", "qweight", "scales", "zeros",
                "bias", "m", "n", "k", "x_stride", "out_stride", "bits", "group_size", "method",
@@ -111,7 +111,8 @@ PYBIND11_MODULE(_cuda, m) {
                "num_rows", "k", "qtype", "dtype", "stream");
   def_launcher(m, "gemv_merge", &tinyvllm::gemv_merge, "out", "split_out", "split_max", "split_sum",
                "seq_lens", "weight", "bias", "residual", "m", "n", "num_heads", "head_dim",
-               "num_splits", "partition_size", "out_stride", "residual_stride", "dtype", "stream");
+               "num_splits", "partition_size", "out_stride", "residual_stride", "mma", "dtype",
+               "stream");
 
   def_launcher(m, "sample", &tinyvllm::sample, "out", "workspace", "workspace_bytes", "logits",
                "logits_stride", "num_rows", "vocab_size", "temperature", "top_k", "top_p", "min_p",

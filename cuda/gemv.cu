@@ -1,14 +1,17 @@
-// Launcher of the skinny (decode) linear layer: checks sizes, picks M and the prologue, sizes the
-// grid so that every warp is resident at once, and launches with programmatic dependent launch so
-// that the weight prefetch overlaps the previous kernel's tail.
+// Launchers of the skinny (decode) linear layer: checks sizes, picks the kernel (scalar, gemv.cuh;
+// tensor cores, gemv_mma.cuh), M and the prologue, sizes the grid so that every warp is resident
+// at once, and launches with programmatic dependent launch so that the weight prefetch overlaps
+// the previous kernel's tail.
 //
-// Instantiations: {float16, bfloat16} x M {1, 2} x prologue {none, rmsnorm, silu_mul, merge}, and
-// the SwiGLU-product epilogue after {none, rmsnorm}.
+// Instantiations: {float16, bfloat16} x prologue {none, rmsnorm, silu_mul, merge} and the
+// SwiGLU-product epilogue after {none, rmsnorm}, each x M {1, 2} (scalar) and M {4, 8, 16}
+// (tensor cores).
 #include <algorithm>
 #include <mutex>
 #include <string>
 
 #include "gemv.cuh"
+#include "gemv_mma.cuh"
 #include "launchers.h"
 
 namespace tinyvllm {
@@ -16,6 +19,12 @@ namespace {
 
 constexpr int kGemvMaxM = 2;
 constexpr int kGemvSmemBytes = 64 * 1024;  // the staged activations, M x k
+constexpr int kMmaMaxM = 16;
+constexpr int kMmaActBytes = 128 * 1024;   // tensor cores: the staged activations, M x k
+constexpr int kMmaRingBytes = kTileWarps * kMmaStages * 4 * 32 * 16;
+
+// The tensor-core kernel's M for m rows: 4, 8 or 16.
+int mma_rows(int64_t m) { return m <= 4 ? 4 : m <= 8 ? 8 : 16; }
 
 int num_sms() {
   static const int value = [] {
@@ -58,12 +67,50 @@ void launch(T* out, const T* x, const T* weight, const T* bias, const T* residua
              eps, parts, prefetch_all);
 }
 
+// Tensor cores: each CTA takes ceil(bands / resident CTAs) bands (strided), all CTAs resident.
+template <typename T, int M, int P, bool S>
+void launch_mma(T* out, const T* x, const T* weight, const T* bias, const T* residual,
+                const T* norm_weight, int m, int n, int k, int64_t x_stride, int64_t out_stride,
+                int64_t residual_stride, float eps, const DecodePartitions& parts,
+                cudaStream_t stream) {
+  auto kernel = gemv_mma_kernel<T, M, P, S>;
+  static std::once_flag once;
+  std::call_once(once, [&] {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    kMmaActBytes + kMmaRingBytes),
+               "gemv (tensor cores): cudaFuncSetAttribute");
+  });
+  const int smem = M * k * int(sizeof(T)) + kMmaRingBytes;
+  int resident = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kTileWarps * 32,
+                                                           smem),
+             "gemv (tensor cores): occupancy");
+  const int bands = (n + kTileRows - 1) / kTileRows;
+  const int slots = num_sms() * std::max(1, resident);
+  const int per_cta = (bands + slots - 1) / slots;
+  const int grid = (bands + per_cta - 1) / per_cta;
+  launch_pdl(kernel, dim3(grid), dim3(kTileWarps * 32), smem, stream, out, x, weight, bias,
+             residual, norm_weight, m, n, k, x_stride, out_stride, residual_stride, eps, parts);
+}
+
 template <typename T, int P, bool S = false>
 void launch_m(int m, T* out, const T* x, const T* weight, const T* bias, const T* residual,
               const T* norm_weight, int n, int k, int64_t x_stride, int64_t out_stride,
-              int64_t residual_stride, float eps, bool prefetch_all, cudaStream_t s,
+              int64_t residual_stride, float eps, bool prefetch_all, bool mma, cudaStream_t s,
               const DecodePartitions& parts = {}) {
-  if (m == 1) {
+  if (mma) {
+#define TINYVLLM_MMA_LAUNCH(MM)                                                              \
+  launch_mma<T, MM, P, S>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride,   \
+                          out_stride, residual_stride, eps, parts, s)
+    if (m <= 4) {
+      TINYVLLM_MMA_LAUNCH(4);
+    } else if (m <= 8) {
+      TINYVLLM_MMA_LAUNCH(8);
+    } else {
+      TINYVLLM_MMA_LAUNCH(16);
+    }
+#undef TINYVLLM_MMA_LAUNCH
+  } else if (m == 1) {
     launch<T, 1, P, S>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride,
                        out_stride, residual_stride, eps, prefetch_all, parts, s);
   } else {
@@ -72,16 +119,22 @@ void launch_m(int m, T* out, const T* x, const T* weight, const T* bias, const T
   }
 }
 
-// Sizes every GEMV entry point checks ("gemv: ..." / "gemv_merge: ...").
-void check_shape(const std::string& where, int64_t m, int64_t n, int64_t k) {
-  require(m >= 0 && m <= kGemvMaxM, where + "m=" + std::to_string(m) + " rows; at most " +
-                                        std::to_string(kGemvMaxM) + " are served");
-  require(n > 0 && n <= INT32_MAX, where + "n=" + std::to_string(n) + " out of range");
-  require(k > 0 && k % 8 == 0 && k <= INT32_MAX / 2,
-          where + "k=" + std::to_string(k) + " must be a positive multiple of 8");
-  require(m * k * 2 <= kGemvSmemBytes, where + "m * k = " + std::to_string(m * k) +
-                                           " activations exceed the staging buffer (" +
-                                           std::to_string(kGemvSmemBytes / 2) + ")");
+// Sizes every GEMV entry point checks ("gemv: ..." / "gemv_merge: ..."); mma: the tensor-core
+// kernel, which stages m rounded up to 4, 8 or 16 rows.
+void check_shape(const std::string& where, int64_t m, int64_t n, int64_t k, bool mma) {
+  const int64_t max_m = mma ? kMmaMaxM : kGemvMaxM;
+  require(m >= 0 && m <= max_m, where + "m=" + std::to_string(m) + " rows; at most " +
+                                    std::to_string(max_m) + " are served" +
+                                    (mma ? " (tensor cores)" : ""));
+  require(n > 0 && n <= INT32_MAX / 2, where + "n=" + std::to_string(n) + " out of range");
+  require(k > 0 && k % (mma ? kTileK : 8) == 0 && k <= INT32_MAX / 2,
+          where + "k=" + std::to_string(k) + " must be a positive multiple of " +
+              (mma ? "64 (tensor cores)" : "8"));
+  const int64_t staged = mma ? mma_rows(m) * k : m * k;
+  const int64_t limit = (mma ? kMmaActBytes : kGemvSmemBytes) / 2;
+  require(staged <= limit, where + "m * k = " + std::to_string(staged) +
+                               (mma ? " activations (m rounded up to 4, 8 or 16)" : " activations") +
+                               " exceed the staging buffer (" + std::to_string(limit) + ")");
 }
 
 }  // namespace
@@ -89,14 +142,15 @@ void check_shape(const std::string& where, int64_t m, int64_t n, int64_t k) {
 void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t norm_weight,
           int64_t m, int64_t n, int64_t k, int64_t x_stride, int64_t out_stride,
           int64_t residual_stride, float eps, int prologue, int silu_mul_out, int prefetch_weight,
-          int dtype, stream_t stream) {
+          int mma, int dtype, stream_t stream) {
   const std::string where = "gemv: ";
-  check_shape(where, m, n, k);
+  check_shape(where, m, n, k, mma != 0);
   require(prologue >= kGemvNone && prologue <= kGemvSiluMul,
           where + "prologue=" + std::to_string(prologue) + " unknown");
-  require(!silu_mul_out || (n % 2 == 0 && residual == 0 && prologue != kGemvSiluMul),
-          where + "silu_mul_out needs an even n=" + std::to_string(n) +
-              ", no residual and no silu_mul prologue");
+  require(!silu_mul_out || (n % (mma ? kTileRows : 2) == 0 && residual == 0 &&
+                            prologue != kGemvSiluMul),
+          where + "silu_mul_out needs n=" + std::to_string(n) + " a multiple of " +
+              (mma ? "16 (tensor cores)" : "2") + ", no residual and no silu_mul prologue");
   require(x_stride % 8 == 0, where + "x_stride=" + std::to_string(x_stride) +
                                  " must be a multiple of 8 elements (16-byte rows)");
   require(prologue != kGemvRmsNorm || norm_weight != 0, where + "rmsnorm needs norm_weight");
@@ -114,22 +168,22 @@ void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t no
     auto* r = reinterpret_cast<const scalar_t*>(residual);
     auto* nw = reinterpret_cast<const scalar_t*>(norm_weight);
     const int mi = int(m), ni = int(n), ki = int(k);
-    const bool pf = prefetch_weight != 0;
+    const bool pf = prefetch_weight != 0, tc = mma != 0;
     if (silu_mul_out && prologue == kGemvNone) {
       launch_m<scalar_t, kGemvNone, true>(mi, o, xi, w, b, r, nw, ni, ki, x_stride, out_stride,
-                                          residual_stride, eps, pf, s);
+                                          residual_stride, eps, pf, tc, s);
     } else if (silu_mul_out) {
       launch_m<scalar_t, kGemvRmsNorm, true>(mi, o, xi, w, b, r, nw, ni, ki, x_stride,
-                                             out_stride, residual_stride, eps, pf, s);
+                                             out_stride, residual_stride, eps, pf, tc, s);
     } else if (prologue == kGemvNone) {
       launch_m<scalar_t, kGemvNone>(mi, o, xi, w, b, r, nw, ni, ki, x_stride, out_stride,
-                                    residual_stride, eps, pf, s);
+                                    residual_stride, eps, pf, tc, s);
     } else if (prologue == kGemvRmsNorm) {
       launch_m<scalar_t, kGemvRmsNorm>(mi, o, xi, w, b, r, nw, ni, ki, x_stride, out_stride,
-                                       residual_stride, eps, pf, s);
+                                       residual_stride, eps, pf, tc, s);
     } else {
       launch_m<scalar_t, kGemvSiluMul>(mi, o, xi, w, b, r, nw, ni, ki, x_stride, out_stride,
-                                       residual_stride, eps, pf, s);
+                                       residual_stride, eps, pf, tc, s);
     }
   });
 }
@@ -137,13 +191,13 @@ void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t no
 void gemv_merge(ptr_t out, ptr_t split_out, ptr_t split_max, ptr_t split_sum, ptr_t seq_lens,
                 ptr_t weight, ptr_t bias, ptr_t residual, int64_t m, int64_t n, int num_heads,
                 int head_dim, int num_splits, int partition_size, int64_t out_stride,
-                int64_t residual_stride, int dtype, stream_t stream) {
+                int64_t residual_stride, int mma, int dtype, stream_t stream) {
   const std::string where = "gemv_merge: ";
   const DecodePartitions parts =
       checked_partitions(where, split_out, split_max, split_sum, seq_lens, int(m), num_heads,
                          head_dim, num_splits, partition_size);
   const int64_t k = int64_t(num_heads) * head_dim;
-  check_shape(where, m, n, k);
+  check_shape(where, m, n, k, mma != 0);
   require(aligned16(reinterpret_cast<void*>(weight)), where + "weight must be 16-byte aligned");
   if (m == 0) return;
   TINYVLLM_DISPATCH_HALF(dtype, "gemv_merge", {
@@ -151,7 +205,7 @@ void gemv_merge(ptr_t out, ptr_t split_out, ptr_t split_max, ptr_t split_sum, pt
         int(m), reinterpret_cast<scalar_t*>(out), nullptr,
         reinterpret_cast<const scalar_t*>(weight), reinterpret_cast<const scalar_t*>(bias),
         reinterpret_cast<const scalar_t*>(residual), nullptr, int(n), int(k), k, out_stride,
-        residual_stride, 0.f, true, as_stream(stream), parts);
+        residual_stride, 0.f, true, mma != 0, as_stream(stream), parts);
   });
 }
 

@@ -180,59 +180,67 @@ __device__ __forceinline__ void gemv_row_scale(float* inv_rms, const T* x, int64
   gemv_inv_rms<M>(sum_sq, inv_rms, k8 * 8, eps);
 }
 
-// kRmsNorm when each thread stages at most kStageBatch vectors: x and the norm weight are loaded
-// once (one memory latency instead of two), the sums of squares reduced across the CTA, and each
-// thread normalises the vectors it holds in registers.
-template <typename T, int M>
+// kRmsNorm in one pass when every row has at most J vectors per thread (k8 <= J * blockDim): x
+// and the norm weight are loaded once (one memory latency instead of two), the sums of squares
+// reduced across the CTA, and each thread normalises the vectors it holds in registers. Thread t
+// holds vectors t, t + blockDim, ... of every row, so that a row's sum is taken in the same order
+// whatever its position among the m rows (a row of x gives the same bits in any batch).
+template <typename T, int M, int J>
 __device__ __forceinline__ void gemv_stage_rmsnorm_one_pass(uint4* act, int k8, const T* x,
                                                             int64_t x_stride,
                                                             const T* norm_weight, float* inv_rms,
                                                             int m, float eps) {
-  const int total = M * k8;
-  uint4 a[kStageBatch], w[kStageBatch];
+  uint4 a[M][J], w[J];
 #pragma unroll
-  for (int j = 0; j < kStageBatch; ++j) {
-    const int idx = threadIdx.x + j * blockDim.x;
-    const int row = idx / k8, v = idx - row * k8;
-    a[j] = w[j] = make_uint4(0, 0, 0, 0);
-    if (idx < total && row < m) {
-      a[j] = reinterpret_cast<const uint4*>(x + row * x_stride)[v];
-      w[j] = reinterpret_cast<const uint4*>(norm_weight)[v];
+  for (int j = 0; j < J; ++j) {
+    const int v = threadIdx.x + j * blockDim.x;
+    w[j] = v < k8 ? reinterpret_cast<const uint4*>(norm_weight)[v] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      a[i][j] = (v < k8 && i < m) ? reinterpret_cast<const uint4*>(x + i * x_stride)[v]
+                                  : make_uint4(0, 0, 0, 0);
     }
   }
   float sum_sq[M];
 #pragma unroll
-  for (int i = 0; i < M; ++i) sum_sq[i] = 0.f;
+  for (int i = 0; i < M; ++i) {
+    sum_sq[i] = 0.f;
 #pragma unroll
-  for (int j = 0; j < kStageBatch; ++j) {
-    const int row = (threadIdx.x + j * blockDim.x) / k8;
-    float xf[8], ss = 0.f;
-    unpack8<T>(a[j], xf);
+    for (int j = 0; j < J; ++j) {
+      float xf[8], ss = 0.f;
+      unpack8<T>(a[i][j], xf);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) ss = fmaf(xf[e], xf[e], ss);
-#pragma unroll
-    for (int i = 0; i < M; ++i) sum_sq[i] += row == i ? ss : 0.f;
+      for (int e = 0; e < 8; ++e) ss = fmaf(xf[e], xf[e], ss);
+      sum_sq[i] += ss;
+    }
   }
   gemv_inv_rms<M>(sum_sq, inv_rms, k8 * 8, eps);
 #pragma unroll
-  for (int j = 0; j < kStageBatch; ++j) {
-    const int idx = threadIdx.x + j * blockDim.x;
-    if (idx >= total) break;
-    const int row = idx / k8;
-    act[idx] = rms_scaled8<T>(a[j], w[j], row < m ? inv_rms[row] : 0.f);
+  for (int j = 0; j < J; ++j) {
+    const int v = threadIdx.x + j * blockDim.x;
+    if (v >= k8) break;
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      act[i * k8 + v] = rms_scaled8<T>(a[i][j], w[j], i < m ? inv_rms[i] : 0.f);
+    }
   }
 }
 
-// x's first m rows into act with prologue P (none, SiLU-and-mul, RMSNorm: in one pass when each
-// thread stages at most kStageBatch vectors, else the row scales first); kMergeSplits stages
-// elsewhere (gemv_stage_merged).
+// x's first m rows into act with prologue P (none, SiLU-and-mul, RMSNorm: in one pass where the
+// rows fit the threads' registers, else the row scales first; either way a row's scale does not
+// depend on its position among the rows); kMergeSplits stages elsewhere (gemv_stage_merged).
 template <typename T, int M, int P>
 __device__ __forceinline__ void gemv_stage_x(uint4* act, int k8, const T* x, int64_t x_stride,
                                              const T* norm_weight, float* inv_rms, int m,
                                              float eps) {
   if constexpr (P == kGemvRmsNorm) {
-    if (M * k8 <= kStageBatch * int(blockDim.x)) {
-      gemv_stage_rmsnorm_one_pass<T, M>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps);
+    // Rows of up to blockDim vectors (k = 2048 at 256 threads) at any M; up to 4 x blockDim at
+    // M <= 2 (decode at Llama-3-8B's k = 4096).
+    constexpr int kJ = M <= 2 ? 4 : 1;
+    if (k8 <= int(blockDim.x)) {
+      gemv_stage_rmsnorm_one_pass<T, M, 1>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps);
+    } else if (kJ > 1 && k8 <= kJ * int(blockDim.x)) {
+      gemv_stage_rmsnorm_one_pass<T, M, kJ>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps);
     } else {
       gemv_row_scale<T, M>(inv_rms, x, x_stride, k8, m, eps);
       gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m);

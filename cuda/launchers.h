@@ -12,7 +12,7 @@ namespace tinyvllm {
 // The interface version of these launchers. bindings.cpp exports it as `abi_version` and
 // ops/_dispatch.py refuses a module whose version is not its CUDA_ABI_VERSION: bump both when a
 // launcher's arguments change or a function is added, removed or renamed.
-constexpr int kAbiVersion = 7;
+constexpr int kAbiVersion = 8;
 
 using ptr_t = std::uintptr_t;  // a device pointer, as torch's data_ptr() gives it
 using stream_t = std::uintptr_t;  // a cudaStream_t, as torch's cuda_stream gives it
@@ -101,11 +101,13 @@ void rotary_embedding_and_cache(ptr_t positions, ptr_t query, ptr_t key, ptr_t v
 // prologue 0 none, 1 rmsnorm(x) * norm_weight, 2 silu(x[:, :k]) * x[:, k:]. silu_mul_out: out
 // [m, n / 2] = silu(y[:, :n/2]) * y[:, n/2:] of y = act(x) . weight^T (+ bias). prefetch_weight:
 // the whole weight is requested into L2 while the previous kernel runs (for a projection after a
-// kernel that leaves the memory bus idle, such as decode attention).
+// kernel that leaves the memory bus idle, such as decode attention). mma: the tensor-core kernel
+// (gemv_mma.cuh) for m <= 16, k a multiple of 64 and (silu_mul_out) n of 16; it prefetches
+// nothing ahead.
 void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t norm_weight,
           int64_t m, int64_t n, int64_t k, int64_t x_stride, int64_t out_stride,
           int64_t residual_stride, float eps, int prologue, int silu_mul_out, int prefetch_weight,
-          int dtype, stream_t stream);
+          int mma, int dtype, stream_t stream);
 
 // gemv.cu: the same with a split decode's partitions, merged in the prologue, as x (o_proj after
 // paged_attention_decode with merge_splits = 0): k = num_heads * head_dim. It always follows
@@ -113,7 +115,7 @@ void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t no
 void gemv_merge(ptr_t out, ptr_t split_out, ptr_t split_max, ptr_t split_sum, ptr_t seq_lens,
                 ptr_t weight, ptr_t bias, ptr_t residual, int64_t m, int64_t n, int num_heads,
                 int head_dim, int num_splits, int partition_size, int64_t out_stride,
-                int64_t residual_stride, int dtype, stream_t stream);
+                int64_t residual_stride, int mma, int dtype, stream_t stream);
 
 // quant_gemv.cu: weight-only quantized linear layers over the integer-group layout of
 // ops/quant_linear.py (qweight int32 [n, k / (32 / bits)], scales / zeros [n, k / group_size]).

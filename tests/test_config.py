@@ -18,17 +18,19 @@ def parse(*argv: str) -> EngineConfig:
 
 def test_kernel_flags_default_to_every_fusion():
     assert parse().kernel == KernelConfig() == KernelConfig(
-        fused_gemv=True, gemv_max_rows=2, fused_rotary_cache=True, merge_in_o_proj=True,
+        fused_gemv=True, gemv_max_rows=2, gemv_mma_max_rows=16, fused_rotary_cache=True,
+        merge_in_o_proj=True,
         fused_act_quant=True, fp8_fast_accum=True, prefill_attention_kernel="auto",
         split_mixed_attention=True)
 
 
 def test_kernel_flags_turn_fusions_off():
     config = parse("--no-fused-gemv", "--no-fused-rotary-cache", "--no-merge-in-o-proj",
-                   "--gemv-max-rows", "1", "--no-fused-act-quant", "--no-fp8-fast-accum",
+                   "--gemv-max-rows", "1", "--gemv-mma-max-rows", "0", "--no-fused-act-quant",
+                   "--no-fp8-fast-accum",
                    "--prefill-attention-kernel",
                    "mma_sync", "--no-split-mixed-attention")
-    assert config.kernel == KernelConfig(fused_gemv=False, gemv_max_rows=1,
+    assert config.kernel == KernelConfig(fused_gemv=False, gemv_max_rows=1, gemv_mma_max_rows=0,
                                          fused_rotary_cache=False, merge_in_o_proj=False,
                                          fused_act_quant=False, fp8_fast_accum=False,
                                          prefill_attention_kernel="mma_sync",
@@ -40,8 +42,10 @@ def test_gemv_max_rows_beyond_the_kernel_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse("--gemv-max-rows", "3")
     assert "--gemv-max-rows: invalid choice: 3" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"gemv_max_rows must be in \[1, 2\]"):
-        EngineConfig.from_kwargs(gemv_max_rows=0)
+    with pytest.raises(ValueError, match=r"gemv_max_rows must be in \[0, 2\]"):
+        EngineConfig.from_kwargs(gemv_max_rows=-1)
+    with pytest.raises(ValueError, match=r"gemv_mma_max_rows must be in \[0, 16\]"):
+        EngineConfig.from_kwargs(gemv_mma_max_rows=17)
 
 
 def test_unknown_prefill_attention_kernel_is_refused(capsys):

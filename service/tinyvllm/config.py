@@ -189,6 +189,9 @@ class ParallelConfig:
 GEMV_KERNEL_MAX_ROWS = 2
 """Most rows (tokens) one launch of the fused GEMV kernel serves (cuda/gemv.cu kGemvMaxM)."""
 
+GEMV_MMA_MAX_ROWS = 16
+"""Most rows one launch of the tensor-core GEMV serves (cuda/gemv.cu kMmaMaxM)."""
+
 
 PREFILL_ATTENTION_KERNELS = ("auto", "mma_sync")
 """CUDA prefill attention kernels by name (`--prefill-attention-kernel`; ops/attention_cuda.py
@@ -205,14 +208,22 @@ class KernelConfig:
     """
 
     fused_gemv: bool = _f(
-        True, "Decode-sized CUDA batches (at most gemv_max_rows tokens, float16 / bfloat16) run "
+        True, "Decode-sized CUDA batches (float16 / bfloat16, at most gemv_max_rows tokens or, "
+        "where its staging fits, gemv_mma_max_rows) run "
         "each projection as one GEMV launch with the RMSNorm before it, SwiGLU after gate_up "
         "and the residual add after o_proj / down_proj folded in, and the lm_head too. Off: "
         "cuBLAS plus the separate ops.")
     gemv_max_rows: int = _f(
-        GEMV_KERNEL_MAX_ROWS, "Largest batch (tokens) that runs the fused GEMV decoder layer; "
-        f"larger ones use cuBLAS. 1 or {GEMV_KERNEL_MAX_ROWS} (the kernel's limit).",
-        choices=tuple(range(1, GEMV_KERNEL_MAX_ROWS + 1)))
+        GEMV_KERNEL_MAX_ROWS, "Largest batch (tokens) that runs the fused GEMV decoder layer "
+        "on the scalar GEMV; larger ones go to the tensor-core GEMV (gemv_mma_max_rows), then "
+        f"cuBLAS. 0 (none) to {GEMV_KERNEL_MAX_ROWS} (the kernel's limit).",
+        choices=tuple(range(0, GEMV_KERNEL_MAX_ROWS + 1)))
+    gemv_mma_max_rows: int = _f(
+        GEMV_MMA_MAX_ROWS, "Batches (tokens) above gemv_max_rows and up to this many run the "
+        "fused GEMV decoder layer on the tensor-core GEMV (one read of each weight for all "
+        "rows: speculative verification steps, small decode batches) where its staging fits; "
+        f"larger ones use cuBLAS. 0 (off) to {GEMV_MMA_MAX_ROWS} (the kernel's limit).",
+        choices=tuple(range(0, GEMV_MMA_MAX_ROWS + 1)))
     fused_rotary_cache: bool = _f(
         True, "Rotary, the K/V cache write and attention as one op on views into the qkv "
         "projection (on CUDA decode one launch). Off: rotary, the cache write and attention as "
@@ -242,9 +253,12 @@ class KernelConfig:
         if self.prefill_attention_kernel not in PREFILL_ATTENTION_KERNELS:
             raise ValueError("prefill_attention_kernel must be auto or mma_sync, got "
                              f"{self.prefill_attention_kernel!r}")
-        if not 1 <= self.gemv_max_rows <= GEMV_KERNEL_MAX_ROWS:
-            raise ValueError(f"gemv_max_rows must be in [1, {GEMV_KERNEL_MAX_ROWS}] (the GEMV "
+        if not 0 <= self.gemv_max_rows <= GEMV_KERNEL_MAX_ROWS:
+            raise ValueError(f"gemv_max_rows must be in [0, {GEMV_KERNEL_MAX_ROWS}] (the GEMV "
                              f"kernel's limit), got {self.gemv_max_rows}")
+        if not 0 <= self.gemv_mma_max_rows <= GEMV_MMA_MAX_ROWS:
+            raise ValueError(f"gemv_mma_max_rows must be in [0, {GEMV_MMA_MAX_ROWS}] (the "
+                             f"tensor-core GEMV's limit), got {self.gemv_mma_max_rows}")
 
 
 SPEC_METHODS = ("ngram", "draft_model")

@@ -208,18 +208,25 @@ def test_layers(launches):
 def test_fused_linear(launches):
     x, weight = torch.randn(2, 64).bfloat16(), torch.randn(48, 32).bfloat16()
     norm_weight = torch.randn(32).bfloat16()
-    out = linear._fused_linear_cuda(x, weight, None, None, 1e-6, True, None, None, True, False)
+    out = linear._fused_linear_cuda(x, weight, None, None, 1e-6, True, None, None, True, False,
+                                    0)
     args = launches.only("gemv")
     assert (args["out"], args["x"], args["norm_weight"]) == (ptr(out), ptr(x), 0)
     assert (args["m"], args["n"], args["k"], args["x_stride"], args["out_stride"]) == (
         2, 48, 32, 64, 24)
-    assert (args["prologue"], args["silu_mul_out"], args["prefetch_weight"]) == (2, 1, 0)
+    assert (args["prologue"], args["silu_mul_out"], args["prefetch_weight"], args["mma"]) == (
+        2, 1, 0, 0)
     launches.clear()
     linear._fused_linear_cuda(x[:1, :32], weight, None, norm_weight, 1e-6, False, None, None,
-                              False, True)
+                              False, True, 0)
     args = launches.only("gemv")
     assert (args["norm_weight"], args["prologue"], args["prefetch_weight"]) == (
         ptr(norm_weight), 1, 1)
+    launches.clear()
+    x5, w64 = torch.randn(5, 64).bfloat16(), torch.randn(48, 64).bfloat16()
+    linear._fused_linear_cuda(x5, w64, None, None, 1e-6, False, None, None, False, False, 1)
+    args = launches.only("gemv")
+    assert (args["m"], args["n"], args["k"], args["mma"]) == (5, 48, 64, 1)
 
 
 def test_sampling(launches):

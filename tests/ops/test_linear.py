@@ -79,14 +79,28 @@ def projections(hidden: int = 64) -> list[torch.nn.Module]:
 
 
 def test_fused_decode_follows_the_kernel_config(gpu_runs_the_gemv):
-    decode, pair, prefill = CudaActivations(1, 64), CudaActivations(2, 64), CudaActivations(3, 64)
-    assert use_fused_decode(decode, *projections()) and use_fused_decode(pair, *projections())
-    assert not use_fused_decode(prefill, *projections())  # past the kernel's rows: cuBLAS
+    decode, pair, verify, prefill = (CudaActivations(m, 64) for m in (1, 2, 5, 17))
+    weight = projections()[0].weight
+    assert [linear._gemv_kernel(x.shape[0], x, weight) for x in (decode, pair, verify)] == [0, 0, 1]
+    for x in (decode, pair, verify):  # the scalar GEMV to 2 rows, tensor cores to 16
+        assert use_fused_decode(x, *projections())
+    assert not use_fused_decode(prefill, *projections())  # past both kernels' rows: cuBLAS
 
     ops.configure(KernelConfig(gemv_max_rows=1))
+    assert use_fused_decode(pair, *projections())
+    assert linear._gemv_kernel(2, pair, weight) == 1
+
+    ops.configure(KernelConfig(gemv_mma_max_rows=0))
+    assert use_fused_decode(pair, *projections())
+    assert not use_fused_decode(verify, *projections())
+
+    ops.configure(KernelConfig(gemv_max_rows=1, gemv_mma_max_rows=0))
     assert use_fused_decode(decode, *projections())
     assert not use_fused_decode(pair, *projections())
-    assert not fused_linear_supported(pair, projections()[0].weight)
+    assert not fused_linear_supported(pair, weight)
+
+    ops.configure(KernelConfig(gemv_max_rows=0))  # every decode-sized batch on tensor cores
+    assert linear._gemv_kernel(1, decode, weight) == 1
 
     ops.configure(KernelConfig(fused_gemv=False))
     assert not use_fused_decode(decode, *projections())
@@ -97,6 +111,14 @@ def test_fused_decode_needs_plain_weights_the_kernel_takes(gpu_runs_the_gemv):
     packed = torch.nn.Module()  # e.g. GGUF rows (model/packed.py): no dense weight
     assert not use_fused_decode(x, projections()[0], packed)
     assert not use_fused_decode(CudaActivations(1, 60), *projections(60))  # k % 8 != 0
+    # The tensor-core GEMV takes k in tiles of 64 and n in bands of 16, and stages at most
+    # 64K activations (m rounded up to 4, 8 or 16).
+    assert use_fused_decode(CudaActivations(1, 96), *projections(96))
+    assert not use_fused_decode(CudaActivations(5, 96), *projections(96))  # k % 64 != 0
+    assert not use_fused_decode(CudaActivations(5, 64), torch.nn.Linear(64, 40, device="meta"))
+    assert use_fused_decode(CudaActivations(5, 8192), torch.nn.Linear(8192, 16, device="meta"))
+    assert not use_fused_decode(CudaActivations(9, 8192),
+                                torch.nn.Linear(8192, 16, device="meta"))
 
 
 def test_cpu_batches_never_take_the_fused_decode():

@@ -7,6 +7,7 @@ import torch
 
 from tinyvllm import ops
 from tinyvllm.config import KernelConfig
+from tinyvllm.ops import linear
 from tinyvllm.ops._dispatch import dtype_code
 from tinyvllm.ops.attention import DecodePartitions
 from tinyvllm.ops.linear import fused_linear, fused_linear_ref, fused_linear_supported
@@ -99,12 +100,110 @@ def test_fused_linear_silu_mul_out_equals_the_two_step_path():
         assert (got != want).float().mean() < 1e-3  # expf vs torch's exp: rare last-bit flips
 
 
+@pytest.fixture
+def tensor_cores_only():
+    """Every decode-sized batch (1-16 rows) on the tensor-core GEMV."""
+    ops.configure(KernelConfig(gemv_max_rows=0))
+    yield
+    ops.configure(KernelConfig())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("n,k", [(16, 64), (48, 576), (960, 576), (576, 1536), (4096, 4096),
+                                 (32, 14336)])
+@pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
+@pytest.mark.parametrize("epilogue", ["plain", "bias", "residual", "silu_mul_out"])
+def test_tensor_core_gemv_matches_reference(tensor_cores_only, dtype, m, n, k, prologue,
+                                            epilogue):
+    """The tensor-core GEMV (cuda/gemv_mma.cuh) with every prologue and epilogue: k of 1 to 224
+    tiles (warps with no tile, several, ragged), one band to 256, 1 to 16 rows (one mma column
+    group, two)."""
+    if epilogue == "silu_mul_out" and prologue == "silu_mul":
+        pytest.skip("one SwiGLU per projection")
+    if m > 4 and k == 14336:
+        pytest.skip("8 rows of k = 14336 exceed the staging: cuBLAS serves them")
+    seed = m * 7919 + n * 31 + k
+    swiglu = epilogue == "silu_mul_out"
+    rows = 2 * n if swiglu else n
+    x = rand(m, 2 * k if prologue == "silu_mul" else k, dtype=dtype, seed=seed)
+    weight = rand(rows, k, dtype=dtype, seed=seed + 1, scale=k ** -0.5)
+    bias = rand(rows, dtype=dtype, seed=seed + 2) if epilogue in ("bias", "silu_mul_out") else None
+    norm_weight = rand(k, dtype=dtype, seed=seed + 3) if prologue == "rms_norm" else None
+    residual = rand(m, n, dtype=dtype, seed=seed + 4) if epilogue == "residual" else None
+    kwargs = dict(norm_weight=norm_weight, eps=1e-5, silu_mul=prologue == "silu_mul",
+                  silu_mul_out=swiglu)
+    assert linear._gemv_kernel(m, x, weight) == 1
+
+    expected = fused_linear_ref(x, weight, bias,
+                                residual=None if residual is None else residual.clone(), **kwargs)
+    if residual is None:
+        out = torch.full((m + 1, n), float("nan"), dtype=dtype, device="cuda")
+        got = fused_linear(x, weight, bias, out=out[:m], **kwargs)
+        assert got.data_ptr() == out.data_ptr()
+        assert out[m].isnan().all()  # no row past m written
+    else:
+        got = fused_linear(x, weight, bias, residual=residual, **kwargs)
+        assert got is residual
+    assert rel_err(got, expected) <= REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("kernel_rows", [(2, 2), (0, 16)])  # (gemv_max_rows, most rows)
+@pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
+@pytest.mark.parametrize("k", [576, 4096])
+def test_gemv_rows_do_not_depend_on_the_batch(kernel_rows, prologue, k):
+    """A row of x gives the same bits alone and anywhere among other rows, on the scalar GEMV (1-2
+    rows) and the tensor-core one (1-16): each row's norm and dot products are summed in an order
+    that does not depend on its position (CUDA graphs pad batches, speculation verifies rows)."""
+    scalar_rows, most = kernel_rows
+    ops.configure(KernelConfig(gemv_max_rows=scalar_rows))
+    try:
+        dtype = torch.bfloat16
+        n = 960
+        weight = rand(n, k, dtype=dtype, seed=60, scale=k ** -0.5)
+        x = rand(16, 2 * k if prologue == "silu_mul" else k, dtype=dtype, seed=61)
+        residual = rand(16, n, dtype=dtype, seed=62)
+        kwargs = dict(norm_weight=rand(k, dtype=dtype, seed=63) if prologue == "rms_norm"
+                      else None, silu_mul=prologue == "silu_mul")
+        alone = torch.cat([fused_linear(x[i:i + 1], weight, residual=residual[i:i + 1].clone(),
+                                        **kwargs) for i in range(16)])
+        for m in (2, 3, 5, 8, 9, 16):
+            if m > most:
+                continue
+            order = torch.arange(m, device="cuda").flip(0)  # reversed: every row moves
+            got = fused_linear(x[order].contiguous(), weight,
+                               residual=residual[order].contiguous(), **kwargs)
+            assert torch.equal(got, alone[order]), f"m={m}"
+    finally:
+        ops.configure(KernelConfig())
+
+
+def test_tensor_core_gemv_partial_band_and_errors():
+    """n not a multiple of 16 (the last band's rows past n are zero-filled, never written), and
+    what the tensor-core kernel refuses, by name."""
+    from tinyvllm.ops._dispatch import cuda_ops
+    x = rand(5, 640, dtype=torch.bfloat16, seed=70)
+    weight = rand(1000, 640, dtype=torch.bfloat16, seed=71, scale=640 ** -0.5)
+    out = torch.full((5, 1008), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cuda_ops().gemv(**gemv_args(x, weight, out=out.data_ptr(), out_stride=1008, mma=1))
+    assert rel_err(out[:, :1000], fused_linear_ref(x, weight)) <= 1e-2
+    assert out[:, 1000:].isnan().all()
+    with pytest.raises(ValueError, match="m=17 rows; at most 16"):
+        cuda_ops().gemv(**gemv_args(x, weight, m=17, mma=1))
+    with pytest.raises(ValueError, match="k=584 must be a positive multiple of 64"):
+        cuda_ops().gemv(**gemv_args(x, weight, k=584, mma=1))
+    with pytest.raises(ValueError, match="staging"):
+        cuda_ops().gemv(**gemv_args(x, weight, k=14336, mma=1))  # 8 x 14336 activations
+    with pytest.raises(ValueError, match="silu_mul_out needs n=1000 a multiple of 16"):
+        cuda_ops().gemv(**gemv_args(x, weight, silu_mul_out=1, mma=1))
+
+
 def gemv_args(x: torch.Tensor, weight: torch.Tensor, **changes) -> dict:
     """Keyword arguments of `_cuda.gemv` for x @ weight.T into a null output, with changes."""
     m, (n, k) = x.shape[0], weight.shape
     args = dict(out=0, x=x.data_ptr(), weight=weight.data_ptr(), bias=0, residual=0,
                 norm_weight=0, m=m, n=n, k=k, x_stride=k, out_stride=n, residual_stride=n,
-                eps=1e-5, prologue=0, silu_mul_out=0, prefetch_weight=0,
+                eps=1e-5, prologue=0, silu_mul_out=0, prefetch_weight=0, mma=0,
                 dtype=dtype_code(x.dtype), stream=0)
     return {**args, **changes}
 
@@ -169,7 +268,7 @@ def fused_and_unfused_logits(model, batch: int, dtype: torch.dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("batch", [1, 2, 5, 16])  # 5, 16: the tensor-core GEMV
 def test_decoder_fused_path_matches_unfused(dtype, batch):
     """A decode step through the fused projections gives the logits of the cuBLAS + ops path."""
     from tinyvllm.model.synthetic import make_random_model, tiny_arch
@@ -223,7 +322,7 @@ def random_partitions(m, num_heads, head_dim, dtype, seed, num_splits=6, partiti
     """A split decode's partitions for m sequences of ragged lengths; partitions past a
     sequence's end hold NaN (never read)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    seq_lens = torch.tensor([300, 64, 1][:m], dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor([300, 64, 1, 129, 17][:m], dtype=torch.int32, device="cuda")
     out = torch.randn(m, num_heads, num_splits, head_dim, generator=gen, device="cuda")
     stats = torch.randn(2, m, num_heads, num_splits, generator=gen, device="cuda")
     mx, sm = stats[0] * 4, stats[1].abs() * 5 + 1
@@ -245,7 +344,7 @@ def merge_ref(parts: DecodePartitions) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 3])  # 3: more rows than the GEMV serves, merged first
+@pytest.mark.parametrize("m", [1, 2, 3, 5])  # 3, 5: the tensor-core GEMV merges them
 @pytest.mark.parametrize("num_heads,head_dim", [(9, 64), (8, 128), (32, 128)])
 def test_fused_linear_merges_decode_partitions(dtype, m, num_heads, head_dim):
     """o_proj straight from a split decode's partitions: the merge launch's result bit for bit

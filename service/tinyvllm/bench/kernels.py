@@ -244,9 +244,13 @@ GEMV_SHAPES = {  # name: (n, k, prologue, epilogue) of each decoder projection a
 }
 
 
-def bench_gemv(model, name, m, n, k, prologue, epilogue, copy_gbps, gen) -> Row:
+def bench_gemv(model, name, m, n, k, prologue, epilogue, copy_gbps, gen,
+               tensor_cores: bool = False) -> Row:
     """The fused GEMV against cuBLAS (F.linear alone, and with the unfused ops around it), all
-    timed as CUDA-graph replays over weight copies that L2 cannot hold."""
+    timed as CUDA-graph replays over weight copies that L2 cannot hold. tensor_cores: the
+    tensor-core GEMV (cuda/gemv_mma.cuh) at any m, against the scalar one too where m <= 2."""
+    from tinyvllm import ops
+    from tinyvllm.config import KernelConfig
     from tinyvllm.ops.layers_cuda import rms_norm_cuda, silu_and_mul_cuda
     from tinyvllm.ops.linear import fused_linear
     kernels = cuda_ops_or_exit()
@@ -284,11 +288,19 @@ def bench_gemv(model, name, m, n, k, prologue, epilogue, copy_gbps, gen) -> Row:
         elif swiglu:
             silu_and_mul_cuda(kernels, out, out=out_half)
 
-    us = time_graph_us(ours, calls=copies)
+    baselines = {}
+    if tensor_cores and m <= 2:
+        baselines["scalar"] = time_graph_us(ours, calls=copies)
+    ops.configure(KernelConfig(gemv_max_rows=0) if tensor_cores else KernelConfig())
+    try:
+        us = time_graph_us(ours, calls=copies)
+    finally:
+        ops.configure(KernelConfig())
     gbps = weight_bytes / us / 1e3
-    return Row(f"gemv {model}", f"m{m} {name} {n}x{k}", us, gbps, frac_copy_bw=gbps / copy_gbps,
-               baselines_us={"cublas": time_graph_us(cublas, calls=copies),
-                             "cublas+ops": time_graph_us(unfused, calls=copies)})
+    baselines["cublas"] = time_graph_us(cublas, calls=copies)
+    baselines["cublas+ops"] = time_graph_us(unfused, calls=copies)
+    return Row(f"gemv{'-tc' if tensor_cores else ''} {model}", f"m{m} {name} {n}x{k}", us, gbps,
+               frac_copy_bw=gbps / copy_gbps, baselines_us=baselines)
 
 
 # ---- weight-only quantized linear ---------------------------------------------------------------
@@ -596,6 +608,8 @@ def run(quick: bool, only: Optional[str] = None) -> tuple[float, list[Row]]:
     copy_gbps = copy_bandwidth_gbps()
     if only == "quant":
         return copy_gbps, quant_rows(quick, copy_gbps, gen)
+    if only == "gemv":
+        return copy_gbps, gemv_rows(quick, copy_gbps, gen)
     rows = []
     for batch in ([1, 64] if quick else [1, 8, 32, 64, 128]):
         rows.append(bench_decode(kernels, batch, 4096, 32, 8, 128, copy_gbps, gen))
@@ -615,14 +629,29 @@ def run(quick: bool, only: Optional[str] = None) -> tuple[float, list[Row]]:
         rows.append(bench_prefill(kernels, seqs, 32, 8, 128, gen, fp8=True))
     rows.append(bench_rms_norm(kernels, 4096, 4096, copy_gbps, gen))
     rows.append(bench_silu(kernels, 4096, 14336, copy_gbps, gen))
-    for model, shapes in GEMV_SHAPES.items():
-        for m in ([1] if quick else [1, 2]):
-            for name, n, k, prologue, epilogue in shapes:
-                rows.append(bench_gemv(model, name, m, n, k, prologue, epilogue, copy_gbps, gen))
+    rows += gemv_rows(quick, copy_gbps, gen)
     for mode in ("top_k50+top_p0.9", "greedy", "temperature"):
         for num_rows in ([1, 256] if quick else [1, 64, 256]):
             rows.append(bench_sample(kernels, num_rows, mode, copy_gbps, gen))
     return copy_gbps, rows + quant_rows(quick, copy_gbps, gen)
+
+
+def gemv_rows(quick: bool, copy_gbps: float, gen) -> list[Row]:
+    """The fused GEMVs at decode sizes: the scalar kernel at 1-2 rows, the tensor-core one at
+    1-16 (where its staging holds the rows: m rounded up to 4, 8, 16, times k, at most 64K)."""
+    from tinyvllm.ops.linear import _MMA_STAGING_BYTES
+    rows = []
+    for model, shapes in GEMV_SHAPES.items():
+        for m in ([1] if quick else [1, 2]):
+            for name, n, k, prologue, epilogue in shapes:
+                rows.append(bench_gemv(model, name, m, n, k, prologue, epilogue, copy_gbps, gen))
+        for m in ([1, 5] if quick else [1, 3, 5, 8, 16]):
+            for name, n, k, prologue, epilogue in shapes:
+                staged = 4 if m <= 4 else 8 if m <= 8 else 16
+                if staged * k * 2 <= _MMA_STAGING_BYTES:
+                    rows.append(bench_gemv(model, name, m, n, k, prologue, epilogue, copy_gbps,
+                                           gen, tensor_cores=True))
+    return rows
 
 
 def quant_rows(quick: bool, copy_gbps: float, gen) -> list[Row]:
@@ -662,8 +691,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench-results/kernels.json", help="JSON record path")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
-    parser.add_argument("--only", choices=["quant", "cpu"],
-                        help="only these rows: quant (the GPU's quantized matmuls) or cpu (the "
+    parser.add_argument("--only", choices=["quant", "gemv", "cpu"],
+                        help="only these rows: quant (the GPU's quantized matmuls), gemv (the "
+                        "fused float GEMVs, scalar and tensor-core, at decode sizes) or cpu (the "
                         "packed GGUF linear of tinyvllm._cpu, one thread, every ISA this CPU has, "
                         "against torch's float32 F.linear; needs no GPU)")
     args = parser.parse_args(argv)

@@ -13,8 +13,11 @@ residual add that consumes it:
     else y
 
 On CUDA with at most `KernelConfig.gemv_max_rows` rows of float16 / bfloat16 it is one launch of
-the GEMV kernel (cuda/gemv.cuh), which streams the weight once; `fused_linear_supported` says when
-that applies, and `use_fused_decode` whether a decoder layer runs as such projections
+the GEMV kernel (cuda/gemv.cuh), which streams the weight once; with more rows, up to
+`KernelConfig.gemv_mma_max_rows`, one launch of its tensor-core form (cuda/gemv_mma.cuh: k a
+multiple of 64, the rows' activations within its staging, n a multiple of 16 with
+silu_mul_out), which also reads each weight once for all rows. `fused_linear_supported` says when
+one applies, and `use_fused_decode` whether a decoder layer runs as such projections
 (`KernelConfig.fused_gemv`).
 Elsewhere the torch reference runs: the unfused ops in the same order and with the same roundings.
 
@@ -41,6 +44,8 @@ from tinyvllm.ops.attention import DecodePartitions
 from tinyvllm.ops.layers import rms_norm_ref, silu_and_mul_ref
 
 _GEMV_STAGING_BYTES = 64 * 1024  # cuda/gemv.cu: the m x k activations staged per CTA
+_MMA_STAGING_BYTES = 128 * 1024  # the tensor-core kernel's, m rounded up to 4, 8 or 16
+_MMA_K_MULTIPLE, _MMA_BAND = 64, 16  # its tile of k and band of weight rows
 _PROLOGUE = {None: 0, "rms_norm": 1, "silu_mul": 2}
 
 
@@ -66,13 +71,29 @@ def use_fused_decode(x: torch.Tensor, *projections: torch.nn.Module) -> bool:
 
 def fused_linear_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `fused_linear` runs as the GEMV kernel for activations like x and these weights."""
-    if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if x.shape[0] > kernel_config().gemv_max_rows or not kernel_enabled("fused_linear"):
-        return False
-    return all(w.shape[-1] % 8 == 0 and w.is_contiguous()
-               and x.shape[0] * w.shape[-1] * x.element_size() <= _GEMV_STAGING_BYTES
-               for w in weights)
+    return all(_gemv_kernel(x.shape[0], x, w) is not None for w in weights)
+
+
+def _gemv_kernel(m: int, x: torch.Tensor | DecodePartitions,
+                 weight: torch.Tensor) -> Optional[int]:
+    """Which GEMV serves m rows like x (activations or partitions, for their dtype and device)
+    with this weight [n, k]: 0 the scalar kernel, 1 the tensor-core one, None neither."""
+    # Partitions only come from the CUDA decode kernel.
+    on_cuda = isinstance(x, DecodePartitions) or x.is_cuda
+    if (not on_cuda or x.dtype not in (torch.float16, torch.bfloat16)
+            or not kernel_enabled("fused_linear")):
+        return None
+    if weight.dim() != 2 or not weight.is_contiguous():
+        return None
+    config, (n, k) = kernel_config(), weight.shape
+    if m <= config.gemv_max_rows:
+        return 0 if k % 8 == 0 and m * k * 2 <= _GEMV_STAGING_BYTES else None
+    if m <= config.gemv_mma_max_rows:
+        staged = 4 if m <= 4 else 8 if m <= 8 else 16
+        if (k % _MMA_K_MULTIPLE == 0 and n % _MMA_BAND == 0
+                and staged * k * 2 <= _MMA_STAGING_BYTES):
+            return 1
+    return None
 
 
 def fused_linear(x: torch.Tensor | DecodePartitions, weight: torch.Tensor,
@@ -96,13 +117,14 @@ def fused_linear(x: torch.Tensor | DecodePartitions, weight: torch.Tensor,
         raise ValueError(f"fused_linear: silu_mul_out needs an even number of weight rows, got "
                          f"{weight.shape[0]}, and neither silu_mul nor a residual")
     if isinstance(x, DecodePartitions):
-        if (norm_weight is None and not silu_mul and not silu_mul_out
-                and _merge_supported(x, weight)):
-            return _merged_linear_cuda(x, weight, bias, residual, out)
+        kernel = _merge_kernel(x, weight)
+        if norm_weight is None and not silu_mul and not silu_mul_out and kernel is not None:
+            return _merged_linear_cuda(x, weight, bias, residual, out, kernel)
         x = x.merge().flatten(1)
-    if fused_linear_supported(x, weight):
+    kernel = _gemv_kernel(x.shape[0], x, weight)
+    if kernel is not None:
         return _fused_linear_cuda(x, weight, bias, norm_weight, eps, silu_mul, residual, out,
-                                  silu_mul_out, prefetch_weight)
+                                  silu_mul_out, prefetch_weight, kernel)
     y = fused_linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
                          residual=residual, silu_mul_out=silu_mul_out)
     return y if out is None or residual is not None else out.copy_(y)
@@ -126,7 +148,7 @@ def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
 
 def _fused_linear_cuda(x, weight, bias, norm_weight, eps, silu_mul, residual, out,
-                       silu_mul_out, prefetch_weight) -> torch.Tensor:
+                       silu_mul_out, prefetch_weight, mma) -> torch.Tensor:
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     want_cols = 2 * k if silu_mul else k
     if x.dim() != 2 or x.shape[1] != want_cols or (m and not x[0].is_contiguous()):
@@ -144,7 +166,7 @@ def _fused_linear_cuda(x, weight, bias, norm_weight, eps, silu_mul, residual, ou
         residual_stride=out_stride, eps=eps,
         prologue=_PROLOGUE["rms_norm" if norm_weight is not None
                            else "silu_mul" if silu_mul else None],
-        silu_mul_out=int(silu_mul_out), prefetch_weight=int(prefetch_weight),
+        silu_mul_out=int(silu_mul_out), prefetch_weight=int(prefetch_weight), mma=mma,
         dtype=dtype_code(x.dtype), stream=stream_handle(x.device))
     return out
 
@@ -154,16 +176,18 @@ _MERGE_BYTES_PER_CTA = 64 * 1024
 ones (many heads and splits: 8B-sized models) cost more than the merge launch they replace."""
 
 
-def _merge_supported(parts: DecodePartitions, weight: torch.Tensor) -> bool:
+def _merge_kernel(parts: DecodePartitions, weight: torch.Tensor) -> Optional[int]:
+    """`_gemv_kernel` for a GEMV that merges these partitions as its prologue (None: merge
+    first)."""
     m, heads, splits, head_dim = parts.out.shape
     k = heads * head_dim
-    return (m <= kernel_config().gemv_max_rows and parts.dtype in (torch.float16, torch.bfloat16)
-            and m * k * splits * 4 <= _MERGE_BYTES_PER_CTA and kernel_enabled("fused_linear")
-            and weight.dim() == 2 and weight.shape[1] == k and weight.is_contiguous()
-            and m * k * weight.element_size() <= _GEMV_STAGING_BYTES)
+    if m * k * splits * 4 > _MERGE_BYTES_PER_CTA or weight.dim() != 2 or weight.shape[1] != k:
+        return None
+    return _gemv_kernel(m, parts, weight)
 
 
-def _merged_linear_cuda(parts: DecodePartitions, weight, bias, residual, out) -> torch.Tensor:
+def _merged_linear_cuda(parts: DecodePartitions, weight, bias, residual, out,
+                        mma) -> torch.Tensor:
     m, heads, splits, head_dim = parts.out.shape
     n, k = weight.shape
     device = parts.out.device
@@ -176,7 +200,7 @@ def _merged_linear_cuda(parts: DecodePartitions, weight, bias, residual, out) ->
         weight=weight.data_ptr(), bias=_ptr(bias), residual=_ptr(residual), m=m, n=n,
         num_heads=heads, head_dim=head_dim, num_splits=splits,
         partition_size=parts.partition_size, out_stride=out_stride,
-        residual_stride=out_stride, dtype=dtype_code(parts.dtype),
+        residual_stride=out_stride, mma=mma, dtype=dtype_code(parts.dtype),
         stream=stream_handle(device))
     return out
 
