@@ -1,5 +1,6 @@
-// The pybind11 module tinyvllm._core: declarations only. The logic lives in block_pool.cpp and
-// block_hasher.cpp; type conversions in py_casters.h. Docstrings live in service/tinyvllm/_core.pyi.
+// The pybind11 module tinyvllm._core: declarations only. The logic lives in block_pool.cpp,
+// block_hasher.cpp and ngram.cpp; type conversions in py_casters.h. Docstrings live in service/tinyvllm/_core.pyi.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -8,6 +9,7 @@
 
 #include "block_hasher.h"
 #include "block_pool.h"
+#include "ngram.h"
 #include "py_casters.h"
 
 namespace py = pybind11;
@@ -59,6 +61,20 @@ void declare_block_hasher(py::module_& m) {
            py::arg("parent_hash") = py::none(), py::arg("extra_key") = py::bytes(""));
 }
 
+std::vector<int64_t> ngram_propose_array(
+    const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& token_ids, int min_n,
+    int max_n, int k) {
+  if (token_ids.ndim() != 1) {
+    throw std::invalid_argument("ngram_propose: token_ids must be 1-D, got " +
+                                std::to_string(token_ids.ndim()) + " dimensions");
+  }
+  if (min_n < 1 || max_n < min_n) {
+    throw std::invalid_argument("ngram_propose: need 1 <= min_n <= max_n, got min_n=" +
+                                std::to_string(min_n) + ", max_n=" + std::to_string(max_n));
+  }
+  return tinyvllm::ngram_propose(token_ids.data(), token_ids.shape(0), min_n, max_n, k);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -66,4 +82,6 @@ PYBIND11_MODULE(_core, m) {
   declare_block_pool(m);
   declare_block_hasher(m);
   m.def("siphash128", &siphash128_bytes, py::arg("key"), py::arg("data"));
+  m.def("ngram_propose", &ngram_propose_array, py::arg("token_ids"), py::arg("min_n"),
+        py::arg("max_n"), py::arg("k"));
 }

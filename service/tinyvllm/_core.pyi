@@ -1,4 +1,5 @@
-"""tinyvllm._core: the C++ KV-cache bookkeeping core (block pool, prefix-cache table, block hashes).
+"""tinyvllm._core: the C++ bookkeeping core (block pool, prefix-cache table, block hashes, prompt
+lookup).
 
 Pure bookkeeping, no tensors. Cross it once per step or per request with the batch verbs below,
 never once per block or token. Every verb validates its whole input first: a call that raises
@@ -172,4 +173,18 @@ def siphash128(key: bytes, data: bytes) -> bytes:
 
     Raises:
         ValueError: key is not 16 bytes.
+    """
+
+def ngram_propose(token_ids: "numpy.ndarray", min_n: int, max_n: int, k: int) -> list[int]:
+    """Prompt lookup: up to k tokens that followed an earlier occurrence of the sequence's last n
+    tokens, n as long as matches go (from max_n down to min_n); among the matches of that length
+    the latest with k tokens after it, else the earliest. [] when nothing of min_n tokens matches,
+    k <= 0 or the sequence has at most min_n tokens. O(len(token_ids) * max_n), no allocation but
+    the result. `scheduling.spec_decode.ngram_propose_ref` is the numpy statement of the rule.
+
+    Args:
+        token_ids: 1-D int64 (other integer arrays are converted), the prompt + output.
+
+    Raises:
+        ValueError: token_ids is not 1-D, or not 1 <= min_n <= max_n.
     """

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tinyvllm.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from tinyvllm.scheduling.kv_cache_manager import KVCacheManager
 from tinyvllm.scheduling.request import Request
 from tinyvllm.scheduling.scheduler import Scheduler
-from tinyvllm.scheduling.spec_decode import NgramProposer, SpecDecodePolicy, SpecDecodeStats
+from tinyvllm import _core
+from tinyvllm.scheduling.spec_decode import (NgramProposer, SpecDecodePolicy, SpecDecodeStats,
+                                             ngram_propose_ref)
 from tinyvllm.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -31,6 +35,26 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     # Periodic: the latest match is followed by one period only, the earliest by k tokens.
     assert propose([1, 2, 1, 2, 1, 2], max_n=2) == [1, 2, 1, 2]
     assert propose([1, 2, 1, 2, 1, 2], k=2, max_n=2) == [1, 2]
+
+
+@settings(max_examples=400, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), max_size=60), min_n=st.integers(1, 4),
+       extra_n=st.integers(0, 3), k=st.integers(-1, 9))
+def test_ngram_matcher_follows_the_reference_rule(tokens, min_n, extra_n, k):
+    """The C++ matcher proposes what the numpy statement of the rule does, on small alphabets
+    (many matches of every length, periodic runs, ties between ends)."""
+    ids = np.array(tokens, dtype=np.int64)
+    max_n = min_n + extra_n
+    assert _core.ngram_propose(ids, min_n, max_n, k) == ngram_propose_ref(ids, min_n, max_n, k)
+
+
+def test_ngram_matcher_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="1-D"):
+        _core.ngram_propose(np.zeros((2, 2), dtype=np.int64), 1, 2, 3)
+    with pytest.raises(ValueError, match="min_n=3, max_n=2"):
+        _core.ngram_propose(np.zeros(4, dtype=np.int64), 3, 2, 3)
+    # Other integer arrays are converted.
+    assert _core.ngram_propose(np.array([1, 2, 1], dtype=np.int32), 1, 2, 2) == [2, 1]
 
 
 def test_ngram_no_match_or_too_short():

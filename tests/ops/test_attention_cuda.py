@@ -3,6 +3,7 @@ caches of the query's dtype and FP8 (E4M3) caches with K/V scales."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -389,6 +390,18 @@ def test_rotary_decode_unmerged_partitions(kernels, heads, head_dim):
     merged_cache, parts_cache = cache.clone(), cache.clone()
     out = run(merged_cache, True)
     parts = run(parts_cache, False)
+    assert isinstance(parts, DecodePartitions) and parts.out.shape[2] > 1
+    assert torch.equal(parts_cache, merged_cache)
+    assert torch.equal(parts.merge(), out)
+
+    # Verification rows (fuse_new_token off): rotary and the cache write launch first, then the
+    # decode kernel's partitions come back unmerged all the same.
+    meta_rows = dataclasses.replace(meta, fuse_new_token=False)
+    run_rows = lambda c, merge: rotary_paged_attention(  # noqa: E731
+        positions, q.clone(), k.clone(), v, cos_sin, c, meta_rows, 0.1, merge=merge)
+    merged_cache, parts_cache = cache.clone(), cache.clone()
+    out = run_rows(merged_cache, True)
+    parts = run_rows(parts_cache, False)
     assert isinstance(parts, DecodePartitions) and parts.out.shape[2] > 1
     assert torch.equal(parts_cache, merged_cache)
     assert torch.equal(parts.merge(), out)

@@ -4,7 +4,8 @@ Two workloads of text prompts, greedy with ignore_eos so that both runs produce 
 of tokens: `repetitive` (code editing: the model is asked to rewrite a function with one name
 changed and continues by quoting it, which prompt lookup predicts) and `open` (open questions
 whose answers quote little). Each workload runs at each batch size with speculation off, then on
-(the speculative config from `--speculative-config`, default n-gram with k = 4), on one loaded
+(the speculative config from `--speculative-config`, default n-gram with k = 7: on a GPU a
+verification of k + 1 = 8 rows replays the same graph bucket as k = 4, at the same cost), on one loaded
 model (with a draft model, the runner holds it for both runs). Reports output and decode
 tokens/s, their on / off ratio, the time of a decode step (once every request has its first
 token; with speculation a step verifies and, with a draft model, drafts), the acceptance rate,
@@ -28,7 +29,7 @@ from tinyvllm.scheduling.request import EngineCoreRequest
 from tinyvllm.worker.model_runner import ModelRunner
 
 NAME = "spec"
-DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 2}
 
 _FUNCTIONS = [

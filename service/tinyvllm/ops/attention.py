@@ -94,8 +94,11 @@ class DecodePartitions:
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, k_scale: Optional[torch.Tensor] = None,
-                    v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Causal attention of new queries over their sequences' paged K/V (GQA aware).
+                    v_scale: Optional[torch.Tensor] = None, *,
+                    merge: bool = True) -> torch.Tensor | DecodePartitions:
+    """Causal attention of new queries over their sequences' paged K/V (GQA aware). With
+    merge=False a CUDA pure-decode launch whose context is split returns its unmerged
+    `DecodePartitions` (for `ops.fused_linear`); everything else returns the output tensor.
 
     Shape:
         query: [num_tokens, num_heads, head_dim]
@@ -109,7 +112,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         return paged_attention_cuda(kernel, query, kv_cache, meta, scale, k_scale=k_scale,
                                     v_scale=v_scale,
                                     prefill_kernel=kernel_config().prefill_attention_kernel,
-                                    split_decodes=kernel_config().split_mixed_attention)
+                                    split_decodes=kernel_config().split_mixed_attention,
+                                    merge=merge)
     if _cpu_kernel_supported(query, kv_cache, meta):
         return _paged_attention_cpu(query, kv_cache, meta, scale)
     return paged_attention_ref(query, kv_cache, meta, scale, k_scale, v_scale)
@@ -172,9 +176,11 @@ def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: to
     the new keys and values written to their cache slots, attention over the cache.
 
     On CUDA a pure-decode batch runs as one launch that reads the raw q, k and v; query and key may
-    or may not be rotated in place afterwards (the caller treats them as consumed). With
-    merge=False such a launch whose context is split returns its `DecodePartitions` unmerged
-    (for `ops.fused_linear`); everything else returns the output tensor.
+    or may not be rotated in place afterwards (the caller treats them as consumed). Without
+    `meta.fuse_new_token` (verification rows, which attend to each other's new keys) rotary and
+    the cache write are a launch of their own before the decode kernel. With merge=False a
+    CUDA decode launch whose context is split returns its `DecodePartitions` unmerged (for
+    `ops.fused_linear`); everything else returns the output tensor.
 
     Shape:
         positions, meta.slot_mapping: [num_tokens] int64 (negative slots: padding, not written)
@@ -194,7 +200,7 @@ def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: to
     query, _ = rotary_embedding_and_cache(positions, query, key, value, cos_sin_cache, head_dim,
                                           kv_cache, meta.slot_mapping, k_scale, v_scale)
     return paged_attention(query.reshape(query.shape[0], -1, head_dim), kv_cache, meta, scale,
-                           k_scale, v_scale)
+                           k_scale, v_scale, merge=merge)
 
 
 def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

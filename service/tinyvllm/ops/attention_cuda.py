@@ -45,7 +45,8 @@ def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
                          k_scale: Optional[torch.Tensor] = None,
                          v_scale: Optional[torch.Tensor] = None,
                          prefill_kernel: str = "auto",
-                         split_decodes: bool = True) -> torch.Tensor:
+                         split_decodes: bool = True, *,
+                         merge: bool = True) -> torch.Tensor | DecodePartitions:
     """Causal attention of new queries over their sequences' paged K/V.
 
     Args:
@@ -60,6 +61,8 @@ def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
         prefill_kernel: a key of PREFILL_KERNELS (prefill and mixed batches only).
         split_decodes: in a mixed batch, the leading one-token sequences run the decode kernel
             (False: the whole batch runs the prefill kernel; A/B timing).
+        merge: False: a pure-decode launch whose context is split returns its unmerged
+            DecodePartitions (for `ops.fused_linear`) instead of the output.
     Returns:
         [num_tokens, num_heads, head_dim]; on pure decode only the first num_seqs rows are written.
     """
@@ -73,8 +76,8 @@ def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
                          f"{sorted(PREFILL_KERNELS)}")
     scales = kv_scale_ptrs(kv_cache, k_scale, v_scale)
     if meta.max_query_len == 1:
-        _decode(kernel, out, query, kv_cache, meta, scale, scales)
-        return out
+        parts = _decode(kernel, out, query, kv_cache, meta, scale, scales, merge=merge)
+        return out if parts is None else parts
     num_decodes, longest = meta.leading_decodes if split_decodes else (0, 0)
     if num_decodes:
         _decode(kernel, out, query, kv_cache, meta, scale, scales, num_seqs=num_decodes,

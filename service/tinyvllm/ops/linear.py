@@ -171,9 +171,12 @@ def _fused_linear_cuda(x, weight, bias, norm_weight, eps, silu_mul, residual, ou
     return out
 
 
-_MERGE_BYTES_PER_CTA = 64 * 1024
-"""Partitions a GEMV CTA may read to merge them itself: every CTA merges all of them, so large
-ones (many heads and splits: 8B-sized models) cost more than the merge launch they replace."""
+_MERGE_BYTES_PER_CTA = (64 * 1024, 384 * 1024)
+"""Partitions (m x k x splits floats, as allocated) a GEMV CTA may read to merge them itself, for
+the scalar kernel and the tensor-core one: every CTA merges all of them, so large ones (many heads
+and splits: 8B-sized models) cost more than the merge launch they replace. The tensor-core GEMV
+has fewer CTAs (one per band of 16 rows), and a verification step's rows bring many partitions
+(those of the graph's context tier, of which a CTA reads only the used ones)."""
 
 
 def _merge_kernel(parts: DecodePartitions, weight: torch.Tensor) -> Optional[int]:
@@ -181,9 +184,12 @@ def _merge_kernel(parts: DecodePartitions, weight: torch.Tensor) -> Optional[int
     first)."""
     m, heads, splits, head_dim = parts.out.shape
     k = heads * head_dim
-    if m * k * splits * 4 > _MERGE_BYTES_PER_CTA or weight.dim() != 2 or weight.shape[1] != k:
+    if weight.dim() != 2 or weight.shape[1] != k:
         return None
-    return _gemv_kernel(m, parts, weight)
+    kernel = _gemv_kernel(m, parts, weight)
+    if kernel is None or m * k * splits * 4 > _MERGE_BYTES_PER_CTA[kernel]:
+        return None
+    return kernel
 
 
 def _merged_linear_cuda(parts: DecodePartitions, weight, bias, residual, out,
