@@ -116,9 +116,14 @@ def test_fused_decode_needs_plain_weights_the_kernel_takes(gpu_runs_the_gemv):
     assert use_fused_decode(CudaActivations(1, 96), *projections(96))
     assert not use_fused_decode(CudaActivations(5, 96), *projections(96))  # k % 64 != 0
     assert not use_fused_decode(CudaActivations(5, 64), torch.nn.Linear(64, 40, device="meta"))
-    assert use_fused_decode(CudaActivations(5, 8192), torch.nn.Linear(8192, 16, device="meta"))
-    assert not use_fused_decode(CudaActivations(9, 8192),
-                                torch.nn.Linear(8192, 16, device="meta"))
+    wide = torch.nn.Linear(8192, 16, device="meta")
+    assert fused_linear_supported(CudaActivations(5, 8192), wide.weight)
+    assert not fused_linear_supported(CudaActivations(9, 8192), wide.weight)
+    # A decoder layer takes the tensor-core GEMV up to k = 2048 (beyond, cuBLAS is as fast).
+    assert use_fused_decode(CudaActivations(5, 2048), torch.nn.Linear(2048, 16, device="meta"))
+    assert not use_fused_decode(CudaActivations(5, 4096),
+                                torch.nn.Linear(4096, 16, device="meta"))
+    assert use_fused_decode(CudaActivations(2, 4096), torch.nn.Linear(4096, 16, device="meta"))
 
 
 def test_cpu_batches_never_take_the_fused_decode():

@@ -46,6 +46,11 @@ from tinyvllm.ops.layers import rms_norm_ref, silu_and_mul_ref
 _GEMV_STAGING_BYTES = 64 * 1024  # cuda/gemv.cu: the m x k activations staged per CTA
 _MMA_STAGING_BYTES = 128 * 1024  # the tensor-core kernel's, m rounded up to 4, 8 or 16
 _MMA_K_MULTIPLE, _MMA_BAND = 64, 16  # its tile of k and band of weight rows
+_MMA_LAYER_MAX_K = 2048
+"""Largest k of a decoder layer run on the tensor-core GEMV (`use_fused_decode`): at SmolLM2's
+576 / 1536 its fused layer takes 0.6-0.7x the time of cuBLAS and the separate ops at 3-8 rows,
+at Llama-3-8B's 4096 / 14336 about 1.05x (one band of 16 rows per CTA streams 64-224 tiles, and
+the bands divide unevenly over the SMs; `bench kernels --only gemv`, H100)."""
 _PROLOGUE = {None: 0, "rms_norm": 1, "silu_mul": 2}
 
 
@@ -55,10 +60,16 @@ def use_fused_decode(x: torch.Tensor, *projections: torch.nn.Module) -> bool:
     in: the engine's choice (`KernelConfig.fused_gemv`) where the kernel serves the batch and
     every projection is a plain weight (not, say, packed GGUF rows) or has a fused GEMV of its own
     that serves it (`fused_serves(x)` / `fused_linear(x, **kwargs)`: W4A16 tiles,
-    model/quantization/layer.py)."""
+    model/quantization/layer.py). On the tensor-core GEMV only layers of k up to
+    _MMA_LAYER_MAX_K take it."""
     if not kernel_config().fused_gemv or not x.is_cuda:
         return False
     for p in projections:
+        weight = getattr(p, "weight", None)
+        if (isinstance(weight, torch.Tensor) and weight.dim() == 2
+                and weight.shape[-1] > _MMA_LAYER_MAX_K
+                and _gemv_kernel(x.shape[0], x, weight) == 1):
+            return False  # at Llama-3-8B's k the tensor-core layer trails cuBLAS + the ops
         serves = getattr(p, "fused_serves", None)  # a packed projection with its own GEMV
         if serves is not None:
             if not serves(x):
@@ -171,12 +182,10 @@ def _fused_linear_cuda(x, weight, bias, norm_weight, eps, silu_mul, residual, ou
     return out
 
 
-_MERGE_BYTES_PER_CTA = (64 * 1024, 384 * 1024)
-"""Partitions (m x k x splits floats, as allocated) a GEMV CTA may read to merge them itself, for
-the scalar kernel and the tensor-core one: every CTA merges all of them, so large ones (many heads
-and splits: 8B-sized models) cost more than the merge launch they replace. The tensor-core GEMV
-has fewer CTAs (one per band of 16 rows), and a verification step's rows bring many partitions
-(those of the graph's context tier, of which a CTA reads only the used ones)."""
+_MERGE_BYTES_PER_CTA = 64 * 1024
+"""Partitions a GEMV CTA may read to merge them itself: every CTA merges all of them, so large
+ones (many heads and splits: 8B-sized models; a verification step's rows over a long context
+tier) cost more than the merge launch they replace."""
 
 
 def _merge_kernel(parts: DecodePartitions, weight: torch.Tensor) -> Optional[int]:
@@ -184,12 +193,9 @@ def _merge_kernel(parts: DecodePartitions, weight: torch.Tensor) -> Optional[int
     first)."""
     m, heads, splits, head_dim = parts.out.shape
     k = heads * head_dim
-    if weight.dim() != 2 or weight.shape[1] != k:
+    if m * k * splits * 4 > _MERGE_BYTES_PER_CTA or weight.dim() != 2 or weight.shape[1] != k:
         return None
-    kernel = _gemv_kernel(m, parts, weight)
-    if kernel is None or m * k * splits * 4 > _MERGE_BYTES_PER_CTA[kernel]:
-        return None
-    return kernel
+    return _gemv_kernel(m, parts, weight)
 
 
 def _merged_linear_cuda(parts: DecodePartitions, weight, bias, residual, out,
