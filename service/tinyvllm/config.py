@@ -248,6 +248,13 @@ class KernelConfig:
         True, "In a CUDA step that mixes prefill chunks and decodes, the decodes (the leading "
         "one-token sequences) run the decode attention kernel and only the rest the prefill "
         "kernel. Off: the whole step runs the prefill kernel.")
+    batch_invariant: bool = _f(
+        False, "On CUDA, decode and speculative-verification rows of up to 16 tokens compute "
+        "each row the same way whatever the batch: every such projection on the tensor-core "
+        "GEMV (where it stages the rows: SmolLM2-sized layers), rotary and the cache write "
+        "before the decode attention, whose partitions follow the context only; greedy output "
+        "is then the same with speculation on and off. Slower decode (about 1.3x a step of the "
+        "bundled model). Prefill and mixed steps are unchanged.")
 
     def __post_init__(self) -> None:
         if self.prefill_attention_kernel not in PREFILL_ATTENTION_KERNELS:

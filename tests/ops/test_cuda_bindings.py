@@ -151,6 +151,30 @@ def test_mixed_batch_sends_its_leading_decodes_to_the_decode_kernel(launches):
     assert launches[0][1]["num_seqs"] == 4
 
 
+def test_batch_invariant_decode_partitions_follow_the_context(launches):
+    """Under batch_invariant every decode launch splits into 64-token partitions (at least 2, so
+    every row is merged alike), whatever the batch: here 64 sequences of 300 tokens, which
+    otherwise take 128-token partitions (enough CTAs without finer ones)."""
+    from tinyvllm import ops
+    from tinyvllm.config import KernelConfig
+    meta = metadata([1] * 64, [300] * 64)
+    query = torch.randn(64, 4, 16, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 1300, 16, 2, 16, dtype=torch.bfloat16)
+    attention_cuda.paged_attention_cuda(launches.kernels, query, cache, meta, 0.25)
+    assert launches.only("paged_attention_decode")["partition_size"] == 128
+    ops.configure(KernelConfig(batch_invariant=True))
+    try:
+        for lens in ([300] * 64, [40]):
+            launches.clear()
+            meta = metadata([1] * len(lens), lens)
+            attention_cuda.paged_attention_cuda(launches.kernels, query[:len(lens)], cache, meta,
+                                                0.25)
+            args = launches.only("paged_attention_decode")
+            assert (args["partition_size"], args["num_splits"]) == (64, max(2, -(-lens[0] // 64)))
+    finally:
+        ops.configure(KernelConfig())
+
+
 def test_fused_decode_attention_with_partitions_merged_by_o_proj(launches):
     meta = metadata([1], [300])  # one sequence, 2 KV heads: split into 5 partitions of 64
     qkv = torch.randn(1, (4 + 2 * 2) * 16).bfloat16()

@@ -102,6 +102,10 @@ def test_fused_decode_follows_the_kernel_config(gpu_runs_the_gemv):
     ops.configure(KernelConfig(gemv_max_rows=0))  # every decode-sized batch on tensor cores
     assert linear._gemv_kernel(1, decode, weight) == 1
 
+    ops.configure(KernelConfig(batch_invariant=True))  # every decode-sized row on tensor cores
+    assert [linear._gemv_kernel(x.shape[0], x, weight) for x in (decode, pair)] == [1, 1]
+    assert use_fused_decode(CudaActivations(5, 4096), torch.nn.Linear(4096, 16, device="meta"))
+
     ops.configure(KernelConfig(fused_gemv=False))
     assert not use_fused_decode(decode, *projections())
 

@@ -177,8 +177,9 @@ def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: to
 
     On CUDA a pure-decode batch runs as one launch that reads the raw q, k and v; query and key may
     or may not be rotated in place afterwards (the caller treats them as consumed). Without
-    `meta.fuse_new_token` (verification rows, which attend to each other's new keys) rotary and
-    the cache write are a launch of their own before the decode kernel. With merge=False a
+    `meta.fuse_new_token` (verification rows, which attend to each other's new keys), and for
+    every row under `KernelConfig.batch_invariant`, rotary and the cache write are a launch of
+    their own before the decode kernel. With merge=False a
     CUDA decode launch whose context is split returns its `DecodePartitions` unmerged (for
     `ops.fused_linear`); everything else returns the output tensor.
 
@@ -191,7 +192,8 @@ def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: to
         returns: [num_tokens, num_heads, head_dim]
     """
     kernel = use_kernel("paged_attention", query, kv_cache)
-    if kernel is not None and meta.is_pure_decode and meta.fuse_new_token:
+    if (kernel is not None and meta.is_pure_decode and meta.fuse_new_token
+            and not kernel_config().batch_invariant):
         from tinyvllm.ops.attention_cuda import rotary_paged_attention_cuda
         return rotary_paged_attention_cuda(kernel, positions, query, key, value, cos_sin_cache,
                                            kv_cache, meta, scale, k_scale, v_scale, merge=merge)

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from tinyvllm.config import PREFILL_ATTENTION_KERNELS
-from tinyvllm.ops._dispatch import cuda_ops, dtype_code, stream_handle
+from tinyvllm.ops._dispatch import cuda_ops, dtype_code, kernel_config, stream_handle
 from tinyvllm.ops.attention import AttentionMetadata, DecodePartitions
 from tinyvllm.ops.kv_cache import FP8_DTYPE, kv_scale_ptrs
 
@@ -120,8 +120,13 @@ def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
     max_seq_len = meta.max_seq_len if max_seq_len is None else max_seq_len
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
-    partition, num_splits = decode_partition(num_seqs, num_heads, num_kv_heads, max_seq_len,
-                                             _sm_count(query.device))
+    if kernel_config().batch_invariant:
+        # Every row merges partitions of MIN_PARTITION tokens, whatever the batch, the longest
+        # context or the graph's tier: a row's output depends on its own context only.
+        partition, num_splits = MIN_PARTITION, max(2, -(-max_seq_len // MIN_PARTITION))
+    else:
+        partition, num_splits = decode_partition(num_seqs, num_heads, num_kv_heads, max_seq_len,
+                                                 _sm_count(query.device))
     split_out = split_max = split_sum = None
     if num_splits > 1:
         split_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,

@@ -61,13 +61,14 @@ def use_fused_decode(x: torch.Tensor, *projections: torch.nn.Module) -> bool:
     every projection is a plain weight (not, say, packed GGUF rows) or has a fused GEMV of its own
     that serves it (`fused_serves(x)` / `fused_linear(x, **kwargs)`: W4A16 tiles,
     model/quantization/layer.py). On the tensor-core GEMV only layers of k up to
-    _MMA_LAYER_MAX_K take it."""
+    _MMA_LAYER_MAX_K take it, unless `KernelConfig.batch_invariant` asks for it wherever it
+    serves (every decode-sized batch on it, at 1-2 rows too)."""
     if not kernel_config().fused_gemv or not x.is_cuda:
         return False
     for p in projections:
         weight = getattr(p, "weight", None)
         if (isinstance(weight, torch.Tensor) and weight.dim() == 2
-                and weight.shape[-1] > _MMA_LAYER_MAX_K
+                and weight.shape[-1] > _MMA_LAYER_MAX_K and not kernel_config().batch_invariant
                 and _gemv_kernel(x.shape[0], x, weight) == 1):
             return False  # at Llama-3-8B's k the tensor-core layer trails cuBLAS + the ops
         serves = getattr(p, "fused_serves", None)  # a packed projection with its own GEMV
@@ -97,7 +98,7 @@ def _gemv_kernel(m: int, x: torch.Tensor | DecodePartitions,
     if weight.dim() != 2 or not weight.is_contiguous():
         return None
     config, (n, k) = kernel_config(), weight.shape
-    if m <= config.gemv_max_rows:
+    if m <= config.gemv_max_rows and not config.batch_invariant:
         return 0 if k % 8 == 0 and m * k * 2 <= _GEMV_STAGING_BYTES else None
     if m <= config.gemv_mma_max_rows:
         staged = 4 if m <= 4 else 8 if m <= 8 else 16
