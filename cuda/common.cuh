@@ -174,6 +174,31 @@ void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
   check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), "launch_pdl");
 }
 
+// Multiprocessors of the current device (asked once).
+inline int num_sms() {
+  static const int value = [] {
+    int device = 0, sms = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "sm count");
+    return sms;
+  }();
+  return value;
+}
+
+// Grid of persistent CTAs over `units` units of work (bands of weight rows), each CTA taking
+// ceil(units / resident slots) of them, strided: all CTAs resident at once, none with a unit more
+// than the others but the last few. `what` names the kernel in errors.
+template <typename... Params>
+int resident_grid(void (*kernel)(Params...), int threads, int smem, int units,
+                  const char* what) {
+  int resident = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, smem),
+             what);
+  const int slots = num_sms() * (resident > 1 ? resident : 1);
+  const int per_cta = (units + slots - 1) / slots;
+  return (units + per_cta - 1) / per_cta;
+}
+
 }  // namespace tinyvllm
 
 // Calls F<T>(...) with T the element type of a dtype code (16-bit types only).

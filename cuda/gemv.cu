@@ -26,16 +26,6 @@ constexpr int kMmaRingBytes = kTileWarps * kMmaStages * 4 * 32 * 16;
 // The tensor-core kernel's M for m rows: 4, 8 or 16.
 int mma_rows(int64_t m) { return m <= 4 ? 4 : m <= 8 ? 8 : 16; }
 
-int num_sms() {
-  static const int value = [] {
-    int device = 0, sms = 0;
-    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "sm count");
-    return sms;
-  }();
-  return value;
-}
-
 // CTAs of one instantiation resident per SM with `smem` bytes of staging (set up once per kernel).
 template <typename T, int M, int P, bool S>
 int resident_ctas(int smem) {
@@ -81,14 +71,8 @@ void launch_mma(T* out, const T* x, const T* weight, const T* bias, const T* res
                "gemv (tensor cores): cudaFuncSetAttribute");
   });
   const int smem = M * k * int(sizeof(T)) + kMmaRingBytes;
-  int resident = 0;
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kTileWarps * 32,
-                                                           smem),
-             "gemv (tensor cores): occupancy");
-  const int bands = (n + kTileRows - 1) / kTileRows;
-  const int slots = num_sms() * std::max(1, resident);
-  const int per_cta = (bands + slots - 1) / slots;
-  const int grid = (bands + per_cta - 1) / per_cta;
+  const int grid = resident_grid(kernel, kTileWarps * 32, smem, (n + kTileRows - 1) / kTileRows,
+                                 "gemv (tensor cores): occupancy");
   launch_pdl(kernel, dim3(grid), dim3(kTileWarps * 32), smem, stream, out, x, weight, bias,
              residual, norm_weight, m, n, k, x_stride, out_stride, residual_stride, eps, parts);
 }

@@ -250,6 +250,18 @@ __device__ __forceinline__ void gemv_stage_x(uint4* act, int k8, const T* x, int
   }
 }
 
+// act = the GEMV's input: the merged partitions (kGemvMergeSplits), else x's rows with prologue P.
+template <typename T, int M, int P>
+__device__ __forceinline__ void gemv_stage_input(uint4* act, int k8, const T* x, int64_t x_stride,
+                                                 const T* norm_weight, float* inv_rms, int m,
+                                                 float eps, const DecodePartitions& parts) {
+  if constexpr (P == kGemvMergeSplits) {
+    gemv_stage_merged<T, M>(act, k8, parts, m);
+  } else {
+    gemv_stage_x<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps);
+  }
+}
+
 template <int R, int U>
 __device__ __forceinline__ void gemv_load(uint4 (&w)[R][U], const uint4* const (&rows)[R],
                                           const bool (&live)[R], int v0, int k8) {
@@ -334,11 +346,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(
   }
   wait_for_previous_grid();
 
-  if constexpr (P == kGemvMergeSplits) {
-    gemv_stage_merged<T, M>(act, k8, parts, m);
-  } else {
-    gemv_stage_x<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps);
-  }
+  gemv_stage_input<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps, parts);
   __syncthreads();
   allow_next_grid();  // every CTA of this grid is resident: the next one may launch and prefetch
 

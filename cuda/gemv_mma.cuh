@@ -96,11 +96,7 @@ __global__ void __launch_bounds__(kTileWarps * 32) gemv_mma_kernel(
   for (int i = 0; i < kMmaStages - 1; ++i) issue(i);
   wait_for_previous_grid();
 
-  if constexpr (P == kGemvMergeSplits) {
-    gemv_stage_merged<T, M>(act, k8, parts, m);
-  } else {
-    gemv_stage_x<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps);
-  }
+  gemv_stage_input<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps, parts);
   __syncthreads();
   allow_next_grid();
 

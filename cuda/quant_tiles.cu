@@ -21,16 +21,6 @@ int tile_smem_bytes(int m, int k, int stages) {
   return m * k * 2 + ring_bytes(stages) + (k / kTileK) * 8 * 4;
 }
 
-int num_sms() {
-  static const int value = [] {
-    int device = 0, sms = 0;
-    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "sm count");
-    return sms;
-  }();
-  return value;
-}
-
 // Each CTA takes ceil(bands / resident CTAs) bands (strided), so that all CTAs are resident at
 // once and none has a band more than the others but the last few.
 template <typename T, int M, int P, bool S>
@@ -54,14 +44,8 @@ void launch(T* out, const T* x, const uint4* tiles, const uint2* scales, const T
                "quant_tile_gemv: cudaFuncSetAttribute");
   });
   const int smem = tile_smem_bytes(M, k, stages);
-  int resident = 0;
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kTileWarps * 32,
-                                                           smem),
-             "quant_tile_gemv: occupancy");
-  const int bands = (n + kTileRows - 1) / kTileRows;
-  const int slots = num_sms() * std::max(1, resident);
-  const int per_cta = (bands + slots - 1) / slots;
-  const int grid = (bands + per_cta - 1) / per_cta;
+  const int grid = resident_grid(kernel, kTileWarps * 32, smem, (n + kTileRows - 1) / kTileRows,
+                                 "quant_tile_gemv: occupancy");
   launch_pdl(kernel, dim3(grid), dim3(kTileWarps * 32), smem, stream, out, x, tiles, scales,
              bias, residual, norm_weight, m, n, k, x_stride, out_stride, residual_stride, eps,
              groups, shift, interleaved);

@@ -28,14 +28,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2])
-@pytest.mark.parametrize("n,k", [(7, 8), (1001, 584), (576, 1536), (4104, 4096), (96, 14336)])
-@pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
-@pytest.mark.parametrize("epilogue", ["plain", "bias", "residual", "silu_mul_out"])
-def test_fused_linear_matches_reference(dtype, m, n, k, prologue, epilogue):
-    if epilogue == "silu_mul_out" and prologue == "silu_mul":
-        pytest.skip("one SwiGLU per projection")
+def check_fused_linear(dtype, m, n, k, prologue, epilogue, kernel):
+    """One fused_linear case against its torch reference, on the GEMV `kernel` (0 scalar, 1
+    tensor cores): random inputs, the output written into a NaN-filled buffer whose extra row
+    stays unwritten, or the residual updated in place."""
     seed = m * 7919 + n * 31 + k
     swiglu = epilogue == "silu_mul_out"  # n outputs from 2n rows (gate | up)
     rows = 2 * n if swiglu else n
@@ -46,18 +42,30 @@ def test_fused_linear_matches_reference(dtype, m, n, k, prologue, epilogue):
     residual = rand(m, n, dtype=dtype, seed=seed + 4) if epilogue == "residual" else None
     kwargs = dict(norm_weight=norm_weight, eps=1e-5, silu_mul=prologue == "silu_mul",
                   silu_mul_out=swiglu)
-    assert fused_linear_supported(x, weight)
+    assert fused_linear_supported(x, weight) and linear._gemv_kernel(m, x, weight) == kernel
 
     expected = fused_linear_ref(x, weight, bias,
                                 residual=None if residual is None else residual.clone(), **kwargs)
     if residual is None:
-        out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-        got = fused_linear(x, weight, bias, out=out, **kwargs)
-        assert got is out
+        out = torch.full((m + 1, n), float("nan"), dtype=dtype, device="cuda")
+        got = fused_linear(x, weight, bias, out=out[:m], **kwargs)
+        assert got.data_ptr() == out.data_ptr()
+        assert out[m].isnan().all()  # no row past m written
     else:
         got = fused_linear(x, weight, bias, residual=residual, **kwargs)
         assert got is residual
     assert rel_err(got, expected) <= REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("n,k", [(7, 8), (1001, 584), (576, 1536), (4104, 4096), (96, 14336)])
+@pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
+@pytest.mark.parametrize("epilogue", ["plain", "bias", "residual", "silu_mul_out"])
+def test_fused_linear_matches_reference(dtype, m, n, k, prologue, epilogue):
+    if epilogue == "silu_mul_out" and prologue == "silu_mul":
+        pytest.skip("one SwiGLU per projection")
+    check_fused_linear(dtype, m, n, k, prologue, epilogue, kernel=0)
 
 
 @pytest.mark.parametrize("m", [1, 2])
@@ -123,29 +131,7 @@ def test_tensor_core_gemv_matches_reference(tensor_cores_only, dtype, m, n, k, p
         pytest.skip("one SwiGLU per projection")
     if m > 4 and k == 14336:
         pytest.skip("8 rows of k = 14336 exceed the staging: cuBLAS serves them")
-    seed = m * 7919 + n * 31 + k
-    swiglu = epilogue == "silu_mul_out"
-    rows = 2 * n if swiglu else n
-    x = rand(m, 2 * k if prologue == "silu_mul" else k, dtype=dtype, seed=seed)
-    weight = rand(rows, k, dtype=dtype, seed=seed + 1, scale=k ** -0.5)
-    bias = rand(rows, dtype=dtype, seed=seed + 2) if epilogue in ("bias", "silu_mul_out") else None
-    norm_weight = rand(k, dtype=dtype, seed=seed + 3) if prologue == "rms_norm" else None
-    residual = rand(m, n, dtype=dtype, seed=seed + 4) if epilogue == "residual" else None
-    kwargs = dict(norm_weight=norm_weight, eps=1e-5, silu_mul=prologue == "silu_mul",
-                  silu_mul_out=swiglu)
-    assert linear._gemv_kernel(m, x, weight) == 1
-
-    expected = fused_linear_ref(x, weight, bias,
-                                residual=None if residual is None else residual.clone(), **kwargs)
-    if residual is None:
-        out = torch.full((m + 1, n), float("nan"), dtype=dtype, device="cuda")
-        got = fused_linear(x, weight, bias, out=out[:m], **kwargs)
-        assert got.data_ptr() == out.data_ptr()
-        assert out[m].isnan().all()  # no row past m written
-    else:
-        got = fused_linear(x, weight, bias, residual=residual, **kwargs)
-        assert got is residual
-    assert rel_err(got, expected) <= REL_TOL[dtype]
+    check_fused_linear(dtype, m, n, k, prologue, epilogue, kernel=1)
 
 
 @pytest.mark.parametrize("kernel_rows", [(2, 2), (0, 16)])  # (gemv_max_rows, most rows)
