@@ -253,7 +253,7 @@ class KernelConfig:
         "each row the same way whatever the batch: every such projection on the tensor-core "
         "GEMV (where it stages the rows: SmolLM2-sized layers), rotary and the cache write "
         "before the decode attention, whose partitions follow the context only; greedy output "
-        "is then the same with speculation on and off. Slower decode (about 1.3x a step of the "
+        "is then the same with speculation on and off. Slower decode (about 1.25x a step of the "
         "bundled model). Prefill and mixed steps are unchanged.")
 
     def __post_init__(self) -> None:
