@@ -48,9 +48,9 @@ _MMA_STAGING_BYTES = 128 * 1024  # the tensor-core kernel's, m rounded up to 4, 
 _MMA_K_MULTIPLE, _MMA_BAND = 64, 16  # its tile of k and band of weight rows
 _MMA_LAYER_MAX_K = 2048
 """Largest k of a decoder layer run on the tensor-core GEMV (`use_fused_decode`): at SmolLM2's
-576 / 1536 its fused projections take 0.45-0.65x the time of cuBLAS and the separate ops at 3-8 rows,
-at Llama-3-8B's 4096 / 14336 about 1.05x (one band of 16 rows per CTA streams 64-224 tiles, and
-the bands divide unevenly over the SMs; `bench kernels --only gemv`, H100)."""
+576 / 1536 its fused projections take 0.45-0.65x the time of cuBLAS and the separate ops at
+3-8 rows, at Llama-3-8B's 4096 / 14336 about 1.05x (one band of 16 rows per CTA streams 64-224
+tiles, and the bands divide unevenly over the SMs; `bench kernels --only gemv`, H100)."""
 _PROLOGUE = {None: 0, "rms_norm": 1, "silu_mul": 2}
 
 
