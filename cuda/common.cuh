@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "dtype.h"
@@ -172,6 +173,19 @@ void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
   config.attrs = attr;
   config.numAttrs = device_has_pdl_code() ? 1 : 0;
   check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), "launch_pdl");
+}
+
+// f(std::integral_constant<int, M>{}) with M the first of Ms that is at least m (the last if
+// none is): the instantiation a launcher picks for m rows.
+template <int M, int... Ms, typename F>
+void dispatch_rows(int m, F&& f) {
+  if constexpr (sizeof...(Ms) == 0) {
+    f(std::integral_constant<int, M>{});
+  } else if (m <= M) {
+    f(std::integral_constant<int, M>{});
+  } else {
+    dispatch_rows<Ms...>(m, std::forward<F>(f));
+  }
 }
 
 // Multiprocessors of the current device (asked once).

@@ -23,8 +23,16 @@ constexpr int kMmaMaxM = 16;
 constexpr int kMmaActBytes = 128 * 1024;   // tensor cores: the staged activations, M x k
 constexpr int kMmaRingBytes = kTileWarps * kMmaStages * 4 * 32 * 16;
 
-// The tensor-core kernel's M for m rows: 4, 8 or 16.
-int mma_rows(int64_t m) { return m <= 4 ? 4 : m <= 8 ? 8 : 16; }
+// f(M) with the tensor-core kernel's M for m rows: 4, 8 or 16 (an integral_constant).
+template <typename F>
+void with_mma_rows(int64_t m, F&& f) {
+  dispatch_rows<4, 8, 16>(int(m), std::forward<F>(f));
+}
+int mma_rows(int64_t m) {
+  int rows = 0;
+  with_mma_rows(m, [&](auto r) { rows = r; });
+  return rows;
+}
 
 // CTAs of one instantiation resident per SM with `smem` bytes of staging (set up once per kernel).
 template <typename T, int M, int P, bool S>
@@ -83,23 +91,17 @@ void launch_m(int m, T* out, const T* x, const T* weight, const T* bias, const T
               int64_t residual_stride, float eps, bool prefetch_all, bool mma, cudaStream_t s,
               const DecodePartitions& parts = {}) {
   if (mma) {
-#define TINYVLLM_MMA_LAUNCH(MM)                                                              \
-  launch_mma<T, MM, P, S>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride,   \
-                          out_stride, residual_stride, eps, parts, s)
-    if (m <= 4) {
-      TINYVLLM_MMA_LAUNCH(4);
-    } else if (m <= 8) {
-      TINYVLLM_MMA_LAUNCH(8);
-    } else {
-      TINYVLLM_MMA_LAUNCH(16);
-    }
-#undef TINYVLLM_MMA_LAUNCH
-  } else if (m == 1) {
-    launch<T, 1, P, S>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride,
-                       out_stride, residual_stride, eps, prefetch_all, parts, s);
+    with_mma_rows(m, [&](auto rows) {
+      launch_mma<T, decltype(rows)::value, P, S>(out, x, weight, bias, residual, norm_weight, m,
+                                                 n, k, x_stride, out_stride, residual_stride,
+                                                 eps, parts, s);
+    });
   } else {
-    launch<T, 2, P, S>(out, x, weight, bias, residual, norm_weight, m, n, k, x_stride,
-                       out_stride, residual_stride, eps, prefetch_all, parts, s);
+    dispatch_rows<1, 2>(m, [&](auto rows) {
+      launch<T, decltype(rows)::value, P, S>(out, x, weight, bias, residual, norm_weight, m, n,
+                                             k, x_stride, out_stride, residual_stride, eps,
+                                             prefetch_all, parts, s);
+    });
   }
 }
 

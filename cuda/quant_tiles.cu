@@ -21,6 +21,12 @@ int tile_smem_bytes(int m, int k, int stages) {
   return m * k * 2 + ring_bytes(stages) + (k / kTileK) * 8 * 4;
 }
 
+// f(M) with the instantiation's M for m rows: 1, 2, 4 or 8 (an integral_constant).
+template <typename F>
+void with_tile_rows(int m, F&& f) {
+  dispatch_rows<1, 2, 4, 8>(m, std::forward<F>(f));
+}
+
 // Each CTA takes ceil(bands / resident CTAs) bands (strided), so that all CTAs are resident at
 // once and none has a band more than the others but the last few.
 template <typename T, int M, int P, bool S>
@@ -56,19 +62,11 @@ void launch_m(int m, T* out, const T* x, const uint4* tiles, const uint2* scales
               const T* residual, const T* norm_weight, int n, int k, int64_t x_stride,
               int64_t out_stride, int64_t residual_stride, float eps, int group_size,
               bool interleaved, cudaStream_t s) {
-#define TINYVLLM_TILE_LAUNCH(MM)                                                              \
-  launch<T, MM, P, S>(out, x, tiles, scales, bias, residual, norm_weight, m, n, k, x_stride, \
-                      out_stride, residual_stride, eps, group_size, interleaved, s)
-  if (m == 1) {
-    TINYVLLM_TILE_LAUNCH(1);
-  } else if (m == 2) {
-    TINYVLLM_TILE_LAUNCH(2);
-  } else if (m <= 4) {
-    TINYVLLM_TILE_LAUNCH(4);
-  } else {
-    TINYVLLM_TILE_LAUNCH(8);
-  }
-#undef TINYVLLM_TILE_LAUNCH
+  with_tile_rows(m, [&](auto rows) {
+    launch<T, decltype(rows)::value, P, S>(out, x, tiles, scales, bias, residual, norm_weight, m,
+                                           n, k, x_stride, out_stride, residual_stride, eps,
+                                           group_size, interleaved, s);
+  });
 }
 
 // What both entry points check ("quant_tile_gemv: ..." / "quant_tile_dequantize: ...").
@@ -98,7 +96,8 @@ void quant_tile_gemv(ptr_t out, ptr_t x, ptr_t tiles, ptr_t tile_scales, ptr_t b
   check_tiles(where, n, k, group_size, interleaved != 0, tiles, tile_scales);
   require(m >= 0 && m <= kTileMaxM, where + "m=" + std::to_string(m) + " rows; at most " +
                                         std::to_string(kTileMaxM) + " are served");
-  const int64_t padded_m = m <= 2 ? m : m <= 4 ? 4 : 8;  // the instantiation's M
+  int64_t padded_m = 0;  // the instantiation's M (none for no rows)
+  if (m > 0) with_tile_rows(int(m), [&](auto rows) { padded_m = rows; });
   require(padded_m * k * 2 <= kTileActBytes,
           where + "m * k = " + std::to_string(padded_m * k) +
               " activations (m rounded up to 1, 2, 4 or 8) exceed the staging buffer (" +

@@ -1,9 +1,10 @@
 // The linear and row dequantization over K-quant weights (kquants.h). The linear quantizes each
 // activation row once per call to int8 per 256 values (Kernels::quantize_q8k), then takes each
-// (weight row, activation row) pair's dot product over the packed super-blocks in integers
-// (Kernels::kquant_dot: kquants.h's code, vectorised by the compiler for each ISA; the same values
-// on all), one pair at a time, so that a row's result never depends on the batch it came in. The
-// embedding lookup dequantizes rows with ggml's arithmetic.
+// weight row's dot products with the activation rows over the packed super-blocks in integers
+// (Kernels::kquant_dot_rows: kquants.h's portable code, or kernels_avx2.cpp's intrinsics over
+// tiles of 4 activation rows; the same values on every ISA and in any tile), so that a row's
+// result never depends on the batch it came in. The embedding lookup dequantizes rows with
+// ggml's arithmetic.
 #include <algorithm>
 #include <mutex>
 #include <stdexcept>

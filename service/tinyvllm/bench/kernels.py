@@ -638,8 +638,8 @@ def run(quick: bool, only: Optional[str] = None) -> tuple[float, list[Row]]:
 
 def gemv_rows(quick: bool, copy_gbps: float, gen) -> list[Row]:
     """The fused GEMVs at decode sizes: the scalar kernel at 1-2 rows, the tensor-core one at
-    1-16 (where its staging holds the rows: m rounded up to 4, 8, 16, times k, at most 64K)."""
-    from tinyvllm.ops.linear import _MMA_STAGING_BYTES
+    1-16 where it takes the shape (`ops.linear.tensor_cores_fit`)."""
+    from tinyvllm.ops.linear import tensor_cores_fit
     rows = []
     for model, shapes in GEMV_SHAPES.items():
         for m in ([1] if quick else [1, 2]):
@@ -647,8 +647,7 @@ def gemv_rows(quick: bool, copy_gbps: float, gen) -> list[Row]:
                 rows.append(bench_gemv(model, name, m, n, k, prologue, epilogue, copy_gbps, gen))
         for m in ([1, 5] if quick else [1, 3, 5, 8, 16]):
             for name, n, k, prologue, epilogue in shapes:
-                staged = 4 if m <= 4 else 8 if m <= 8 else 16
-                if staged * k * 2 <= _MMA_STAGING_BYTES:
+                if tensor_cores_fit(m, n, k):
                     rows.append(bench_gemv(model, name, m, n, k, prologue, epilogue, copy_gbps,
                                            gen, tensor_cores=True))
     return rows

@@ -143,8 +143,10 @@ def pack_model(net: LlamaForCausalLM, tensors: dict[str, Any], arch: LlamaArch,
     for path, stems in _projections(arch).items():
         weights = [tensors[f"{s}.weight"] for s in stems]
         got = _pack(weights, arch, permuted, device)
-        shards = None if got is not None else [_pack([w], arch, permuted, device) for w in weights]
-        if got is None and (len(weights) == 1 or any(shard is None for shard in shards)):
+        # A stack whose shards differ in type: each shard packed on its own, if each can be.
+        shards = ([] if got is not None or len(weights) == 1
+                  else [_pack([w], arch, permuted, device) for w in weights])
+        if got is None and (not shards or None in shards):
             fallback.setdefault("/".join(sorted({w.tensor_type.name for w in weights})),
                                 []).append(path)
             continue

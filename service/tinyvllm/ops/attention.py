@@ -179,9 +179,9 @@ def rotary_paged_attention(positions: torch.Tensor, query: torch.Tensor, key: to
     or may not be rotated in place afterwards (the caller treats them as consumed). Without
     `meta.fuse_new_token` (verification rows, which attend to each other's new keys), and for
     every row under `KernelConfig.batch_invariant`, rotary and the cache write are a launch of
-    their own before the decode kernel. With merge=False a
-    CUDA decode launch whose context is split returns its `DecodePartitions` unmerged (for
-    `ops.fused_linear`); everything else returns the output tensor.
+    their own before the decode kernel. With merge=False a CUDA decode launch whose context is
+    split returns its `DecodePartitions` unmerged (for `ops.fused_linear`); everything else
+    returns the output tensor.
 
     Shape:
         positions, meta.slot_mapping: [num_tokens] int64 (negative slots: padding, not written)

@@ -100,12 +100,17 @@ def _gemv_kernel(m: int, x: torch.Tensor | DecodePartitions,
     config, (n, k) = kernel_config(), weight.shape
     if m <= config.gemv_max_rows and not config.batch_invariant:
         return 0 if k % 8 == 0 and m * k * 2 <= _GEMV_STAGING_BYTES else None
-    if m <= config.gemv_mma_max_rows:
-        staged = 4 if m <= 4 else 8 if m <= 8 else 16
-        if (k % _MMA_K_MULTIPLE == 0 and n % _MMA_BAND == 0
-                and staged * k * 2 <= _MMA_STAGING_BYTES):
-            return 1
+    if m <= config.gemv_mma_max_rows and tensor_cores_fit(m, n, k):
+        return 1
     return None
+
+
+def tensor_cores_fit(m: int, n: int, k: int) -> bool:
+    """Whether the tensor-core GEMV takes m rows against a [n, k] weight: k in its tiles, n in
+    its bands, and m rounded up to 4, 8 or 16 rows of k 16-bit values within its staging."""
+    staged = 4 if m <= 4 else 8 if m <= 8 else 16
+    return (k % _MMA_K_MULTIPLE == 0 and n % _MMA_BAND == 0
+            and staged * k * 2 <= _MMA_STAGING_BYTES)
 
 
 def fused_linear(x: torch.Tensor | DecodePartitions, weight: torch.Tensor,
