@@ -64,7 +64,7 @@ SMALL_FLAGS = {
     ("tinyvllm", "bench", "prefix"): ["--num-prompts", "2", "--prefix-len", "32",
                                       "--suffix-len", "4", "--output-len", "2", "--no-baseline"],
     ("tinyvllm", "bench", "spec"): ["--max-tokens", "6", "--batch-sizes", "1", "--workloads",
-                                    "repetitive", "--no-baseline"],
+                                    "repetitive", "--no-baseline", "--rounds", "1"],
     ("tinyvllm", "bench", "serve"): ["--request-rate", "inf", "--num-prompts", "2",
                                      "--input-len", "8", "--output-len", "4"],
     ("tinyvllm", "bench", "kernels"): ["--quick"],

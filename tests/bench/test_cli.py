@@ -68,10 +68,13 @@ def test_runs_without_transformers(tmp_path, smollm2_path, monkeypatch, capsys):
 def test_spec_writes_a_record(tmp_path, smollm2_path, capsys):
     out = tmp_path / "spec.json"
     assert main(["bench", "spec", "--max-tokens", "6", "--batch-sizes", "1", "--workloads",
-                 "repetitive", "--no-baseline", "--out", str(out)]) == 0
+                 "repetitive", "--no-baseline", "--rounds", "2", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     assert RECORD_KEYS <= record.keys() and record["benchmark"] == "spec"
     (result,) = record["results"]
+    assert len(result["rounds"]) == 2  # the table's round is one of them
+    assert result["decode_tokens_per_s_ratio"] in [r["decode_tokens_per_s_ratio"]
+                                                   for r in result["rounds"]]
     assert result["workload"] == "repetitive" and result["batch_size"] == 1
     assert result["identical_outputs"] is True
     assert result["off"]["num_output_tokens"] == result["on"]["num_output_tokens"] == 6
@@ -91,12 +94,27 @@ def test_spec_writes_a_record(tmp_path, smollm2_path, capsys):
     assert "step ms on" in printed and "decode steps by kind" in printed
 
 
+def test_spec_reports_the_median_round():
+    from tinyvllm.bench.spec import median_round
+
+    def round_(ratio, identical=True):
+        return {"decode_tokens_per_s_ratio": ratio, "output_tokens_per_s_ratio": ratio / 2,
+                "identical_outputs": identical, "on": {"tag": ratio}}
+
+    picked = median_round([round_(1.3), round_(0.8), round_(1.1, identical=False)])
+    assert picked["on"] == {"tag": 1.1} and picked["decode_tokens_per_s_ratio"] == 1.1
+    assert picked["identical_outputs"] is False  # any round that differs counts
+    assert [r["decode_tokens_per_s_ratio"] for r in picked["rounds"]] == [1.3, 0.8, 1.1]
+    # An even count takes the lower middle.
+    assert median_round([round_(2.0), round_(1.0)])["decode_tokens_per_s_ratio"] == 1.0
+
+
 @pytest.mark.slow
 def test_spec_with_a_truncated_self_draft(tmp_path, smollm2_path):
     out = tmp_path / "spec.json"
     spec = '{"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 30}'
     assert main(["bench", "spec", "--max-tokens", "6", "--batch-sizes", "1", "--workloads",
-                 "open", "--no-baseline", "--speculative-config", spec,
+                 "open", "--no-baseline", "--rounds", "1", "--speculative-config", spec,
                  "--out", str(out)]) == 0
     (result,) = json.loads(out.read_text())["results"]
     assert result["identical_outputs"] is True

@@ -133,6 +133,33 @@ def test_tiny_speculation_steps_aside_for_large_batches(tiny):
     assert engine.get_stats().spec_num_draft_tokens > 0
 
 
+def spy_drafts_behind(engine: EngineCore) -> list[bool]:
+    """Per verification the scheduler makes: whether it drafts behind a token in flight (its
+    row 0's position is past the tokens the scheduler knows)."""
+    behind: list[bool] = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        behind.extend(s.num_computed_tokens == engine.scheduler.requests[s.request_id].num_tokens
+                      for s in out.scheduled if s.draft_token_ids)
+        return out
+    engine.scheduler.schedule = spy
+    return behind
+
+
+@pytest.mark.parametrize("params", [PARAMS["greedy"], PARAMS["seeded"]], ids=["greedy", "seeded"])
+def test_tiny_async_drafts_behind_tokens_in_flight(tiny, params):
+    """Under async scheduling, prompt lookup drafts behind a token in flight, so steps run
+    ahead until one verifies: the same tokens as without speculation, no block leaked."""
+    kwargs = {"block_size": 4, "num_kv_blocks": 64, "async_scheduling": True}
+    off = generate(make_engine(tiny, **kwargs), TINY_PROMPTS, params)
+    engine = make_engine(tiny, NGRAM, **kwargs)
+    behind = spy_drafts_behind(engine)
+    assert generate(engine, TINY_PROMPTS, params) == off
+    assert any(behind)
+
+
 # --- the bundled model: the acceptance cases -------------------------------------------------
 
 QUOTE = ("Copy the following code exactly.\n\n"
@@ -169,6 +196,8 @@ REAL_ENGINES = {
     "mixed_chunked": {"max_num_batched_tokens": 24},
     # 9 blocks of 16 for three requests of up to ~100 tokens: preemption.
     "preempting": {"num_kv_blocks": 10, "block_size": 16},
+    # Steps scheduled ahead, drafts behind tokens in flight (as on a GPU).
+    "async": {"async_scheduling": True},
 }
 
 
@@ -177,8 +206,10 @@ REAL_ENGINES = {
 def test_real_batch_greedy_identical(smollm2_model, real_prompts, real_off, engine_kwargs):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     engine = make_engine(smollm2_model, NGRAM, **engine_kwargs)
+    behind = spy_drafts_behind(engine)
     assert generate(engine, real_prompts, params) == real_off
     assert engine.get_stats().spec_num_accepted_tokens > 0
+    assert any(behind) == ("async_scheduling" in engine_kwargs)
     if "num_kv_blocks" in engine_kwargs:
         assert engine.scheduler.num_preemptions > 0
 

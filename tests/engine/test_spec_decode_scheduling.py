@@ -375,3 +375,78 @@ def test_under_async_scheduling_lookups_that_match_nothing_pause_and_steps_run_a
     plain.add_request(q)
     plain.update(plain.schedule(), {"b": (100, None)})
     assert plain.schedule().scheduled[0].draft_token_ids == [] and q.spec_skip == 0
+
+
+
+def behind_scheduler(max_tokens=20, **spec):
+    """A scheduler as the engine sets it up under async scheduling in one process, and a
+    request whose prefill is in flight: its prompt ends in "10 1", which never occurred before
+    (prompt_lookup_min 2), while "1 2" continues 3 4 5 6 7."""
+    s = make_scheduler(num_blocks=64, adaptive=False, prompt_lookup_min=2, prompt_lookup_max=3,
+                       **spec)
+    s.spec.schedule_ahead(async_scheduling=True, tensor_parallel_size=1)
+    r = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1], max_tokens=max_tokens)
+    s.add_request(r)
+    return s, r
+
+
+@pytest.mark.parametrize("in_flight", [3, 9], ids=["guessed", "missed"])
+def test_prompt_lookup_drafts_behind_a_token_in_flight(in_flight):
+    """With a plain step in flight, the next step is scheduled ahead and drafts from the known
+    tokens: the match's continuation past the token in flight, which row 0 takes from the
+    device. While that verification is in flight nothing is scheduled ahead. A right guess
+    lets the drafts be accepted; after a wrong one the target's own token at row 0 is kept and
+    the drafts' KV rolled back."""
+    s, r = behind_scheduler()
+    prefill = s.schedule()
+    assert s.can_schedule_ahead()
+    decode = s.schedule()  # behind the prefill's token: "10 1" matches nothing
+    assert decode.scheduled[0].draft_token_ids == [] and r.num_output_placeholders == 2
+    s.update(prefill, {"a": (2, None)})  # ... 10 1 2
+    assert s.can_schedule_ahead()
+    verify = s.schedule()  # behind decode's token: "1 2" -> 3 4 5 6 7, the 3 in flight
+    (v,) = verify.scheduled
+    assert v.draft_token_ids == [4, 5, 6, 7] and v.num_new_tokens == 5
+    assert v.num_computed_tokens == 12 and r.num_output_placeholders == 2
+    assert not s.can_schedule_ahead()  # how many it accepts decides the next positions
+    s.update(decode, {"a": (in_flight, None)})
+    assert not s.can_schedule_ahead()
+    target = [4, 5, 6, 7, 8] if in_flight == 3 else [5]
+    (result,) = s.update(verify, {"a": (target, None)})
+    assert result.new_token_ids == target
+    assert r.output_token_ids == [2, in_flight] + target
+    assert r.num_output_placeholders == 0
+    # Computed: the prompt, 2, the token in flight and the accepted drafts (not the last one).
+    assert r.num_computed_tokens == r.num_tokens - 1
+    assert len(s.kv.block_ids("a")) == -(-r.num_computed_tokens // BLOCK)
+    assert s.spec.stats.num_accepted_tokens == (4 if in_flight == 3 else 0)
+    assert s.can_schedule_ahead()
+
+
+def test_drafts_behind_a_token_in_flight_leave_room_for_it():
+    """max_tokens counts the token in flight: 4 at most, one sampled and one in flight, so a
+    verification behind it may yield 2 (1 draft)."""
+    s, r = behind_scheduler(max_tokens=4)
+    prefill = s.schedule()
+    decode = s.schedule()
+    s.update(prefill, {"a": (2, None)})
+    verify = s.schedule()
+    assert verify.scheduled[0].draft_token_ids == [4]
+    s.update(decode, {"a": (3, None)})
+    s.update(verify, {"a": ([4, 5], None)})
+    assert r.is_finished and r.output_token_ids == [2, 3, 4, 5]
+    assert s.kv.num_free_blocks == s.kv.num_blocks - 1
+
+
+def test_drafting_behind_needs_prompt_lookup_async_scheduling_and_one_process():
+    """Drafts behind a token in flight need scheduling ahead, a proposer that needs no step
+    (a draft model drafts after the step), and a verification whose result may be taken after
+    the next step's launch (tensor-parallel ranks take it inside the step). Otherwise lookups
+    that match nothing pause under async scheduling, as before."""
+    ngram = SpecDecodePolicy(SpeculativeConfig(method="ngram"))
+    draft = SpecDecodePolicy(SpeculativeConfig(method="draft_model", draft_num_layers=1))
+    for policy, async_, tp, behind, pause in (
+            (ngram, True, 1, True, False), (ngram, True, 2, False, True),
+            (ngram, False, 1, False, False), (draft, True, 1, False, True)):
+        policy.schedule_ahead(async_, tp)
+        assert (policy.drafts_behind, policy.pause_without_match) == (behind, pause)

@@ -76,4 +76,7 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
                        default=["repetitive", "open"], help="Which prompt sets to run.")
     group.add_argument("--output-len", "--max-tokens", dest="output_len", type=int, default=128,
                        help="Output tokens per request, EOS ignored.")
+    group.add_argument("--rounds", type=int, default=3,
+                       help="Off / on pairs per workload and batch size, alternating; the ratios "
+                       "reported are the median round's (default 3).")
     add_common_arguments(parser)

@@ -7,6 +7,7 @@ out. Every request is greedy with `ignore_eos`, so the token counts are fixed in
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import logging
@@ -96,14 +97,20 @@ def run_batch(engine: EngineCore, prompts: Sequence[Sequence[int]], output_lens:
     A step returns once its sampled ids are on the host: that is when its tokens count. With
     async scheduling the next step is already running on the device then, so `sync` is taken only
     before the clock starts and before it stops (one between steps would serialise them).
-    The heap from before the run is frozen while it runs, as `tinyvllm serve`'s engine process
-    freezes its start-up heap (engine/core_proc.py), so the cyclic collector walks only what the
-    run makes; thawed after, so a dropped engine's memory can still be collected.
     """
+    with frozen_heap():
+        return _run_batch(engine, prompts, output_lens, sync)
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """Freeze the heap from before a timed run while it runs, as `tinyvllm serve`'s engine
+    process freezes its start-up heap (engine/core_proc.py), so the cyclic collector walks only
+    what the run makes; thawed after, so a dropped engine's memory can still be collected."""
     gc.collect()
     gc.freeze()
     try:
-        return _run_batch(engine, prompts, output_lens, sync)
+        yield
     finally:
         gc.unfreeze()
 

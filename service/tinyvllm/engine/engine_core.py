@@ -83,7 +83,8 @@ class EngineCore:
         self._num_scheduled_tokens = 0
         wanted = config.scheduler.async_scheduling
         self.async_scheduling = self.executor.device_type == "cuda" if wanted is None else wanted
-        self.scheduler.spec.pause_without_match = self.async_scheduling
+        self.scheduler.spec.schedule_ahead(self.async_scheduling,
+                                           config.parallel.tensor_parallel_size)
         self._in_flight: Optional[_LaunchedStep] = None
 
     @staticmethod

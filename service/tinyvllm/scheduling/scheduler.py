@@ -41,6 +41,7 @@ class _Step:
 
     out: SchedulerOutput
     requests: list[Request] = field(default_factory=list)
+    verifies: bool = False  # some request verifies drafts: its accepted count is unknown
 
 
 class WaitingQueue:
@@ -134,20 +135,21 @@ class Scheduler:
         return len(self.running) + len(self.waiting)
 
     def can_schedule_ahead(self) -> bool:
-        """Whether the next step may be scheduled before the one in flight is processed: no
-        running request with a token in flight needs its output ids on the host to sample.
+        """Whether the next step may be scheduled before the one in flight is processed.
 
-        Active speculation turns scheduling ahead off while a request could speculate: its
-        draft is proposed from, and its verification's rollback decides, the tokens of the step
-        before, which a step scheduled ahead would not know yet (the simplest correct choice; on
-        the CPU async scheduling is off anyway). A draft model's drafts are made by the worker
-        after the step before, from its tokens, so they too exist only once that step is
-        processed. While speculation steps aside (a large batch, or drafts that do not pay),
-        and while every request that could speculate pauses its prompt-lookup drafts
-        (`Request.spec_skip`, after one-token drafts that missed or lookups that matched
-        nothing), steps are scheduled ahead again; a request with a token in flight gets no
-        drafts."""
-        if (self.spec.active(self._num_enqueued())
+        Not while a step in flight verifies drafts: how many it accepts decides where the next
+        step's tokens sit. Not while a request with a token in flight needs its output ids on
+        the host to sample. With prompt lookup, a request whose last token is in flight drafts
+        behind it (`SpecDecodePolicy.drafts_behind`: the lookup's continuation past that token,
+        verified after it), so steps run ahead until one verifies. A draft model's drafts are
+        made by the worker after the step before, from its tokens, so while a request could
+        speculate with one, steps are synchronous; so too with prompt lookup where drafting
+        behind is off (tensor parallelism), except while every request that could speculate
+        pauses its drafts (`Request.spec_skip`). While speculation steps aside (a large batch,
+        or drafts that do not pay) nothing of this applies."""
+        if any(step.verifies for step in self._steps.values()):
+            return False
+        if (self.spec.active(self._num_enqueued()) and not self.spec.drafts_behind
                 and any(r.can_speculate and not r.spec_skip for r in self.running)):
             return False
         return not any(r.num_output_placeholders and r.sampling_reads_output_tokens
@@ -178,6 +180,7 @@ class Scheduler:
                        num_lookahead: int = 0) -> None:
         r = request
         step.requests.append(r)
+        step.verifies = step.verifies or bool(drafts)
         step.out.scheduled.append(ScheduledRequest(
             request_id=r.request_id, num_new_tokens=num_new,
             num_computed_tokens=r.num_computed_tokens,
@@ -277,14 +280,15 @@ class Scheduler:
         if request.spec_skip:  # counted down in steps scheduled ahead too (see above)
             request.spec_skip -= 1
             return []
-        if request.num_output_placeholders:
+        behind = request.num_output_placeholders  # tokens in flight before the drafts
+        if behind and not self.spec.drafts_behind:
             return []
         if request.spec_k == 0:
             request.spec_k = self.spec.initial_k()
         room = min(request.max_tokens - request.num_output_tokens,
-                   self.max_model_len - request.num_tokens) - 1
+                   self.max_model_len - request.num_tokens) - behind - 1
         k = min(request.spec_k, budget - 1, room)
-        return self.spec.propose(request, k) if k > 0 else []
+        return self.spec.propose(request, k, behind) if k > 0 else []
 
     def _lookahead(self, request: Request, end: int, speculate: bool) -> int:
         """Draft-model speculation: how many tokens the worker should draft after a step that

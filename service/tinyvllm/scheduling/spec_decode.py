@@ -132,8 +132,18 @@ class SpecDecodePolicy:
                          if config.method == "ngram" else None)
         self.stats = SpecDecodeStats()
         self.cost = SpecCostMonitor()
-        # Set by the engine when it schedules steps ahead (async scheduling): see `_looked_up`.
+        # Set by the engine (async scheduling): prompt lookup drafts behind a token in flight
+        # (one process: a verification's result is then taken after the step launched behind
+        # it, which tensor-parallel ranks, taking it inside the step, do not allow), else
+        # lookups that match nothing pause (`_looked_up`).
+        self.drafts_behind = False
         self.pause_without_match = False
+
+    def schedule_ahead(self, async_scheduling: bool, tensor_parallel_size: int) -> None:
+        """How drafting meets steps scheduled ahead (see the attributes above)."""
+        self.drafts_behind = (async_scheduling and self.proposer is not None
+                              and tensor_parallel_size == 1)
+        self.pause_without_match = async_scheduling and not self.drafts_behind
 
     def active(self, num_running: int) -> bool:
         limit = self.config.disable_by_batch_size
@@ -149,13 +159,22 @@ class SpecDecodePolicy:
     def initial_k(self) -> int:
         return self.config.num_speculative_tokens
 
-    def propose(self, request: Request, k: int) -> list[int]:
+    def propose(self, request: Request, k: int, behind: int = 0) -> list[int]:
         """Up to k draft tokens for the request: the n-gram proposer's, or the draft model's
-        that the worker made after the step that sampled the request's last token (taken)."""
+        that the worker made after the step that sampled the request's last token (taken).
+
+        behind: tokens in flight after the known ones (`drafts_behind`). The lookup then runs
+        over the known tokens and skips that many of the continuation it finds: if the match
+        holds, those are the tokens in flight, and the drafts follow them. Whether it holds is
+        for the verification to find out: the first draft is checked against what the target
+        makes of the real token in flight, so drafts after a wrong guess are rejected, never
+        wrong."""
         if self.proposer is not None:
-            drafts = self.proposer.propose(_token_array(request), k)
-            self._looked_up(request, bool(drafts))
-            return drafts
+            found = self.proposer.propose(_token_array(request), k + behind)
+            self._looked_up(request, bool(found))
+            return found[behind:]
+        if behind:
+            return []
         drafts, request.draft_token_ids = request.draft_token_ids[:k], []
         return drafts
 

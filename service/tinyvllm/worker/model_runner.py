@@ -37,7 +37,7 @@ from tinyvllm.worker.prompt_logprobs import (PromptLogprobsJob, StepPromptLogpro
                                              compute_prompt_logprobs, plan_job)
 from tinyvllm.worker.requests import CachedRequest, apply_scheduler_output
 from tinyvllm.worker.sampler import Sampler, SamplingState
-from tinyvllm.worker.spec_decode import verify_step
+from tinyvllm.worker.spec_decode import PendingVerification
 from tinyvllm.scheduling.output import SampledTokens
 from tinyvllm.worker.step_handle import StepHandle
 
@@ -361,9 +361,11 @@ class ModelRunner:
                 return StepHandle.done()
             return StepHandle.launch([], [], None, prompt=prompt, on_cuda=on_cuda)
         if inputs.has_drafts:
-            return StepHandle.finished(
-                verify_step(logits, inputs.sampled_requests, inputs.draft_token_ids,
-                            self.sampler, self.tp), prompt)
+            pending = PendingVerification(logits, requests, inputs.draft_token_ids, self.sampler,
+                                          self.tp, self._next_ids_buffer())
+            if self.tp.size > 1:  # its broadcast now, while every rank is in this step
+                return StepHandle.finished(pending.result(), prompt)
+            return StepHandle.deferred(pending.result, prompt, on_cuda)
         states = [r.sampling for r in requests]
         sampled = self.sampler.sample(logits, states)
         if self.tp.size > 1:  # every rank keeps rank 0's tokens (random rows may differ)
@@ -379,8 +381,9 @@ class ModelRunner:
         by the time the ring comes back to it (a fresh pinned tensor costs ~50 us of host time)."""
         if self.device.type != "cuda":
             return None
-        if not self._ids_ring:
-            self._ids_ring = [torch.empty(self.max_num_seqs, dtype=torch.int64, pin_memory=True)
+        if not self._ids_ring:  # a verification step has a token id per row
+            size = max(self.max_num_seqs, self.max_num_tokens)
+            self._ids_ring = [torch.empty(size, dtype=torch.int64, pin_memory=True)
                               for _ in range(_IDS_RING_SIZE)]
         self._ids_ring.append(self._ids_ring.pop(0))
         return self._ids_ring[-1]
@@ -495,7 +498,7 @@ class ModelRunner:
             table = r.block_table
             # A graph's width covers the step's contexts; lookahead blocks past them are unread.
             tables[i, :min(len(table), width)] = table[:width]
-            if n == 1:  # decode: scalar writes, no numpy temporaries
+            if n == 1 or s.draft_token_ids:  # a decode: its last token
                 if start < r.num_tokens:
                     ids[offset] = r.token_at(start)
                 else:  # sampled by the step in flight: the host does not know it yet
@@ -503,12 +506,12 @@ class ModelRunner:
                     b.prev_token_dst.np[num_prev] = offset
                     b.prev_token_src.np[num_prev] = self._prev_row(r, start)
                     num_prev += 1
+            if n == 1:  # scalar writes, no numpy temporaries
                 positions[offset] = start
                 slots[offset] = int(table[start // bs]) * bs + start % bs
             else:
                 pos = np.arange(start, start + n)
-                if s.draft_token_ids:  # its last token, then the drafts to verify
-                    ids[offset] = r.token_at(start)
+                if s.draft_token_ids:  # then the drafts to verify
                     ids[offset + 1:offset + n] = s.draft_token_ids
                 else:
                     ids[offset:offset + n] = r.token_slice(start, start + n)

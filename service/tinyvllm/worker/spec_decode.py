@@ -11,13 +11,16 @@ exactly the token plain sampling emits, so speculation changes how fast tokens c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Optional
+
 import torch
 
 from tinyvllm.ops.sampling import apply_filters, as_int64, kernel_available
 from tinyvllm.ops.spec_decode import PLACEHOLDER_TOKEN_ID, rejection_sample
 from tinyvllm.scheduling.output import SampledTokens
 from tinyvllm.worker.requests import CachedRequest
-from tinyvllm.worker.sampler import Sampler, SamplingState, _to_device
+from tinyvllm.worker.sampler import Sampler, SampledTensors, SamplingState, _to_device
 
 
 def verify(logits: torch.Tensor, states: list[SamplingState],
@@ -32,9 +35,28 @@ def verify(logits: torch.Tensor, states: list[SamplingState],
     Returns:
         Per request, 1 to k_b + 1 token ids.
     """
+    acceptance = launch_acceptance(logits, states, draft_token_ids)
+    return acceptance.finish(acceptance.on_device.tolist()
+                             if acceptance.on_device is not None else None)
+
+
+@dataclass
+class Acceptance:
+    """A verification's acceptance, launched: `on_device` (int64, flat) is what `finish` turns
+    into the kept tokens once it is on the host; None when the tokens were computed at once
+    (the reference path: `finish` ignores its argument)."""
+
+    on_device: Optional[torch.Tensor]
+    finish: Callable[[Optional[list[int]]], list[list[int]]]
+
+
+def launch_acceptance(logits: torch.Tensor, states: list[SamplingState],
+                      draft_token_ids: list[list[int]]) -> Acceptance:
+    """`verify` without the host sync where the device does the work (same arguments)."""
     num_rows = [len(d) + 1 for d in draft_token_ids]
     if all(s.params.greedy for s in states):  # greedy: compare the drafts with the argmax
-        return _accept_greedy(logits.argmax(dim=-1).tolist(), draft_token_ids)
+        return Acceptance(logits.argmax(dim=-1),
+                          lambda argmax: _accept_greedy(argmax, draft_token_ids))
     device = logits.device
     probs = _target_probs(logits, states, num_rows)
     drafts = _to_device([t for d in draft_token_ids for t in d], torch.int64, device)
@@ -46,11 +68,13 @@ def verify(logits: torch.Tensor, states: list[SamplingState],
         seeds = _to_device(_seeds(states), torch.int64, device)
         offsets = _to_device([s.sample_index for s in states], torch.int64, device)
         out = rejection_sample(probs, drafts, cu_num_draft, seed=seeds, offset=offsets)
-        return _strip(out.tolist())
+        width = out.shape[1]
+        return Acceptance(out.reshape(-1).long(), lambda flat: _strip(
+            [flat[i:i + width] for i in range(0, len(flat), width)]))
     noise = _reference_noise(probs, states, num_rows)
     kept = _strip(rejection_sample(probs, drafts, cu_num_draft, noise=noise).tolist())
     _keep_unused_noise(noise, states, num_rows, kept)
-    return kept
+    return Acceptance(None, lambda _: kept)
 
 
 def _accept_greedy(argmax: list[int], draft_token_ids: list[list[int]]) -> list[list[int]]:
@@ -121,19 +145,9 @@ def _strip(rows: list[list[int]]) -> list[list[int]]:
     return [[t for t in r if t != PLACEHOLDER_TOKEN_ID] for r in rows]
 
 
-def verify_step(logits: torch.Tensor, requests: list[CachedRequest],
-            draft_token_ids: list[list[int]], sampler: Sampler, tp) -> SampledTokens:
-    """The tokens of a step with speculative requests, waited for here: the scheduler needs
-    the accepted tokens before it can schedule the next step (async scheduling is off while
-    requests speculate). Plain rows go through the sampler, speculative ones through `verify`;
-    the records get the tokens appended.
-
-    Args:
-        logits: [rows, vocab_size] float32, the sampled requests' rows in order (a request with
-            k drafts has k + 1).
-        requests, draft_token_ids: the step's sampled requests and their drafts (empty: plain).
-        tp: the tensor-parallel group; every rank keeps rank 0's tokens.
-    """
+def _split_rows(requests: list[CachedRequest], draft_token_ids: list[list[int]]):
+    """The plain requests and their logits rows, the speculative ones (with their drafts) and
+    theirs."""
     plain_rows, spec_rows, row = [], [], 0
     plain, spec = [], []
     for r, drafts in zip(requests, draft_token_ids):
@@ -144,25 +158,75 @@ def verify_step(logits: torch.Tensor, requests: list[CachedRequest],
             plain.append(r)
             plain_rows.append(row)
         row += len(drafts) + 1
-    result: SampledTokens = {}
-    plain_tokens, plain_logprobs = [], []
-    if plain:
-        states = [r.sampling for r in plain]
-        rows = logits[torch.tensor(plain_rows, device=logits.device)]
-        out = sampler.sample(rows, states).to_output(states)
-        plain_tokens, plain_logprobs = out.token_ids, out.logprobs
-    states = [r.sampling for r, _ in spec]
-    if plain:  # else every row is a speculative request's
-        logits = logits[torch.tensor(spec_rows, device=logits.device)]
-    kept = verify(logits, states, [d for _, d in spec])
-    if tp.size > 1:  # every rank keeps rank 0's tokens (random rows may differ)
-        plain_tokens, kept = _broadcast_tokens(tp, plain_tokens, kept, logits.device)
-    result.update({r.request_id: (t, lp)
-                   for r, t, lp in zip(plain, plain_tokens, plain_logprobs)})
-    result.update({r.request_id: (tokens, None) for (r, _), tokens in zip(spec, kept)})
-    for r in requests:
-        r.append_sampled(result[r.request_id][0])
-    return result
+    return plain, plain_rows, spec, spec_rows
+
+
+class PendingVerification:
+    """A step with speculative requests, launched without a host sync: plain rows go through the
+    sampler and speculative ones through the acceptance, on the device, and their token ids are
+    queued for the host in one copy (`ids_buffer`, pinned; CUDA). `result()` waits for the copy,
+    finishes the acceptance on the host and appends every request's tokens to its record, so
+    results are taken in step order even when the next step was launched first (prompt-lookup
+    drafts scheduled behind a token in flight). Under tensor parallelism every rank keeps rank
+    0's tokens: one broadcast, which the runner reaches in step order by taking the result at
+    once (`tp`).
+
+    Args:
+        logits: [rows, vocab_size] float32, the sampled requests' rows in order (a request with
+            k drafts has k + 1); modified in place.
+        requests, draft_token_ids: the step's sampled requests and their drafts (empty: plain).
+    """
+
+    def __init__(self, logits: torch.Tensor, requests: list[CachedRequest],
+                 draft_token_ids: list[list[int]], sampler: Sampler, tp,
+                 ids_buffer: Optional[torch.Tensor] = None):
+        self._requests = requests
+        self._tp = tp
+        self._device = device = logits.device
+        plain, plain_rows, spec, spec_rows = _split_rows(requests, draft_token_ids)
+        self._plain, self._spec = plain, spec
+        self._plain_states = [r.sampling for r in plain]
+        sampled = None
+        if plain:
+            rows = logits[_to_device(plain_rows, torch.int64, device)]
+            sampled = sampler.sample(rows, self._plain_states)
+            logits = logits[_to_device(spec_rows, torch.int64, device)]
+        self._acceptance = launch_acceptance(logits, [r.sampling for r, _ in spec],
+                                             [d for _, d in spec])
+        parts = [t for t in (sampled.token_ids if sampled else None,
+                             self._acceptance.on_device) if t is not None]
+        self._logprobs = sampled.logprobs if sampled is not None else None
+        self._ids: Optional[torch.Tensor] = None
+        self._ready: Optional[torch.cuda.Event] = None
+        if parts:
+            ids = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if device.type == "cuda":
+                host = SampledTensors(ids, self._logprobs).to_pinned_host(ids_buffer)
+                ids, self._logprobs = host.token_ids, host.logprobs
+                self._ready = torch.cuda.Event()
+                self._ready.record()
+            self._ids = ids
+
+    def result(self) -> SampledTokens:
+        if self._ready is not None:
+            self._ready.synchronize()
+        ids = self._ids.tolist() if self._ids is not None else []
+        n = len(self._plain)
+        plain_tokens, plain_logprobs = ids[:n], [None] * n
+        if self._logprobs is not None:
+            out = SampledTensors(torch.tensor(plain_tokens), self._logprobs).to_output(
+                self._plain_states)
+            plain_logprobs = out.logprobs
+        kept = self._acceptance.finish(ids[n:] if self._acceptance.on_device is not None
+                                       else None)
+        if self._tp.size > 1:
+            plain_tokens, kept = _broadcast_tokens(self._tp, plain_tokens, kept, self._device)
+        result: SampledTokens = {r.request_id: (t, lp) for r, t, lp in
+                                 zip(self._plain, plain_tokens, plain_logprobs)}
+        result.update({r.request_id: (tokens, None) for (r, _), tokens in zip(self._spec, kept)})
+        for r in self._requests:
+            r.append_sampled(result[r.request_id][0])
+        return result
 
 
 def _broadcast_tokens(tp, plain: list[int], kept: list[list[int]], device: torch.device

@@ -8,7 +8,7 @@ and appends them to the worker's records of the requests.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -36,6 +36,7 @@ class StepHandle:
         self.prompt_logprobs: PromptLogprobs = {}
         # Draft-model speculation: set by the runner, which drafts once the step's tokens are in.
         self.draft_token_ids: DraftTokens = {}
+        self._finish: Optional[Callable[[], SampledTokens]] = None
 
     @classmethod
     def done(cls) -> "StepHandle":
@@ -50,6 +51,16 @@ class StepHandle:
         handle._result = result
         if prompt is not None:
             handle.prompt_logprobs = prompt.to_lists()
+        return handle
+
+    @classmethod
+    def deferred(cls, finish: Callable[[], SampledTokens],
+                 prompt: Optional[StepPromptLogprobs] = None,
+                 on_cuda: bool = False) -> "StepHandle":
+        """A step whose tokens `finish` brings to the host (waiting for its own copies) and
+        appends to the records: a verification (`PendingVerification.result`)."""
+        handle = cls.launch([], [], None, prompt=prompt, on_cuda=on_cuda)
+        handle._result, handle._finish = None, finish
         return handle
 
     @classmethod
@@ -72,7 +83,7 @@ class StepHandle:
         if self._result is None:
             if self._ready is not None:
                 self._ready.synchronize()
-            self._result = {}
+            self._result = self._finish() if self._finish is not None else {}
             if self._sampled is not None:
                 out = self._sampled.to_output(self._states)
                 self._result = {r.request_id: (tok, lp) for r, tok, lp in
