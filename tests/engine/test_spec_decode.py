@@ -133,31 +133,38 @@ def test_tiny_speculation_steps_aside_for_large_batches(tiny):
     assert engine.get_stats().spec_num_draft_tokens > 0
 
 
-def spy_drafts_behind(engine: EngineCore) -> list[bool]:
-    """Per verification the scheduler makes: whether it drafts behind a token in flight (its
-    row 0's position is past the tokens the scheduler knows)."""
-    behind: list[bool] = []
+def spy_drafts_behind(engine: EngineCore) -> dict[str, int]:
+    """Counts, as the run goes: verifications that draft behind a plain token in flight (row 0
+    one past the tokens the scheduler knows), and steps of a request scheduled behind its
+    verification in flight (further past: its drafts assumed accepted)."""
+    counts = {"drafts_behind": 0, "behind_verification": 0}
     schedule = engine.scheduler.schedule
 
     def spy():
         out = schedule()
-        behind.extend(s.num_computed_tokens == engine.scheduler.requests[s.request_id].num_tokens
-                      for s in out.scheduled if s.draft_token_ids)
+        for s in out.scheduled:
+            past = s.num_computed_tokens - engine.scheduler.requests[s.request_id].num_tokens
+            if past == 0 and s.draft_token_ids:
+                counts["drafts_behind"] += 1
+            elif past > 0:
+                counts["behind_verification"] += 1
         return out
     engine.scheduler.schedule = spy
-    return behind
+    return counts
 
 
 @pytest.mark.parametrize("params", [PARAMS["greedy"], PARAMS["seeded"]], ids=["greedy", "seeded"])
 def test_tiny_async_drafts_behind_tokens_in_flight(tiny, params):
-    """Under async scheduling, prompt lookup drafts behind a token in flight, so steps run
-    ahead until one verifies: the same tokens as without speculation, no block leaked."""
+    """Under async scheduling, prompt lookup drafts behind a token in flight, and a greedy
+    request's step goes behind its verification in flight (every draft assumed accepted, the
+    step dropped where not): the same tokens as without speculation, no block leaked."""
     kwargs = {"block_size": 4, "num_kv_blocks": 64, "async_scheduling": True}
     off = generate(make_engine(tiny, **kwargs), TINY_PROMPTS, params)
     engine = make_engine(tiny, NGRAM, **kwargs)
-    behind = spy_drafts_behind(engine)
+    counts = spy_drafts_behind(engine)
     assert generate(engine, TINY_PROMPTS, params) == off
-    assert any(behind)
+    assert counts["drafts_behind"] > 0
+    assert (counts["behind_verification"] > 0) == params.greedy
 
 
 # --- the bundled model: the acceptance cases -------------------------------------------------
@@ -206,10 +213,12 @@ REAL_ENGINES = {
 def test_real_batch_greedy_identical(smollm2_model, real_prompts, real_off, engine_kwargs):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     engine = make_engine(smollm2_model, NGRAM, **engine_kwargs)
-    behind = spy_drafts_behind(engine)
+    counts = spy_drafts_behind(engine)
     assert generate(engine, real_prompts, params) == real_off
     assert engine.get_stats().spec_num_accepted_tokens > 0
-    assert any(behind) == ("async_scheduling" in engine_kwargs)
+    ahead = "async_scheduling" in engine_kwargs
+    assert (counts["drafts_behind"] > 0) == ahead
+    assert (counts["behind_verification"] > 0) == ahead
     if "num_kv_blocks" in engine_kwargs:
         assert engine.scheduler.num_preemptions > 0
 

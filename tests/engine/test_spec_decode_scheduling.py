@@ -394,9 +394,8 @@ def behind_scheduler(max_tokens=20, **spec):
 def test_prompt_lookup_drafts_behind_a_token_in_flight(in_flight):
     """With a plain step in flight, the next step is scheduled ahead and drafts from the known
     tokens: the match's continuation past the token in flight, which row 0 takes from the
-    device. While that verification is in flight nothing is scheduled ahead. A right guess
-    lets the drafts be accepted; after a wrong one the target's own token at row 0 is kept and
-    the drafts' KV rolled back."""
+    device. A right guess lets the drafts be accepted; after a wrong one the target's own token
+    at row 0 is kept and the drafts' KV rolled back."""
     s, r = behind_scheduler()
     prefill = s.schedule()
     assert s.can_schedule_ahead()
@@ -408,9 +407,7 @@ def test_prompt_lookup_drafts_behind_a_token_in_flight(in_flight):
     (v,) = verify.scheduled
     assert v.draft_token_ids == [4, 5, 6, 7] and v.num_new_tokens == 5
     assert v.num_computed_tokens == 12 and r.num_output_placeholders == 2
-    assert not s.can_schedule_ahead()  # how many it accepts decides the next positions
     s.update(decode, {"a": (in_flight, None)})
-    assert not s.can_schedule_ahead()
     target = [4, 5, 6, 7, 8] if in_flight == 3 else [5]
     (result,) = s.update(verify, {"a": (target, None)})
     assert result.new_token_ids == target
@@ -450,3 +447,68 @@ def test_drafting_behind_needs_prompt_lookup_async_scheduling_and_one_process():
             (ngram, False, 1, False, False), (draft, True, 1, False, True)):
         policy.schedule_ahead(async_, tp)
         assert (policy.drafts_behind, policy.pause_without_match) == (behind, pause)
+
+
+def verification_in_flight(temperature=0.0):
+    """A scheduler (drafting behind on) whose request verifies 3 4 5 6 after "1 2" at positions
+    11..15 (row 0: the 2 at 11), in flight."""
+    s = make_scheduler(num_blocks=64, adaptive=False, prompt_lookup_min=2, prompt_lookup_max=3)
+    s.spec.schedule_ahead(async_scheduling=True, tensor_parallel_size=1)
+    r = Request(request_id="a", prompt_token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1],
+                sampling_params=SamplingParams(temperature=temperature, seed=3, max_tokens=40),
+                eos_token_ids=frozenset({0}))
+    s.add_request(r)
+    s.update(s.schedule(), {"a": (2, None)})
+    verify = s.schedule()
+    assert verify.scheduled[0].draft_token_ids == [3, 4, 5, 6]
+    return s, r, verify
+
+
+@pytest.mark.parametrize("all_accepted", [True, False], ids=["all_accepted", "fell_short"])
+def test_a_step_behind_a_verification_assumes_every_draft_accepted(all_accepted):
+    """A greedy verification in flight lets the next step be scheduled ahead: the request's
+    next input is the verification's last token (position 16 if all four drafts are accepted),
+    its drafts follow the assumed ones (... 3 4 5 6 | 7 in flight -> 8 9 10 1). If they are all
+    accepted, that step stands; if not, its work for the request is dropped when it comes, the
+    request's KV is rolled back to the tokens it has, and it is left out of the steps until
+    then."""
+    s, r, verify = verification_in_flight()
+    assert s.can_schedule_ahead()
+    behind = s.schedule()
+    (b,) = behind.scheduled
+    assert b.num_computed_tokens == 16 and b.draft_token_ids == [8, 9, 10, 1]
+    assert r.num_computed_tokens == 21 and r.num_output_placeholders == 2
+    if all_accepted:
+        (out,) = s.update(verify, {"a": ([3, 4, 5, 6, 7], None)})
+        assert out.new_token_ids == [3, 4, 5, 6, 7] and r.num_computed_tokens == 21
+        (out,) = s.update(behind, {"a": ([8, 9, 11], None)})
+        assert out.new_token_ids == [8, 9, 11]
+        assert r.output_token_ids == [2, 3, 4, 5, 6, 7, 8, 9, 11]
+        assert r.num_computed_tokens == r.num_tokens - 1 == 19
+        assert len(s.kv.block_ids("a")) == 5
+    else:
+        (out,) = s.update(verify, {"a": ([3, 4, 9], None)})
+        assert out.new_token_ids == [3, 4, 9]
+        assert r.num_computed_tokens == r.num_tokens - 1 == 14
+        assert len(s.kv.block_ids("a")) == 4  # the assumed step's blocks freed
+        assert s.can_schedule_ahead() and s.schedule().is_empty  # left out while in flight
+        assert s.update(behind, {"a": ([8, 9, 10, 1, 5], None)}) == []  # dropped
+        assert r.output_token_ids == [2, 3, 4, 9] and r.num_output_placeholders == 0
+        (again,) = s.schedule().scheduled  # scheduled again from the tokens it has
+        assert again.num_computed_tokens == 14
+
+
+def test_a_sampled_verification_in_flight_keeps_the_next_step_waiting():
+    s, r, verify = verification_in_flight(temperature=1.0)
+    assert not s.can_schedule_ahead()
+
+
+def test_a_verification_in_flight_that_meets_a_stop_drops_the_step_behind_it():
+    """EOS among the accepted tokens finishes the request; the step behind is dropped and every
+    block is back."""
+    s, r, verify = verification_in_flight()
+    behind = s.schedule()
+    (out,) = s.update(verify, {"a": ([3, 0], None)})
+    assert out.finish_reason is not None and r.is_finished
+    assert s.update(behind, {"a": ([8, 9], None)}) == []
+    assert s.kv.num_free_blocks == s.kv.num_blocks - 1

@@ -92,6 +92,12 @@ class Request:
     # most the step in flight plus the one just scheduled). They count toward the sequence length
     # when scheduling, so that a decode of a token still in flight is scheduled at its position.
     num_output_placeholders: int = 0
+    # Its latest scheduled step not yet updated (-1: none), and that step's drafts: a step
+    # scheduled behind a verification assumes every draft accepted (Scheduler.update).
+    last_step_id: int = -1
+    in_flight_drafts: list[int] = field(default_factory=list)
+    # A step scheduled behind a verification that accepted fewer: its result is dropped.
+    discard_step_id: int = -1
     # Set on first scheduling (when the workers learn of it); -1 = not scheduled yet.
     num_cached_tokens: int = -1
     finish_reason: Optional[FinishReason] = None

@@ -42,6 +42,7 @@ class _Step:
     out: SchedulerOutput
     requests: list[Request] = field(default_factory=list)
     verifies: bool = False  # some request verifies drafts: its accepted count is unknown
+    verifies_sampled: bool = False  # ... and samples (not greedy)
 
 
 class WaitingQueue:
@@ -137,18 +138,22 @@ class Scheduler:
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before the one in flight is processed.
 
-        Not while a step in flight verifies drafts: how many it accepts decides where the next
-        step's tokens sit. Not while a request with a token in flight needs its output ids on
-        the host to sample. With prompt lookup, a request whose last token is in flight drafts
-        behind it (`SpecDecodePolicy.drafts_behind`: the lookup's continuation past that token,
-        verified after it), so steps run ahead until one verifies. A draft model's drafts are
-        made by the worker after the step before, from its tokens, so while a request could
-        speculate with one, steps are synchronous; so too with prompt lookup where drafting
-        behind is off (tensor parallelism), except while every request that could speculate
-        pauses its drafts (`Request.spec_skip`). While speculation steps aside (a large batch,
-        or drafts that do not pay) nothing of this applies."""
-        if any(step.verifies for step in self._steps.values()):
-            return False
+        With prompt lookup in one process (`SpecDecodePolicy.drafts_behind`), a request whose
+        last token is in flight drafts behind it (the lookup's continuation past that token,
+        verified after it), and a request whose verification is in flight is scheduled as if
+        every draft were accepted: its next input is the verification's last token, taken from
+        the device. Where fewer were accepted, `update` drops that step's work for the request
+        (its KV lies past the rolled-back tokens). Only greedy verifications are assumed so: a
+        sampled one's seeded noise on the CPU is drawn in order, which a dropped step would
+        disturb. Otherwise a verification in flight keeps the next step waiting, as does a
+        request that could speculate with a draft model (its drafts come after the step), or
+        with prompt lookup where drafting behind is off (tensor parallelism), except while
+        every such request pauses its drafts (`Request.spec_skip`); and so does a request with
+        a token in flight that needs its output ids on the host to sample. While speculation
+        steps aside (a large batch, or drafts that do not pay) only the last applies."""
+        for step in self._steps.values():
+            if step.verifies and (step.verifies_sampled or not self.spec.drafts_behind):
+                return False
         if (self.spec.active(self._num_enqueued()) and not self.spec.drafts_behind
                 and any(r.can_speculate and not r.spec_skip for r in self.running)):
             return False
@@ -180,7 +185,11 @@ class Scheduler:
                        num_lookahead: int = 0) -> None:
         r = request
         step.requests.append(r)
-        step.verifies = step.verifies or bool(drafts)
+        if drafts:
+            step.verifies = True
+            step.verifies_sampled = step.verifies_sampled or not r.sampling_params.greedy
+        r.last_step_id = step.out.step_id
+        r.in_flight_drafts = list(drafts)
         step.out.scheduled.append(ScheduledRequest(
             request_id=r.request_id, num_new_tokens=num_new,
             num_computed_tokens=r.num_computed_tokens,
@@ -208,8 +217,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if self._last_token_in_flight(request):
-                i += 1
+            if self._last_token_in_flight(request) or request.discard_step_id >= 0:
+                i += 1  # (a step in flight that will be dropped: scheduled once it is)
                 continue
             num_new = self._num_new_tokens(request, budget)
             drafts = self._draft(request, budget) if speculate and num_new == 1 else []
@@ -280,15 +289,18 @@ class Scheduler:
         if request.spec_skip:  # counted down in steps scheduled ahead too (see above)
             request.spec_skip -= 1
             return []
-        behind = request.num_output_placeholders  # tokens in flight before the drafts
+        # Tokens in flight before the drafts: the last token of each step in flight, and a
+        # verification's drafts, assumed accepted.
+        assumed = request.in_flight_drafts if request.num_output_placeholders else []
+        behind = request.num_output_placeholders
         if behind and not self.spec.drafts_behind:
             return []
         if request.spec_k == 0:
             request.spec_k = self.spec.initial_k()
         room = min(request.max_tokens - request.num_output_tokens,
-                   self.max_model_len - request.num_tokens) - behind - 1
+                   self.max_model_len - request.num_tokens) - behind - len(assumed) - 1
         k = min(request.spec_k, budget - 1, room)
-        return self.spec.propose(request, k, behind) if k > 0 else []
+        return self.spec.propose(request, k, behind, assumed) if k > 0 else []
 
     def _lookahead(self, request: Request, end: int, speculate: bool) -> int:
         """Draft-model speculation: how many tokens the worker should draft after a step that
@@ -316,9 +328,12 @@ class Scheduler:
         return None if new_blocks is None else (new_blocks, lookahead)
 
     def _last_token_in_flight(self, request: Request) -> bool:
-        """The token in flight is the request's last (max_tokens or the context length): a
-        decode of it would be computed for nothing."""
+        """The token in flight is the request's last (max_tokens or the context length; a
+        verification in flight counts its drafts as accepted): a decode of it would be computed
+        for nothing."""
         n = request.num_output_placeholders
+        if n and request.in_flight_drafts:
+            n += len(request.in_flight_drafts)
         return n > 0 and (request.num_output_tokens + n >= request.max_tokens
                           or request.num_tokens + n >= self.max_model_len)
 
@@ -363,10 +378,17 @@ class Scheduler:
                                                  request.num_prompt_tokens - s.num_computed_tokens))
             if request.is_finished:
                 continue  # finished or aborted while this step was in flight: dropped
+            if request.last_step_id == out.step_id:  # nothing of it in flight after this
+                request.last_step_id, request.in_flight_drafts = -1, []
+            if request.discard_step_id == out.step_id:  # behind a verification that fell short
+                request.discard_step_id = -1
+                request.num_output_placeholders -= s.completes_sequence
+                continue
             if s.completes_sequence:  # drafts are of its last token: replaced whenever it grows
                 request.draft_token_ids = draft_token_ids.get(request.request_id, [])
             if s.draft_token_ids:
-                outputs.append(self._update_verified(request, s, sampled[request.request_id][0]))
+                outputs.append(self._update_verified(request, s, sampled[request.request_id][0],
+                                                     out.step_id))
                 continue
             request.num_output_placeholders -= s.completes_sequence
             if request.status == RequestStatus.RUNNING:
@@ -397,18 +419,27 @@ class Scheduler:
                 stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens))
         return outputs
 
-    def _update_verified(self, request: Request, s: ScheduledRequest,
-                         token_ids: list[int]) -> EngineCoreOutput:
+    def _update_verified(self, request: Request, s: ScheduledRequest, token_ids: list[int],
+                         step_id: int) -> EngineCoreOutput:
         """A verification step's outcome: token_ids are the accepted drafts and the target's own
         token. The rejected drafts' KV is rolled back (num_computed_tokens, and the blocks that
         only they used), then the tokens are appended up to a stop, and the full blocks of
-        accepted tokens published."""
+        accepted tokens published. A step scheduled behind it (`can_schedule_ahead`) assumed
+        every draft accepted: then its positions stand; else its work for the request is
+        dropped when it comes (`discard_step_id`) and rolled back with the rejected drafts'.
+        A request preempted since keeps only the tokens (it is recomputed)."""
         request.num_output_placeholders -= 1
         num_accepted = len(token_ids) - 1
-        request.num_computed_tokens = s.num_computed_tokens + len(token_ids)
+        if request.status == RequestStatus.RUNNING:
+            behind = request.last_step_id not in (-1, step_id)
+            if behind and num_accepted < len(s.draft_token_ids):
+                request.discard_step_id = request.last_step_id
+                request.last_step_id, request.in_flight_drafts = -1, []
+            if not behind or request.discard_step_id >= 0:
+                request.num_computed_tokens = s.num_computed_tokens + len(token_ids)
+                self.kv.trim(request)
         request.spec_k = self.spec.next_k(request.spec_k, len(s.draft_token_ids), num_accepted)
         self.spec.back_off(request, len(s.draft_token_ids), num_accepted)
-        self.kv.trim(request)
         new_token_ids, reason = [], None
         for token_id in token_ids:
             request.output_token_ids.append(token_id)
@@ -419,7 +450,7 @@ class Scheduler:
         if reason is not None:
             self._remove(request)
             self._finish(request, reason)
-        else:
+        elif request.status == RequestStatus.RUNNING:
             self.kv.cache_computed_blocks(request)
         return EngineCoreOutput(
             request_id=request.request_id, new_token_ids=new_token_ids,

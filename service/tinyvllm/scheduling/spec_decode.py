@@ -159,18 +159,22 @@ class SpecDecodePolicy:
     def initial_k(self) -> int:
         return self.config.num_speculative_tokens
 
-    def propose(self, request: Request, k: int, behind: int = 0) -> list[int]:
+    def propose(self, request: Request, k: int, behind: int = 0,
+                assumed: list[int] = ()) -> list[int]:
         """Up to k draft tokens for the request: the n-gram proposer's, or the draft model's
         that the worker made after the step that sampled the request's last token (taken).
 
-        behind: tokens in flight after the known ones (`drafts_behind`). The lookup then runs
-        over the known tokens and skips that many of the continuation it finds: if the match
-        holds, those are the tokens in flight, and the drafts follow them. Whether it holds is
-        for the verification to find out: the first draft is checked against what the target
-        makes of the real token in flight, so drafts after a wrong guess are rejected, never
-        wrong."""
+        behind: tokens in flight after the known ones and the `assumed` ones (a verification's
+        drafts in flight, taken as accepted) (`drafts_behind`). The lookup then runs over those
+        tokens and skips `behind` of the continuation it finds: if the match holds, those are
+        the tokens in flight, and the drafts follow them. Whether it holds is for the
+        verification to find out: the first draft is checked against what the target makes of
+        the real token in flight, so drafts after a wrong guess are rejected, never wrong."""
         if self.proposer is not None:
-            found = self.proposer.propose(_token_array(request), k + behind)
+            tokens = _token_array(request)
+            if assumed:
+                tokens = np.concatenate([tokens, np.asarray(assumed, dtype=np.int64)])
+            found = self.proposer.propose(tokens, k + behind)
             self._looked_up(request, bool(found))
             return found[behind:]
         if behind:

@@ -93,8 +93,10 @@ _IDS_RING_SIZE = 3
 class _PrevSampled:
     """The last launched step's sampled ids, kept on the device for the next step's inputs."""
 
-    token_ids: torch.Tensor  # [num_sampled] int64
-    rows: dict[str, int]  # request id -> row in token_ids
+    token_ids: torch.Tensor  # [num_sampled] int64 (a verification's: every row's, flat)
+    # request id -> (row in token_ids, that token's position in the sequence); a verification's
+    # last token, for a step scheduled behind it that assumes every draft accepted.
+    rows: dict[str, tuple[int, int]]
 
 
 def keep_gguf_packed(dequantize: Optional[bool], device: torch.device) -> bool:
@@ -360,20 +362,25 @@ class ModelRunner:
             if prompt is None:
                 return StepHandle.done()
             return StepHandle.launch([], [], None, prompt=prompt, on_cuda=on_cuda)
+        # Each sampled request's length before its first token of this step (the position
+        # that token takes): a result is appended only where the record still has that length
+        # (a step scheduled behind a verification that fell short is dropped).
+        lengths = [r.num_prompt_tokens + r.sampling.output_index for r in requests]
         if inputs.has_drafts:
             pending = PendingVerification(logits, requests, inputs.draft_token_ids, self.sampler,
-                                          self.tp, self._next_ids_buffer())
+                                          self.tp, lengths, self._next_ids_buffer())
             if self.tp.size > 1:  # its broadcast now, while every rank is in this step
                 return StepHandle.finished(pending.result(), prompt)
+            self._prev_sampled = _PrevSampled(*pending.last_tokens())
             return StepHandle.deferred(pending.result, prompt, on_cuda)
         states = [r.sampling for r in requests]
         sampled = self.sampler.sample(logits, states)
         if self.tp.size > 1:  # every rank keeps rank 0's tokens (random rows may differ)
             self.tp.broadcast(sampled.token_ids, src=0)
-        self._prev_sampled = _PrevSampled(sampled.token_ids,
-                                          {r.request_id: i for i, r in enumerate(requests)})
+        self._prev_sampled = _PrevSampled(sampled.token_ids, {
+            r.request_id: (i, n) for i, (r, n) in enumerate(zip(requests, lengths))})
         return StepHandle.launch(requests, states, sampled, self._next_ids_buffer(), prompt,
-                                 on_cuda)
+                                 on_cuda, lengths)
 
     def _next_ids_buffer(self) -> Optional[torch.Tensor]:
         """Pinned host memory for a step's sampled ids, from a ring of _IDS_RING_SIZE: the engine
@@ -536,10 +543,11 @@ class ModelRunner:
 
     def _prev_row(self, request: CachedRequest, position: int) -> int:
         """The row of `request` in the previous step's samples, which must hold its token at
-        `position` (the one token it has in flight)."""
+        `position` (its one token in flight, or the last of a verification in flight)."""
         prev = self._prev_sampled
-        if position != request.num_tokens or prev is None or request.request_id not in prev.rows:
+        entry = prev.rows.get(request.request_id) if prev is not None else None
+        if entry is None or entry[1] != position:
             raise RuntimeError(f"request {request.request_id!r}: input token {position} is "
                                f"neither known ({request.num_tokens} are) nor sampled by the "
                                f"previous step")
-        return prev.rows[request.request_id]
+        return entry[0]

@@ -44,10 +44,12 @@ def verify(logits: torch.Tensor, states: list[SamplingState],
 class Acceptance:
     """A verification's acceptance, launched: `on_device` (int64, flat) is what `finish` turns
     into the kept tokens once it is on the host; None when the tokens were computed at once
-    (the reference path: `finish` ignores its argument)."""
+    (the reference path: `finish` ignores its argument). Greedy: `on_device` is every row's
+    argmax, request b's first at `greedy_rows[b]`."""
 
     on_device: Optional[torch.Tensor]
     finish: Callable[[Optional[list[int]]], list[list[int]]]
+    greedy_rows: Optional[list[int]] = None
 
 
 def launch_acceptance(logits: torch.Tensor, states: list[SamplingState],
@@ -55,8 +57,11 @@ def launch_acceptance(logits: torch.Tensor, states: list[SamplingState],
     """`verify` without the host sync where the device does the work (same arguments)."""
     num_rows = [len(d) + 1 for d in draft_token_ids]
     if all(s.params.greedy for s in states):  # greedy: compare the drafts with the argmax
+        first = [0]
+        for n in num_rows[:-1]:
+            first.append(first[-1] + n)
         return Acceptance(logits.argmax(dim=-1),
-                          lambda argmax: _accept_greedy(argmax, draft_token_ids))
+                          lambda argmax: _accept_greedy(argmax, draft_token_ids), first)
     device = logits.device
     probs = _target_probs(logits, states, num_rows)
     drafts = _to_device([t for d in draft_token_ids for t in d], torch.int64, device)
@@ -178,9 +183,10 @@ class PendingVerification:
     """
 
     def __init__(self, logits: torch.Tensor, requests: list[CachedRequest],
-                 draft_token_ids: list[list[int]], sampler: Sampler, tp,
+                 draft_token_ids: list[list[int]], sampler: Sampler, tp, lengths: list[int],
                  ids_buffer: Optional[torch.Tensor] = None):
         self._requests = requests
+        self._lengths = lengths
         self._tp = tp
         self._device = device = logits.device
         plain, plain_rows, spec, spec_rows = _split_rows(requests, draft_token_ids)
@@ -198,14 +204,29 @@ class PendingVerification:
         self._logprobs = sampled.logprobs if sampled is not None else None
         self._ids: Optional[torch.Tensor] = None
         self._ready: Optional[torch.cuda.Event] = None
+        self._device_ids: Optional[torch.Tensor] = None
         if parts:
-            ids = parts[0] if len(parts) == 1 else torch.cat(parts)
+            ids = self._device_ids = parts[0] if len(parts) == 1 else torch.cat(parts)
             if device.type == "cuda":
                 host = SampledTensors(ids, self._logprobs).to_pinned_host(ids_buffer)
                 ids, self._logprobs = host.token_ids, host.logprobs
                 self._ready = torch.cuda.Event()
                 self._ready.record()
             self._ids = ids
+
+    def last_tokens(self) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
+        """Where each request's last token of this step lies on the device, with its position,
+        for the next step's inputs: a plain row's sample, and a greedy verification's argmax
+        at its last row, which is its last token if every draft is accepted (a step scheduled
+        behind it assumes so). Returns (ids, request id -> (row in ids, position))."""
+        length = {r.request_id: n for r, n in zip(self._requests, self._lengths)}
+        rows = {r.request_id: (i, length[r.request_id]) for i, r in enumerate(self._plain)}
+        if self._acceptance.greedy_rows is not None:
+            n = len(self._plain)
+            for (r, drafts), row in zip(self._spec, self._acceptance.greedy_rows):
+                rows[r.request_id] = (n + row + len(drafts), length[r.request_id] + len(drafts))
+        ids = self._device_ids
+        return (ids if ids is not None else torch.empty(0, dtype=torch.int64)), rows
 
     def result(self) -> SampledTokens:
         if self._ready is not None:
@@ -224,8 +245,9 @@ class PendingVerification:
         result: SampledTokens = {r.request_id: (t, lp) for r, t, lp in
                                  zip(self._plain, plain_tokens, plain_logprobs)}
         result.update({r.request_id: (tokens, None) for (r, _), tokens in zip(self._spec, kept)})
-        for r in self._requests:
-            r.append_sampled(result[r.request_id][0])
+        for r, length in zip(self._requests, self._lengths):
+            if r.num_tokens == length:  # else behind a verification that fell short: dropped
+                r.append_sampled(result[r.request_id][0])
         return result
 
 

@@ -25,8 +25,10 @@ class StepHandle:
 
     def __init__(self, requests: list[CachedRequest], states: list[SamplingState],
                  sampled: Optional[SampledTensors], ready: Optional[torch.cuda.Event],
-                 prompt: Optional[StepPromptLogprobs] = None):
+                 prompt: Optional[StepPromptLogprobs] = None,
+                 lengths: Optional[list[int]] = None):
         self._requests = requests
+        self._lengths = lengths  # each record's length before its token (None: any)
         self._states = states
         self._sampled = sampled  # on pinned host memory once `ready` has completed
         self._prompt = prompt  # likewise
@@ -67,17 +69,19 @@ class StepHandle:
     def launch(cls, requests: list[CachedRequest], states: list[SamplingState],
                sampled: Optional[SampledTensors], ids_buffer: Optional[torch.Tensor] = None,
                prompt: Optional[StepPromptLogprobs] = None,
-               on_cuda: bool = False) -> "StepHandle":
+               on_cuda: bool = False, lengths: Optional[list[int]] = None) -> "StepHandle":
         """Start the device-to-host copies of `sampled` and `prompt` (CUDA) and record when they
         are done. ids_buffer: pinned host memory for the token ids
-        (SampledTensors.to_pinned_host)."""
+        (SampledTensors.to_pinned_host). lengths: per request, the length its record must have
+        for its token to be appended (a step scheduled behind a verification that fell short
+        is dropped, `Scheduler.update`)."""
         if not on_cuda:
-            return cls(requests, states, sampled, None, prompt)
+            return cls(requests, states, sampled, None, prompt, lengths)
         host = sampled.to_pinned_host(ids_buffer) if sampled is not None else None
         prompt = prompt.to_pinned_host() if prompt is not None else None
         ready = torch.cuda.Event()
         ready.record()
-        return cls(requests, states, host, ready, prompt)
+        return cls(requests, states, host, ready, prompt, lengths)
 
     def result(self) -> SampledTokens:
         if self._result is None:
@@ -88,8 +92,10 @@ class StepHandle:
                 out = self._sampled.to_output(self._states)
                 self._result = {r.request_id: (tok, lp) for r, tok, lp in
                                 zip(self._requests, out.token_ids, out.logprobs)}
-                for r, tok in zip(self._requests, out.token_ids):
-                    r.output_token_ids.append(tok)
+                lengths = self._lengths or [None] * len(self._requests)
+                for r, tok, n in zip(self._requests, out.token_ids, lengths):
+                    if n is None or r.num_tokens == n:
+                        r.output_token_ids.append(tok)
             if self._prompt is not None:
                 self.prompt_logprobs = self._prompt.to_lists()
             self._sampled = self._prompt = None
