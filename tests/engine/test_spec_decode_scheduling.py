@@ -461,6 +461,8 @@ def verification_in_flight(temperature=0.0):
     s.update(s.schedule(), {"a": (2, None)})
     verify = s.schedule()
     assert verify.scheduled[0].draft_token_ids == [3, 4, 5, 6]
+    assert not s.can_schedule_ahead()  # no verification of it has accepted every draft yet
+    r.spec_streak = 1  # as after one that did
     return s, r, verify
 
 
@@ -491,7 +493,9 @@ def test_a_step_behind_a_verification_assumes_every_draft_accepted(all_accepted)
         assert out.new_token_ids == [3, 4, 9]
         assert r.num_computed_tokens == r.num_tokens - 1 == 14
         assert len(s.kv.block_ids("a")) == 4  # the assumed step's blocks freed
-        assert s.can_schedule_ahead() and s.schedule().is_empty  # left out while in flight
+        # The step in flight verifies for a request whose last verification fell short.
+        assert not s.can_schedule_ahead()
+        assert s.schedule().is_empty  # (and the request is left out while it is in flight)
         assert s.update(behind, {"a": ([8, 9, 10, 1, 5], None)}) == []  # dropped
         assert r.output_token_ids == [2, 3, 4, 9] and r.num_output_placeholders == 0
         (again,) = s.schedule().scheduled  # scheduled again from the tokens it has
@@ -501,6 +505,17 @@ def test_a_step_behind_a_verification_assumes_every_draft_accepted(all_accepted)
 def test_a_sampled_verification_in_flight_keeps_the_next_step_waiting():
     s, r, verify = verification_in_flight(temperature=1.0)
     assert not s.can_schedule_ahead()
+
+
+def test_verifications_count_their_streak_of_fully_accepted_drafts():
+    s, r, verify = verification_in_flight()
+    r.spec_streak = 0
+    s.update(verify, {"a": ([3, 4, 5, 6, 7], None)})
+    assert r.spec_streak == 1
+    again = s.schedule()  # ... 3 4 5 6 7: "5 6 7" -> 8 9 10 1
+    assert again.scheduled[0].draft_token_ids == [8, 9, 10, 1]
+    s.update(again, {"a": ([8, 2], None)})
+    assert r.spec_streak == 0
 
 
 def test_a_verification_in_flight_that_meets_a_stop_drops_the_step_behind_it():

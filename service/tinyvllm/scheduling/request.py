@@ -105,6 +105,7 @@ class Request:
     num_preemptions: int = 0
     spec_k: int = 0  # draft tokens it may propose next (speculative decoding; adapts)
     spec_misses: int = 0  # one-token drafts rejected in a row
+    spec_streak: int = 0  # verifications in a row that accepted every draft
     spec_skip: int = 0  # steps left in which it drafts nothing (after misses or no match)
     spec_no_match: int = 0  # prompt lookups in a row that matched nothing (while paused too)
     # The n-gram proposer's numpy copy of prompt + output (scheduling/spec_decode.py), extended as

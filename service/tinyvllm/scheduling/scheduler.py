@@ -143,16 +143,21 @@ class Scheduler:
         verified after it), and a request whose verification is in flight is scheduled as if
         every draft were accepted: its next input is the verification's last token, taken from
         the device. Where fewer were accepted, `update` drops that step's work for the request
-        (its KV lies past the rolled-back tokens). Only greedy verifications are assumed so: a
-        sampled one's seeded noise on the CPU is drawn in order, which a dropped step would
-        disturb. Otherwise a verification in flight keeps the next step waiting, as does a
+        (its KV lies past the rolled-back tokens), a whole step's GPU time at batch 1, so this
+        is assumed only while each verifying request's previous verification accepted every
+        draft (`Request.spec_streak`: text it is copying). Only greedy verifications are
+        assumed so: a sampled one's seeded noise on the CPU is drawn in order, which a dropped
+        step would disturb. Otherwise a verification in flight keeps the next step waiting, as
+        does a
         request that could speculate with a draft model (its drafts come after the step), or
         with prompt lookup where drafting behind is off (tensor parallelism), except while
         every such request pauses its drafts (`Request.spec_skip`); and so does a request with
         a token in flight that needs its output ids on the host to sample. While speculation
         steps aside (a large batch, or drafts that do not pay) only the last applies."""
         for step in self._steps.values():
-            if step.verifies and (step.verifies_sampled or not self.spec.drafts_behind):
+            if step.verifies and (step.verifies_sampled or not self.spec.drafts_behind or not all(
+                    r.spec_streak for r, s in zip(step.requests, step.out.scheduled)
+                    if s.draft_token_ids)):
                 return False
         if (self.spec.active(self._num_enqueued()) and not self.spec.drafts_behind
                 and any(r.can_speculate and not r.spec_skip for r in self.running)):
@@ -440,6 +445,8 @@ class Scheduler:
                 self.kv.trim(request)
         request.spec_k = self.spec.next_k(request.spec_k, len(s.draft_token_ids), num_accepted)
         self.spec.back_off(request, len(s.draft_token_ids), num_accepted)
+        full = num_accepted == len(s.draft_token_ids)
+        request.spec_streak = request.spec_streak + 1 if full else 0
         new_token_ids, reason = [], None
         for token_id in token_ids:
             request.output_token_ids.append(token_id)
