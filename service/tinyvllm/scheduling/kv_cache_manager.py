@@ -102,6 +102,8 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = num_required - len(entry.block_ids) - len(new_computed_blocks)
+        if num_new_blocks <= 0 and not new_computed_blocks:  # most decode steps
+            return []
         if new_computed_blocks:
             # Touch first: a cached block may sit in the free queue and must not be evicted by the
             # allocation below.

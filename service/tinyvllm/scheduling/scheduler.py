@@ -219,16 +219,19 @@ class Scheduler:
     def _schedule_running(self, step: _Step, budget: int) -> tuple[int, bool]:
         preempted_any = False
         speculate = self.spec.active(self._num_enqueued())
+        draft_model = speculate and self.spec.config.uses_draft_model
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if self._last_token_in_flight(request) or request.discard_step_id >= 0:
+            if request.num_output_placeholders and (self._last_token_in_flight(request)
+                                                    or request.discard_step_id >= 0):
                 i += 1  # (a step in flight that will be dropped: scheduled once it is)
                 continue
             num_new = self._num_new_tokens(request, budget)
             drafts = self._draft(request, budget) if speculate and num_new == 1 else []
             num_new += len(drafts)
-            lookahead = self._lookahead(request, request.num_computed_tokens + num_new, speculate)
+            lookahead = (self._lookahead(request, request.num_computed_tokens + num_new, True)
+                         if draft_model else 0)
             block_offset = len(self.kv.block_ids(request.request_id))
             while (allocated := self._allocate(request, num_new, lookahead)) is None:
                 victim = self._pick_victim()
@@ -379,8 +382,9 @@ class Scheduler:
         outputs = []
         step = self._steps.pop(out.step_id)
         for request, s in zip(step.requests, out.scheduled):
-            self.num_prompt_tokens += max(0, min(s.num_new_tokens,
-                                                 request.num_prompt_tokens - s.num_computed_tokens))
+            if s.num_computed_tokens < len(request.prompt_token_ids):  # (a prompt chunk)
+                self.num_prompt_tokens += min(s.num_new_tokens,
+                                              request.num_prompt_tokens - s.num_computed_tokens)
             if request.is_finished:
                 continue  # finished or aborted while this step was in flight: dropped
             if request.last_step_id == out.step_id:  # nothing of it in flight after this

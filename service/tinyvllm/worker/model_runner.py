@@ -451,7 +451,10 @@ class ModelRunner:
         b = self.buffers
         b.wait_until_writable()
         b.begin(max(num_tokens, num_rows), num_rows, width)
-        sampled, num_prev, num_logit_rows, prompt_jobs = self._fill_host(
+        fill = (self._fill_host_decodes if num_tokens == num_seqs and all(
+            s.completes_sequence and r.prompt_logprobs_pos >= r.prompt_logprobs_end
+            for s, r in zip(scheduled, rows)) else self._fill_host)
+        sampled, num_prev, num_logit_rows, prompt_jobs = fill(
             scheduled, rows, b.block_table_rows(num_rows, width))
         if graph is not None and graph.verify and num_tokens > num_seqs:
             self._spread_into_token_rows(scheduled, num_tokens, num_rows, width)
@@ -484,6 +487,36 @@ class ModelRunner:
         tables[:num_tokens] = tables[owner]  # the right side is a copy
         b.seq_lens.np[:num_tokens] = b.positions.np[:num_tokens] + 1
         b.query_start_loc.np[:num_tokens + 1] = np.arange(num_tokens + 1)
+
+    def _fill_host_decodes(self, scheduled: list[ScheduledRequest], records: list[CachedRequest],
+                           tables: np.ndarray
+                           ) -> tuple[list[CachedRequest], int, int, list[PromptLogprobsJob]]:
+        """`_fill_host` for a step of decodes only (one token each, every one sampled, no
+        prompt logprobs): the per-request values gathered in lists, each array written once."""
+        bs, width = self.block_size, tables.shape[1]
+        b = self.buffers
+        n = len(scheduled)
+        starts = [s.num_computed_tokens for s in scheduled]
+        ids, slots = [0] * n, [0] * n
+        num_prev = 0
+        for i, (r, start) in enumerate(zip(records, starts)):
+            table = r.block_table
+            tables[i, :min(len(table), width)] = table[:width]
+            if start < r.num_tokens:
+                ids[i] = r.token_at(start)
+            else:  # sampled by the step in flight: the host does not know it yet
+                b.prev_token_dst.np[num_prev] = i
+                b.prev_token_src.np[num_prev] = self._prev_row(r, start)
+                num_prev += 1
+            slots[i] = int(table[start // bs]) * bs + start % bs
+            r.sampling.output_index = start + 1 - r.num_prompt_tokens
+        b.input_ids.np[:n] = ids
+        b.positions.np[:n] = starts
+        b.slot_mapping.np[:n] = slots
+        b.query_start_loc.np[:n + 1] = np.arange(n + 1)
+        b.seq_lens.np[:n] = b.positions.np[:n] + 1
+        b.logits_indices.np[:n] = np.arange(n)
+        return list(records), num_prev, n, []
 
     def _fill_host(self, scheduled: list[ScheduledRequest], records: list[CachedRequest],
                    tables: np.ndarray
