@@ -148,12 +148,12 @@ class Scheduler:
         draft (`Request.spec_streak`: text it is copying). Only greedy verifications are
         assumed so: a sampled one's seeded noise on the CPU is drawn in order, which a dropped
         step would disturb. Otherwise a verification in flight keeps the next step waiting, as
-        does a
-        request that could speculate with a draft model (its drafts come after the step), or
-        with prompt lookup where drafting behind is off (tensor parallelism), except while
-        every such request pauses its drafts (`Request.spec_skip`); and so does a request with
-        a token in flight that needs its output ids on the host to sample. While speculation
-        steps aside (a large batch, or drafts that do not pay) only the last applies."""
+        does a request that could speculate with a draft model (its drafts come after the
+        step), or with prompt lookup where drafting behind is off (tensor parallelism), except
+        while every such request pauses its drafts (`Request.spec_skip`); and so does a request
+        with a token in flight that needs its output ids on the host to sample. While
+        speculation steps aside (a large batch, or drafts that do not pay) only the last
+        applies."""
         for step in self._steps.values():
             if step.verifies and (step.verifies_sampled or not self.spec.drafts_behind or not all(
                     r.spec_streak for r, s in zip(step.requests, step.out.scheduled)
@@ -440,11 +440,12 @@ class Scheduler:
         request.num_output_placeholders -= 1
         num_accepted = len(token_ids) - 1
         if request.status == RequestStatus.RUNNING:
-            behind = request.last_step_id not in (-1, step_id)
-            if behind and num_accepted < len(s.draft_token_ids):
+            behind = request.last_step_id not in (-1, step_id)  # a step scheduled after this
+            fell_short = behind and num_accepted < len(s.draft_token_ids)
+            if fell_short:
                 request.discard_step_id = request.last_step_id
                 request.last_step_id, request.in_flight_drafts = -1, []
-            if not behind or request.discard_step_id >= 0:
+            if not behind or fell_short:
                 request.num_computed_tokens = s.num_computed_tokens + len(token_ids)
                 self.kv.trim(request)
         request.spec_k = self.spec.next_k(request.spec_k, len(s.draft_token_ids), num_accepted)
