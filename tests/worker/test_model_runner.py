@@ -154,6 +154,43 @@ def test_decode_padded_to_graph_bucket(loaded):
     assert inputs.logits_indices.tolist() == [0, 1, 2]
 
 
+def test_decode_only_steps_fill_what_the_general_path_fills(loaded):
+    """`_fill_host_decodes` (steps of decodes only) writes every input the general `_fill_host`
+    writes, the in-flight token's fill included, and returns the same counts."""
+    import torch
+
+    from tinyvllm.worker.model_runner import _PrevSampled
+
+    runner = make_runner(loaded)
+    requests = [scheduled("a", PROMPTS[0], [42, 43], 12, [3, 9, 5, 8], 1),
+                scheduled("b", PROMPTS[1], [1], 6, [7, 2], 1),  # its token at 6 is in flight
+                scheduled("c", [1, 2, 3], [], 2, [6], 1)]
+    out = SchedulerOutput(new_requests=[n for n, _, _ in requests],
+                          scheduled=[s for _, _, s in requests])
+    rows = apply_scheduler_output(runner.requests, out, runner.device)
+    for row, (_, output, _) in zip(rows, requests):
+        row.output_token_ids.extend(output)
+    runner._prev_sampled = _PrevSampled(torch.tensor([7, 77]), {"b": (1, 6)})
+    b = runner.buffers
+    names = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
+             "block_tables", "logits_indices", "prev_token_dst", "prev_token_src")
+
+    def fill(method):
+        b.begin(3, 3, 4)
+        for name in names:
+            getattr(b, name).np[:] = -7  # what neither path writes stays visible
+        sampled, num_prev, num_rows, jobs = method(out.scheduled, rows, b.block_table_rows(3, 4))
+        return ([r.request_id for r in sampled], num_prev, num_rows, jobs,
+                [r.sampling.output_index for r in rows],
+                {name: getattr(b, name).np.copy() for name in names})
+
+    general, fast = fill(runner._fill_host), fill(runner._fill_host_decodes)
+    assert general[:5] == fast[:5] == (["a", "b", "c"], 1, 3, [], [2, 2, 0])
+    for name in names:
+        np.testing.assert_array_equal(fast[5][name], general[5][name], err_msg=name)
+    assert fast[5]["prev_token_dst"][0] == 1 and fast[5]["prev_token_src"][0] == 1
+
+
 def test_verification_laid_out_as_decode_rows(loaded):
     """With verification graphs, a step of decodes and verifications becomes one decode row per
     token: row j of a request verifying k drafts has the request's block table and a context
