@@ -94,6 +94,18 @@ def test_spec_writes_a_record(tmp_path, smollm2_path, capsys):
     assert "step ms on" in printed and "decode steps by kind" in printed
 
 
+def test_spec_step_kinds():
+    """A decode step that emitted nothing had its work dropped (behind a verification that
+    fell short); the others are named by what they did."""
+    import types
+
+    from tinyvllm.bench.spec import STEP_KINDS, _step_kind
+
+    ahead, idle = (types.SimpleNamespace(has_step_in_flight=v) for v in (True, False))
+    assert [_step_kind(ahead, True, 5), _step_kind(ahead, False, 1), _step_kind(idle, False, 1),
+            _step_kind(ahead, False, 0)] == list(STEP_KINDS)
+
+
 def test_spec_reports_the_median_round():
     from tinyvllm.bench.spec import median_round
 

@@ -116,10 +116,11 @@ def _run_once(engine: EngineCore, prompts: list[list[int]], output_len: int, syn
             first_s.setdefault(out.request_id, now)
             tokens[out.request_id] += out.new_token_ids
         if decoding:
-            kind = kinds[_step_kind(engine, stats.num_drafts > drafts_before)]
+            emitted = sum(len(out.new_token_ids) for out in outputs)
+            kind = kinds[_step_kind(engine, stats.num_drafts > drafts_before, emitted)]
             kind[0] += 1
             kind[1] += step_end - step_start
-            kind[2] += sum(len(out.new_token_ids) for out in outputs)
+            kind[2] += emitted
     sync()
     elapsed = time.perf_counter() - start
     after = engine.get_stats()
@@ -144,14 +145,17 @@ def _run_once(engine: EngineCore, prompts: list[list[int]], output_len: int, syn
     }
 
 
-STEP_KINDS = ("verified", "ahead", "sync")
+STEP_KINDS = ("verified", "ahead", "sync", "dropped")
 """A decode step as `run_once` counts it: it verified drafts, or it was a plain step that left
-the next one in flight (async scheduling), or a plain one that did not (synchronous)."""
+the next one in flight (async scheduling), or a plain one that did not (synchronous), or one
+whose work was all dropped (scheduled behind a verification that fell short: no tokens)."""
 
 
-def _step_kind(engine: EngineCore, verified: bool) -> str:
+def _step_kind(engine: EngineCore, verified: bool, emitted: int) -> str:
     if verified:
         return "verified"
+    if not emitted:
+        return "dropped"
     return "ahead" if engine.has_step_in_flight else "sync"
 
 
@@ -259,7 +263,8 @@ def table(record: dict) -> None:
                 f"{record['workload']['output_len']} out, {record['workload']['speculative_config']}",
                 header, rows)
     print("decode steps by kind, 'on' runs (steps, ms per step, tokens per step): "
-          "verified drafts / plain, next step in flight / plain, synchronous")
+          "verified drafts / plain, next step in flight / plain, synchronous / dropped (behind "
+          "a verification that fell short)")
     for r in record["results"]:
         parts = [f"{kind} {s['steps']} x {s['ms_per_step']:.3f} ms, {s['tokens_per_step']:.2f} tok"
                  if s["steps"] else f"{kind} 0" for kind, s in r["on"]["steps"].items()]
