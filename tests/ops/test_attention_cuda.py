@@ -385,26 +385,17 @@ def test_rotary_decode_unmerged_partitions(kernels, heads, head_dim):
                                 torch.bfloat16, seed=23)
     _, (q, k, v), positions, cos_sin = make_new_tokens(meta, num_heads, num_kv_heads, head_dim,
                                                        torch.bfloat16, 23)
-    run = lambda c, merge: rotary_paged_attention(  # noqa: E731
-        positions, q, k, v, cos_sin, c, meta, 0.1, merge=merge)
-    merged_cache, parts_cache = cache.clone(), cache.clone()
-    out = run(merged_cache, True)
-    parts = run(parts_cache, False)
-    assert isinstance(parts, DecodePartitions) and parts.out.shape[2] > 1
-    assert torch.equal(parts_cache, merged_cache)
-    assert torch.equal(parts.merge(), out)
-
-    # Verification rows (fuse_new_token off): rotary and the cache write launch first, then the
-    # decode kernel's partitions come back unmerged all the same.
-    meta_rows = dataclasses.replace(meta, fuse_new_token=False)
-    run_rows = lambda c, merge: rotary_paged_attention(  # noqa: E731
-        positions, q.clone(), k.clone(), v, cos_sin, c, meta_rows, 0.1, merge=merge)
-    merged_cache, parts_cache = cache.clone(), cache.clone()
-    out = run_rows(merged_cache, True)
-    parts = run_rows(parts_cache, False)
-    assert isinstance(parts, DecodePartitions) and parts.out.shape[2] > 1
-    assert torch.equal(parts_cache, merged_cache)
-    assert torch.equal(parts.merge(), out)
+    # Decode rows, then verification rows (fuse_new_token off: rotary and the cache write
+    # launch first), whose decode kernel's partitions come back unmerged all the same.
+    for step_meta in (meta, dataclasses.replace(meta, fuse_new_token=False)):
+        run = lambda c, merge: rotary_paged_attention(  # noqa: E731
+            positions, q.clone(), k.clone(), v, cos_sin, c, step_meta, 0.1, merge=merge)
+        merged_cache, parts_cache = cache.clone(), cache.clone()
+        out = run(merged_cache, True)
+        parts = run(parts_cache, False)
+        assert isinstance(parts, DecodePartitions) and parts.out.shape[2] > 1
+        assert torch.equal(parts_cache, merged_cache)
+        assert torch.equal(parts.merge(), out)
 
     _, cache, meta = make_batch([(1, 40)] * 100, num_heads, num_kv_heads, head_dim,
                                 torch.bfloat16, seed=29)  # enough CTAs: one partition each

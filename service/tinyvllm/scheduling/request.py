@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import msgspec
 
@@ -95,7 +95,7 @@ class Request:
     # Its latest scheduled step not yet updated (-1: none), and that step's drafts: a step
     # scheduled behind a verification assumes every draft accepted (Scheduler.update).
     last_step_id: int = -1
-    in_flight_drafts: list[int] = field(default_factory=list)
+    in_flight_drafts: Sequence[int] = ()
     # A step scheduled behind a verification that accepted fewer: its result is dropped.
     discard_step_id: int = -1
     # Set on first scheduling (when the workers learn of it); -1 = not scheduled yet.

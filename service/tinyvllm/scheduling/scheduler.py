@@ -194,7 +194,7 @@ class Scheduler:
             step.verifies = True
             step.verifies_sampled = step.verifies_sampled or not r.sampling_params.greedy
         r.last_step_id = step.out.step_id
-        r.in_flight_drafts = list(drafts)
+        r.in_flight_drafts = drafts  # read only, while the step is in flight
         step.out.scheduled.append(ScheduledRequest(
             request_id=r.request_id, num_new_tokens=num_new,
             num_computed_tokens=r.num_computed_tokens,
@@ -388,7 +388,7 @@ class Scheduler:
             if request.is_finished:
                 continue  # finished or aborted while this step was in flight: dropped
             if request.last_step_id == out.step_id:  # nothing of it in flight after this
-                request.last_step_id, request.in_flight_drafts = -1, []
+                request.last_step_id, request.in_flight_drafts = -1, ()
             if request.discard_step_id == out.step_id:  # behind a verification that fell short
                 request.discard_step_id = -1
                 request.num_output_placeholders -= s.completes_sequence
@@ -444,7 +444,7 @@ class Scheduler:
             fell_short = behind and num_accepted < len(s.draft_token_ids)
             if fell_short:
                 request.discard_step_id = request.last_step_id
-                request.last_step_id, request.in_flight_drafts = -1, []
+                request.last_step_id, request.in_flight_drafts = -1, ()
             if not behind or fell_short:
                 request.num_computed_tokens = s.num_computed_tokens + len(token_ids)
                 self.kv.trim(request)

@@ -502,12 +502,7 @@ class ModelRunner:
         for i, (r, start) in enumerate(zip(records, starts)):
             table = r.block_table
             tables[i, :min(len(table), width)] = table[:width]
-            if start < r.num_tokens:
-                ids[i] = r.token_at(start)
-            else:  # sampled by the step in flight: the host does not know it yet
-                b.prev_token_dst.np[num_prev] = i
-                b.prev_token_src.np[num_prev] = self._prev_row(r, start)
-                num_prev += 1
+            ids[i], num_prev = self._last_token(r, start, i, num_prev)
             slots[i] = int(table[start // bs]) * bs + start % bs
             r.sampling.output_index = start + 1 - r.num_prompt_tokens
         b.input_ids.np[:n] = ids
@@ -539,13 +534,7 @@ class ModelRunner:
             # A graph's width covers the step's contexts; lookahead blocks past them are unread.
             tables[i, :min(len(table), width)] = table[:width]
             if n == 1 or s.draft_token_ids:  # a decode: its last token
-                if start < r.num_tokens:
-                    ids[offset] = r.token_at(start)
-                else:  # sampled by the step in flight: the host does not know it yet
-                    ids[offset] = 0
-                    b.prev_token_dst.np[num_prev] = offset
-                    b.prev_token_src.np[num_prev] = self._prev_row(r, start)
-                    num_prev += 1
+                ids[offset], num_prev = self._last_token(r, start, offset, num_prev)
             if n == 1:  # scalar writes, no numpy temporaries
                 positions[offset] = start
                 slots[offset] = int(table[start // bs]) * bs + start % bs
@@ -573,6 +562,18 @@ class ModelRunner:
                 # The (first) token sampled here sits at position start + n - num_rows + 1.
                 r.sampling.output_index = start + n - num_rows + 1 - r.num_prompt_tokens
         return sampled, num_prev, num_logit_rows, prompt_jobs
+
+    def _last_token(self, request: CachedRequest, position: int, offset: int,
+                    num_prev: int) -> tuple[int, int]:
+        """A decode's input token at `position` for input row `offset`: its id when the host
+        knows it; else 0, with the row queued to take the id from the previous step's samples
+        on the device (`fill_prev_token_ids`). Returns (id, the count of queued rows)."""
+        if position < request.num_tokens:
+            return request.token_at(position), num_prev
+        b = self.buffers  # sampled by the step in flight: the host does not know it yet
+        b.prev_token_dst.np[num_prev] = offset
+        b.prev_token_src.np[num_prev] = self._prev_row(request, position)
+        return 0, num_prev + 1
 
     def _prev_row(self, request: CachedRequest, position: int) -> int:
         """The row of `request` in the previous step's samples, which must hold its token at
