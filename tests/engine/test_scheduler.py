@@ -16,9 +16,9 @@ def make_scheduler(num_blocks=16, caching=True, **cfg):
     return Scheduler(SchedulerConfig(**cfg), kv, max_model_len=1000)
 
 
-def make_request(rid, n_prompt, max_tokens=4, start=100, **kw):
+def make_request(rid, n_prompt, max_tokens=4, start=100, params=None, **kw):
     return Request(request_id=rid, prompt_token_ids=list(range(start, start + n_prompt)),
-                   sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens),
+                   sampling_params=params or SamplingParams(temperature=0, max_tokens=max_tokens),
                    eos_token_ids=frozenset({0}), **kw)
 
 
@@ -82,8 +82,7 @@ def test_max_tokens_finishes_and_frees_every_block():
 
 def test_eos_respects_min_tokens_and_ignore_eos():
     s = make_scheduler()
-    r = make_request("a", 3, max_tokens=10)
-    r.sampling_params = SamplingParams(temperature=0, max_tokens=10, min_tokens=2)
+    r = make_request("a", 3, params=SamplingParams(temperature=0, max_tokens=10, min_tokens=2))
     s.add_request(r)
     assert run_step(s, token=0)[1][0].finish_reason is None  # EOS before min_tokens: ignored
     assert run_step(s, token=0)[1][0].finish_reason == "stop"
@@ -91,8 +90,7 @@ def test_eos_respects_min_tokens_and_ignore_eos():
 
 def test_stop_token_ids_report_stop_reason():
     s = make_scheduler()
-    r = make_request("a", 3, max_tokens=10)
-    r.sampling_params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[42])
+    r = make_request("a", 3, params=SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[42]))
     s.add_request(r)
     out = run_step(s, token=42)[1][0]
     assert (out.finish_reason, out.stop_reason) == ("stop", 42)

@@ -103,8 +103,7 @@ def test_finish_while_next_step_in_flight_emits_nothing_more(case):
     stop = {"eos": 0, "stop_token_id": 42}.get(case)
     params = SamplingParams(temperature=0, max_tokens=3 if case == "max_tokens" else 10,
                             stop_token_ids=[42])
-    r = make_request("a", 5)
-    r.sampling_params = params
+    r = make_request("a", 5, params=params)
     other = make_request("b", 6, max_tokens=8, start=300)
     s.add_request(r)
     s.add_request(other)
@@ -200,8 +199,7 @@ def test_preempted_request_finished_by_its_token_in_flight_leaves_the_queue():
 ])
 def test_host_sampled_requests_are_not_scheduled_ahead(params, steps_in_sync):
     s = make_scheduler()
-    r = make_request("a", 5, max_tokens=10)
-    r.sampling_params = SamplingParams(temperature=0, max_tokens=10, **params)
+    r = make_request("a", 5, params=SamplingParams(temperature=0, max_tokens=10, **params))
     s.add_request(r)
     assert s.can_schedule_ahead()  # nothing in flight yet
     refused = 0

@@ -115,6 +115,14 @@ class Request:
     # The draft model's proposal after its last token (the worker's, from the step that sampled
     # it); taken by its next schedule.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Most output tokens: the user's max_tokens, capped by the model's context length (set from
+    # the prompt, which never changes; read per request per step).
+    max_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        room = self.max_model_len - len(self.prompt_token_ids)
+        mt = self.sampling_params.max_tokens
+        self.max_tokens = room if mt is None else min(mt, room)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, eos_token_ids: frozenset,
@@ -164,9 +172,4 @@ class Request:
         return (not self.sampling_reads_output_tokens and p.logprobs is None
                 and p.prompt_logprobs is None)
 
-    @property
-    def max_tokens(self) -> int:
-        """Most output tokens: the user's max_tokens, capped by the model's context length."""
-        room = self.max_model_len - self.num_prompt_tokens
-        mt = self.sampling_params.max_tokens
-        return room if mt is None else min(mt, room)
+

@@ -193,15 +193,16 @@ class Scheduler:
         if drafts:
             step.verifies = True
             step.verifies_sampled = step.verifies_sampled or not r.sampling_params.greedy
-        r.last_step_id = step.out.step_id
+        out = step.out
+        r.last_step_id = out.step_id
         r.in_flight_drafts = drafts  # read only, while the step is in flight
-        step.out.scheduled.append(ScheduledRequest(
-            request_id=r.request_id, num_new_tokens=num_new,
-            num_computed_tokens=r.num_computed_tokens,
-            completes_sequence=(r.num_computed_tokens + num_new
-                                >= r.num_tokens + r.num_output_placeholders),
-            block_offset=block_offset, new_block_ids=new_block_ids,
-            draft_token_ids=list(drafts), num_lookahead_tokens=num_lookahead))
+        computed = r.num_computed_tokens
+        # ScheduledRequest's fields in order (positional: this runs per request per step).
+        out.scheduled.append(ScheduledRequest(
+            r.request_id, num_new, computed,
+            computed + num_new >= (len(r.prompt_token_ids) + len(r.output_token_ids)
+                                   + r.num_output_placeholders),
+            block_offset, new_block_ids, list(drafts), num_lookahead))
 
     def _drop_scheduled(self, step: _Step, victim: Request) -> int:
         """Take a preempted request out of the step; returns the tokens it had there."""
@@ -220,6 +221,7 @@ class Scheduler:
         preempted_any = False
         speculate = self.spec.active(self._num_enqueued())
         draft_model = speculate and self.spec.config.uses_draft_model
+        block_size = self.kv.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -232,7 +234,14 @@ class Scheduler:
             num_new += len(drafts)
             lookahead = (self._lookahead(request, request.num_computed_tokens + num_new, True)
                          if draft_model else 0)
-            block_offset = len(self.kv.block_ids(request.request_id))
+            block_ids = self.kv.block_ids(request.request_id)
+            block_offset = len(block_ids)
+            if (not lookahead and request.num_computed_tokens + num_new
+                    <= block_offset * block_size):  # its blocks have room (most decodes)
+                self._add_scheduled(step, request, num_new, block_offset, [], drafts)
+                budget -= num_new
+                i += 1
+                continue
             while (allocated := self._allocate(request, num_new, lookahead)) is None:
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
@@ -285,8 +294,10 @@ class Scheduler:
             self._add_scheduled(step, request, num_new, 0, new_blocks, (), lookahead)
             budget -= num_new
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+    @staticmethod
+    def _num_new_tokens(request: Request, budget: int) -> int:
+        num_new = (len(request.prompt_token_ids) + len(request.output_token_ids)
+                   + request.num_output_placeholders - request.num_computed_tokens)
         return max(1, min(num_new, budget))
 
     def _draft(self, request: Request, budget: int) -> list[int]:
@@ -378,42 +389,46 @@ class Scheduler:
         draft model's proposals after the step's tokens (draft-model speculation).
         """
         prompt_logprobs = prompt_logprobs or {}
-        draft_token_ids = draft_token_ids or {}
         outputs = []
         step = self._steps.pop(out.step_id)
+        step_id = out.step_id
+        running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
+        publish = self.kv.cache_computed_blocks if self.kv.enable_caching else None
         for request, s in zip(step.requests, out.scheduled):
+            request_id = request.request_id
             if s.num_computed_tokens < len(request.prompt_token_ids):  # (a prompt chunk)
                 self.num_prompt_tokens += min(s.num_new_tokens,
                                               request.num_prompt_tokens - s.num_computed_tokens)
-            if request.is_finished:
+            if request.status == finished:
                 continue  # finished or aborted while this step was in flight: dropped
-            if request.last_step_id == out.step_id:  # nothing of it in flight after this
+            if request.last_step_id == step_id:  # nothing of it in flight after this
                 request.last_step_id, request.in_flight_drafts = -1, ()
-            if request.discard_step_id == out.step_id:  # behind a verification that fell short
+            if request.discard_step_id == step_id:  # behind a verification that fell short
                 request.discard_step_id = -1
                 request.num_output_placeholders -= s.completes_sequence
                 continue
-            if s.completes_sequence:  # drafts are of its last token: replaced whenever it grows
-                request.draft_token_ids = draft_token_ids.get(request.request_id, [])
+            if s.completes_sequence and (draft_token_ids or request.draft_token_ids):
+                # drafts are of its last token: replaced whenever it grows
+                request.draft_token_ids = (draft_token_ids or {}).get(request_id, [])
             if s.draft_token_ids:
-                outputs.append(self._update_verified(request, s, sampled[request.request_id][0],
-                                                     out.step_id))
+                outputs.append(self._update_verified(request, s, sampled[request_id][0],
+                                                     step_id))
                 continue
             request.num_output_placeholders -= s.completes_sequence
-            if request.status == RequestStatus.RUNNING:
+            if publish is not None and request.status == running:
                 # Before the append, so only blocks of known token ids. Their KV is written by
                 # this step or queued in the one in flight: any step that reads a published block
                 # is launched later, so its kernels run after those writes.
-                self.kv.cache_computed_blocks(request)
-            new_prompt_logprobs = prompt_logprobs.get(request.request_id)
+                publish(request)
+            new_prompt_logprobs = prompt_logprobs.get(request_id) if prompt_logprobs else None
             if not s.completes_sequence:  # a prefill chunk short of the end of the sequence
                 if new_prompt_logprobs is not None:
                     outputs.append(EngineCoreOutput(
-                        request_id=request.request_id, new_token_ids=[],
+                        request_id=request_id, new_token_ids=[],
                         new_prompt_logprobs=new_prompt_logprobs,
                         num_cached_tokens=request.num_cached_tokens))
                 continue
-            token_id, logprobs = sampled[request.request_id]
+            token_id, logprobs = sampled[request_id]
             request.output_token_ids.append(token_id)
             reason = self._check_stop(request, token_id)
             if reason is not None:
@@ -421,11 +436,10 @@ class Scheduler:
                 self._finish(request, reason)
             elif s.num_lookahead_tokens:  # the drafts' slots: past the computed tokens
                 self.kv.trim(request)
+            # EngineCoreOutput's fields in order (positional: this runs per request per step).
             outputs.append(EngineCoreOutput(
-                request_id=request.request_id, new_token_ids=[token_id],
-                new_logprobs=[logprobs] if logprobs is not None else None,
-                new_prompt_logprobs=new_prompt_logprobs, finish_reason=reason,
-                stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens))
+                request_id, [token_id], [logprobs] if logprobs is not None else None,
+                new_prompt_logprobs, reason, request.stop_reason, request.num_cached_tokens))
         return outputs
 
     def _update_verified(self, request: Request, s: ScheduledRequest, token_ids: list[int],
@@ -471,14 +485,15 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> Optional[FinishReason]:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return FinishReason.STOP
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return FinishReason.STOP
-        if request.num_output_tokens >= request.max_tokens or \
-                request.num_tokens >= self.max_model_len:
+        if num_output >= request.max_tokens or \
+                len(request.prompt_token_ids) + num_output >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

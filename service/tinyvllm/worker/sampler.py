@@ -57,6 +57,13 @@ class SamplingState:
     # draw is the noise of output token n whether it is sampled alone or in a verification step
     # (which draws for all its positions and keeps those past the rejection for later).
     noise_ahead: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Greedy, without penalties or logprobs: an argmax once the output has min_tokens (set from
+    # the parameters, which never change; read per row per step).
+    plain_greedy: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain_greedy = p.greedy and not self.has_penalties and p.logprobs is None
 
     def exponential_noise(self, index: int, out: torch.Tensor) -> None:
         """Fill out ([vocab_size]) with the Exp(1) noise of output token `index` from the
@@ -169,7 +176,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SampledTensors:
         """Sample one token per row without a host sync; same arguments as `__call__`."""
         assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
-        if all(_is_plain_greedy(s) for s in states):
+        if all(s.plain_greedy and len(s.output_token_ids) >= s.params.min_tokens
+               for s in states):  # (no row needs the min_tokens mask)
             return SampledTensors(logits.argmax(dim=-1), None)
 
         want_logprobs = any(s.params.logprobs is not None for s in states)
@@ -183,11 +191,6 @@ class Sampler:
         if raw_logprobs is not None:
             logprobs = _gather_logprobs(raw_logprobs, sampled, states)
         return SampledTensors(sampled, logprobs)
-
-
-def _is_plain_greedy(s: SamplingState) -> bool:
-    return (s.params.greedy and not s.has_penalties and s.params.logprobs is None
-            and not s.needs_min_tokens_mask)
 
 
 # ---------------------------------------------------------------------------------------------
