@@ -35,7 +35,7 @@ from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_siz
 from tinyvllm.worker.input_buffers import InputBuffers
 from tinyvllm.worker.prompt_logprobs import (PromptLogprobsJob, StepPromptLogprobs,
                                              compute_prompt_logprobs, plan_job)
-from tinyvllm.worker.requests import CachedRequest, apply_scheduler_output
+from tinyvllm.worker.requests import CachedRequest, RequestRecords, apply_scheduler_output
 from tinyvllm.worker.sampler import Sampler, SamplingState
 from tinyvllm.worker.spec_decode import PendingVerification
 from tinyvllm.scheduling.output import SampledTokens
@@ -156,10 +156,11 @@ class ModelRunner:
         self.max_num_seqs = sched.max_num_seqs
         self.use_cuda_graphs = self.device.type == "cuda" and not config.model.enforce_eager
         longest = max(self.max_model_len, self.max_num_tokens)  # the profile run is one sequence
-        self.buffers = InputBuffers(self.max_num_tokens, self.max_num_seqs,
-                                    -(-longest // self.block_size), self.device)
+        max_blocks = -(-longest // self.block_size)
+        self.buffers = InputBuffers(self.max_num_tokens, self.max_num_seqs, max_blocks,
+                                    self.device)
         self.sampler = Sampler()
-        self.requests: dict[str, CachedRequest] = {}  # what the scheduler has told us of
+        self.requests = RequestRecords(max_blocks)  # what the scheduler has told us of
         self._prev_sampled: Optional[_PrevSampled] = None
         self._ids_ring: list[torch.Tensor] = []
         self.num_blocks = self._determine_num_blocks(config.cache)
@@ -493,21 +494,18 @@ class ModelRunner:
                            ) -> tuple[list[CachedRequest], int, int, list[PromptLogprobsJob]]:
         """`_fill_host` for a step of decodes only (one token each, every one sampled, no
         prompt logprobs): the per-request values gathered in lists, each array written once."""
-        bs, width = self.block_size, tables.shape[1]
+        bs = self.block_size
         b = self.buffers
         n = len(scheduled)
         starts = [s.num_computed_tokens for s in scheduled]
-        ids, slots = [0] * n, [0] * n
-        num_prev = 0
-        for i, (r, start) in enumerate(zip(records, starts)):
-            table = r.block_table
-            tables[i, :min(len(table), width)] = table[:width]
-            ids[i], num_prev = self._last_token(r, start, i, num_prev)
-            slots[i] = int(table[start // bs]) * bs + start % bs
-            r.sampling.output_index = start + 1 - r.num_prompt_tokens
+        for r, start in zip(records, starts):
+            r.sampling.output_index = start + 1 - len(r.prompt_token_ids)
+        ids, num_prev = self._last_tokens(records, starts, range(n))
         b.input_ids.np[:n] = ids
-        b.positions.np[:n] = starts
-        b.slot_mapping.np[:n] = slots
+        positions = b.positions.np[:n]
+        positions[:] = starts
+        pool, rows = self._gather_tables(records, tables)
+        b.slot_mapping.np[:n] = pool[rows, positions // bs] * bs + positions % bs
         b.query_start_loc.np[:n + 1] = np.arange(n + 1)
         b.seq_lens.np[:n] = b.positions.np[:n] + 1
         b.logits_indices.np[:n] = np.arange(n)
@@ -521,20 +519,24 @@ class ModelRunner:
         many input ids are left to fill from the previous step's samples (prev_token_*), the
         number of logits rows (a speculative request has one per position), and the prompt rows
         to score for prompt logprobs."""
-        bs, width = self.block_size, tables.shape[1]
+        bs = self.block_size
         b = self.buffers
         ids, positions, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
         qsl, seq_lens, logits_idx = b.query_start_loc.np, b.seq_lens.np, b.logits_indices.np
-        qsl[0] = offset = num_prev = num_logit_rows = 0
+        qsl[0] = offset = num_logit_rows = 0
         sampled: list[CachedRequest] = []
         prompt_jobs: list[PromptLogprobsJob] = []
+        decodes: list[CachedRequest] = []  # rows whose first token is the request's last one
+        decode_starts: list[int] = []
+        decode_offsets: list[int] = []
+        self._gather_tables(records, tables)
         for i, (s, r) in enumerate(zip(scheduled, records)):
             n, start = s.num_new_tokens, s.num_computed_tokens
             table = r.block_table
-            # A graph's width covers the step's contexts; lookahead blocks past them are unread.
-            tables[i, :min(len(table), width)] = table[:width]
-            if n == 1 or s.draft_token_ids:  # a decode: its last token
-                ids[offset], num_prev = self._last_token(r, start, offset, num_prev)
+            if n == 1 or s.draft_token_ids:  # a decode: its last token (below)
+                decodes.append(r)
+                decode_starts.append(start)
+                decode_offsets.append(offset)
             if n == 1:  # scalar writes, no numpy temporaries
                 positions[offset] = start
                 slots[offset] = int(table[start // bs]) * bs + start % bs
@@ -561,19 +563,44 @@ class ModelRunner:
                 sampled.append(r)
                 # The (first) token sampled here sits at position start + n - num_rows + 1.
                 r.sampling.output_index = start + n - num_rows + 1 - r.num_prompt_tokens
+        last, num_prev = self._last_tokens(decodes, decode_starts, decode_offsets)
+        ids[decode_offsets] = last
         return sampled, num_prev, num_logit_rows, prompt_jobs
 
-    def _last_token(self, request: CachedRequest, position: int, offset: int,
-                    num_prev: int) -> tuple[int, int]:
-        """A decode's input token at `position` for input row `offset`: its id when the host
-        knows it; else 0, with the row queued to take the id from the previous step's samples
-        on the device (`fill_prev_token_ids`). Returns (id, the count of queued rows)."""
-        if position < request.num_tokens:
-            return request.token_at(position), num_prev
-        b = self.buffers  # sampled by the step in flight: the host does not know it yet
-        b.prev_token_dst.np[num_prev] = offset
-        b.prev_token_src.np[num_prev] = self._prev_row(request, position)
-        return 0, num_prev + 1
+    def _gather_tables(self, records: list[CachedRequest], tables: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """The step's block tables, row i = records[i]'s first `tables.shape[1]` entries (a
+        graph's width covers the step's contexts; lookahead blocks past them are unread), in one
+        gather from the records' `BlockTables`. Returns that array and the records' rows in it."""
+        rows = np.fromiter((r.row for r in records), np.intp, len(records))
+        pool = self.requests.tables.array
+        tables[:len(records)] = pool[rows, :tables.shape[1]]
+        return pool, rows
+
+    def _last_tokens(self, records: list[CachedRequest], positions: list[int],
+                     offsets) -> tuple[list[int], int]:
+        """Decodes' input tokens, records[i]'s at positions[i] for input row offsets[i]: its id
+        where the host knows it; else 0, with the row queued to take the id from the previous
+        step's samples on the device (`fill_prev_token_ids`). Returns the ids and the count of
+        queued rows."""
+        ids = []
+        dst, src = [], []
+        for r, position, offset in zip(records, positions, offsets):
+            prompt = r.prompt_token_ids
+            p = len(prompt)
+            if position < p:
+                ids.append(prompt[position])
+            elif position < p + len(r.output_token_ids):
+                ids.append(r.output_token_ids[position - p])
+            else:  # sampled by the step in flight: the host does not know it yet
+                ids.append(0)
+                dst.append(offset)
+                src.append(self._prev_row(r, position))
+        if dst:
+            b = self.buffers
+            b.prev_token_dst.np[:len(dst)] = dst
+            b.prev_token_src.np[:len(src)] = src
+        return ids, len(dst)
 
     def _prev_row(self, request: CachedRequest, position: int) -> int:
         """The row of `request` in the previous step's samples, which must hold its token at

@@ -16,24 +16,78 @@ import torch
 from tinyvllm.scheduling.output import NewRequest
 from tinyvllm.worker.sampler import SamplingState
 
-_MIN_TABLE = 16
+_MIN_ROWS = 16
+_MIN_WIDTH = 16
+
+
+class BlockTables:
+    """Every record's block table as a row of one int32 array [rows, width], so that a step's
+    tables are one gather (`ModelRunner._fill_host_decodes`) rather than a copy per request.
+    Rows are handed out as records are made and back when they finish; the array grows (rows
+    or width doubled) when it must, which leaves earlier views stale: take them per use."""
+
+    def __init__(self, width: int = _MIN_WIDTH):
+        self.array = np.zeros((_MIN_ROWS, max(width, 1)), dtype=np.int32)
+        self._free = list(range(_MIN_ROWS - 1, -1, -1))
+
+    def acquire(self) -> int:
+        if not self._free:
+            rows, width = self.array.shape
+            self.array = np.concatenate([self.array, np.zeros_like(self.array)])
+            self._free = list(range(2 * rows - 1, rows - 1, -1))
+        row = self._free.pop()
+        self.array[row] = 0
+        return row
+
+    def release(self, row: int) -> None:
+        self._free.append(row)
+
+    def fit_width(self, width: int) -> None:
+        rows, have = self.array.shape
+        if width > have:
+            grown = np.zeros((rows, max(width, 2 * have)), dtype=np.int32)
+            grown[:, :have] = self.array
+            self.array = grown
+
+
+class RequestRecords(dict):
+    """The worker's records by request id, and the block-table rows they hold."""
+
+    def __init__(self, table_width: int = _MIN_WIDTH):
+        super().__init__()
+        self.tables = BlockTables(table_width)
+
+    def add(self, new: NewRequest, device: torch.device) -> "CachedRequest":
+        old = self.pop(new.request_id, None)
+        if old is not None:
+            self.tables.release(old.row)
+        record = self[new.request_id] = CachedRequest(new, device, self.tables)
+        return record
+
+    def forget(self, request_id: str) -> None:
+        record = self.pop(request_id, None)
+        if record is not None:
+            self.tables.release(record.row)
 
 
 class CachedRequest:
-    """Token ids (prompt, then output as sampled here), the block table as int32, and the
-    sampling state (a seeded generator lives as long as the request, across preemption)."""
+    """Token ids (prompt, then output as sampled here), the block table (a row of the worker's
+    `BlockTables`, int32), and the sampling state (a seeded generator lives as long as the
+    request, across preemption)."""
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling",
-                 "_table", "num_blocks", "prompt_logprobs_pos", "prompt_logprobs_end")
+                 "_tables", "row", "num_blocks", "prompt_logprobs_pos", "prompt_logprobs_end")
 
-    def __init__(self, new: NewRequest, device: torch.device):
+    def __init__(self, new: NewRequest, device: torch.device,
+                 tables: Optional[BlockTables] = None):
         self.request_id = new.request_id
         self.prompt_token_ids = new.prompt_token_ids
         self.output_token_ids: list[int] = []
         self.sampling = SamplingState.create(new.sampling_params, self.prompt_token_ids,
                                              self.output_token_ids,
                                              frozenset(new.eos_token_ids), device)
-        self._table = np.zeros(_MIN_TABLE, dtype=np.int32)
+        self._tables = tables if tables is not None else BlockTables()
+        self.row = self._tables.acquire()
         self.num_blocks = 0
         # Prompt logprobs (worker/prompt_logprobs.py): the next position whose logits score a
         # prompt token (-1: the first token's None is still to report), up to the prompt's last
@@ -53,7 +107,7 @@ class CachedRequest:
     @property
     def block_table(self) -> np.ndarray:
         """[num_blocks] int32, the request's blocks in sequence order (a view)."""
-        return self._table[:self.num_blocks]
+        return self._tables.array[self.row, :self.num_blocks]
 
     def set_blocks(self, offset: int, new_block_ids: list[int]) -> None:
         """Cut the table to `offset` entries, then append `new_block_ids` (the scheduler's
@@ -62,11 +116,9 @@ class CachedRequest:
             raise RuntimeError(f"request {self.request_id!r}: block offset {offset} past the "
                                f"{self.num_blocks} blocks this worker knows")
         end = offset + len(new_block_ids)
-        if end > len(self._table):
-            grown = np.zeros(max(end, 2 * len(self._table)), dtype=np.int32)
-            grown[:offset] = self._table[:offset]
-            self._table = grown
-        self._table[offset:end] = new_block_ids
+        if new_block_ids:
+            self._tables.fit_width(end)
+            self._tables.array[self.row, offset:end] = new_block_ids
         self.num_blocks = end
 
     def token_at(self, index: int) -> int:
@@ -90,18 +142,18 @@ class CachedRequest:
             self.output_token_ids.extend(token_ids)
 
 
-def apply_scheduler_output(records: dict[str, CachedRequest], out, device: torch.device
+def apply_scheduler_output(records: RequestRecords, out, device: torch.device
                            ) -> Optional[list[CachedRequest]]:
     """Bring the records up to date with a step's message; returns the scheduled requests'
     records in row order (None for an empty step)."""
     for request_id in out.finished_request_ids:
-        records.pop(request_id, None)
+        records.forget(request_id)
     for request_id in out.preempted_request_ids:
         record = records.get(request_id)
         if record is not None:
             record.num_blocks = 0
     for new in out.new_requests:
-        records[new.request_id] = CachedRequest(new, device)
+        records.add(new, device)
     if not out.scheduled:
         return None
     rows = []
@@ -110,6 +162,7 @@ def apply_scheduler_output(records: dict[str, CachedRequest], out, device: torch
         if record is None:
             raise RuntimeError(f"request {s.request_id!r} scheduled before the worker was told "
                                f"of it (no NewRequest)")
-        record.set_blocks(s.block_offset, s.new_block_ids)
+        if s.new_block_ids or s.block_offset != record.num_blocks:  # (most decodes: neither)
+            record.set_blocks(s.block_offset, s.new_block_ids)
         rows.append(record)
     return rows
