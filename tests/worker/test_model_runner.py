@@ -20,7 +20,7 @@ from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_sizes,
                                         decode_seq_len_tiers)
 from tinyvllm.worker.model_runner import ModelRunner
-from tinyvllm.worker.requests import CachedRequest, apply_scheduler_output
+from tinyvllm.worker.requests import CachedRequest, RequestRecords, apply_scheduler_output
 
 from tests.engine.conftest import run_to_completion
 
@@ -108,6 +108,29 @@ def test_record_block_table_follows_offsets():
     assert r.block_table.tolist() == [7, 8]
     with pytest.raises(RuntimeError, match="block offset 5"):
         r.set_blocks(5, [1])
+
+
+def test_records_share_one_block_table_array():
+    """Each record's table is a row of its RequestRecords' array: rows are reused after a
+    finish, the array grows past its first rows and width, and entries past a record's blocks
+    are 0 (the null block) after a rollback or a preemption."""
+    records = RequestRecords(table_width=4)
+    made = [records.add(NewRequest(str(i), [1, 2], GREEDY), "cpu") for i in range(40)]
+    assert len({r.row for r in made}) == 40  # grown past the first rows
+    for i, r in enumerate(made):
+        r.set_blocks(0, [i + 1] * (1 + i % 9))  # width 9 > 4: grown
+    for i, r in enumerate(made):
+        assert r.block_table.tolist() == [i + 1] * (1 + i % 9)
+    r = made[8]
+    r.set_blocks(2, [])  # a rollback
+    assert records.tables.array[r.row].tolist()[:9] == [9, 9] + [0] * 7
+    out = SchedulerOutput(step_id=1, preempted_request_ids=["8"], finished_request_ids=["3"])
+    apply_scheduler_output(records, out, "cpu")
+    assert r.num_blocks == 0 and not records.tables.array[r.row].any()
+    assert "3" not in records
+    reused = records.add(NewRequest("new", [1], GREEDY), "cpu")
+    assert reused.row == made[3].row and reused.block_table.tolist() == []
+    assert not records.tables.array[reused.row].any()
 
 
 # --- inputs --------------------------------------------------------------------------------------

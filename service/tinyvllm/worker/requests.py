@@ -23,8 +23,9 @@ _MIN_WIDTH = 16
 class BlockTables:
     """Every record's block table as a row of one int32 array [rows, width], so that a step's
     tables are one gather (`ModelRunner._fill_host_decodes`) rather than a copy per request.
-    Rows are handed out as records are made and back when they finish; the array grows (rows
-    or width doubled) when it must, which leaves earlier views stale: take them per use."""
+    Rows are handed out as records are made and back when they finish; a row's entries past
+    its record's blocks are 0 (the null block), as a step's tables are. The array grows (rows or
+    width doubled) when it must, which leaves earlier views stale: take them per use."""
 
     def __init__(self, width: int = _MIN_WIDTH):
         self.array = np.zeros((_MIN_ROWS, max(width, 1)), dtype=np.int32)
@@ -119,7 +120,13 @@ class CachedRequest:
         if new_block_ids:
             self._tables.fit_width(end)
             self._tables.array[self.row, offset:end] = new_block_ids
+        if end < self.num_blocks:  # entries past the table stay 0 (the null block)
+            self._tables.array[self.row, end:self.num_blocks] = 0
         self.num_blocks = end
+
+    def clear_blocks(self) -> None:
+        """Preempted: its blocks are gone."""
+        self.set_blocks(0, [])
 
     def token_at(self, index: int) -> int:
         p = len(self.prompt_token_ids)
@@ -151,7 +158,7 @@ def apply_scheduler_output(records: RequestRecords, out, device: torch.device
     for request_id in out.preempted_request_ids:
         record = records.get(request_id)
         if record is not None:
-            record.num_blocks = 0
+            record.clear_blocks()
     for new in out.new_requests:
         records.add(new, device)
     if not out.scheduled:
