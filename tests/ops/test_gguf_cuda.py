@@ -46,6 +46,42 @@ def test_gguf_linear_matches_dequantized_reference(dtype, qtype, m, n, k):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("m", [1, 4])
+def test_chained_gemvs_in_a_graph_read_their_predecessor_s_output(qtype, m):
+    """Each GEMV is launched early (programmatic dependent launch) and streams its weight before
+    it waits: in a chain captured as one graph, each must still read the output of the one
+    before, as the same chain run eagerly and checked step by step does."""
+    k = 1024
+    weights = [packed(k, k, qtype, seed=qtype * 10 + i) for i in range(6)]
+    x = torch.randn(m, k, generator=torch.Generator(device="cuda").manual_seed(m),
+                    device="cuda").to(torch.bfloat16)
+
+    def chain(v):
+        for w in weights:
+            v = q.quantized_linear(v, w, qtype, k)  # GEMV after GEMV, nothing between
+        return v
+
+    want = chain(x)
+    ref = x.float()
+    for w in weights:
+        ref = q.dequantized_linear_ref(ref.to(torch.bfloat16).float(), w, qtype, k)
+    assert rel_err(want, ref) < 5e-2
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain(static_x)  # warm-up off the capture stream
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = chain(static_x)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, want)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
 def test_dequantize_kernel_equals_gguf_py(qtype):
     n, k = 70, 256
     qweight = packed(n, k, qtype, seed=qtype)
