@@ -14,9 +14,9 @@ template <typename T, int M, int QT>
 void launch_gemv(T* out, const T* x, const uint8_t* qweight, const T* bias, int m, int n, int k,
                  int64_t x_stride, int64_t out_stride, cudaStream_t stream) {
   constexpr int kRowsPerCta = kGgufGemvWarps * kGgufRowsPerWarp;
-  launch_pdl(gguf_gemv_kernel<T, M, QT>, dim3((n + kRowsPerCta - 1) / kRowsPerCta),
-             dim3(kGgufGemvWarps * 32), 0, stream, out, x, qweight, bias, m, n, k, x_stride,
-             out_stride);
+  gguf_gemv_kernel<T, M, QT><<<(n + kRowsPerCta - 1) / kRowsPerCta, kGgufGemvWarps * 32, 0,
+                               stream>>>(out, x, qweight, bias, m, n, k, x_stride, out_stride);
+  check_launch("gguf_gemv");
 }
 
 template <typename T, int QT>

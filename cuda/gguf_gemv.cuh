@@ -7,10 +7,7 @@
 //
 // Nibble order: byte j holds element j (low nibble) and element j + 16 (high nibble).
 //
-// gguf_gemv_kernel: out[m, n] = x[m, k] . w^T (+ bias) for decode-sized m (at most M rows),
-// launched with programmatic dependent launch: its weight rows are requested into L2 before it
-// waits for the previous kernel, so in a chain of projections the next one's weight streams
-// while this one drains (the small projections are otherwise mostly ramp and tail). Each
+// gguf_gemv_kernel: out[m, n] = x[m, k] . w^T (+ bias) for decode-sized m (at most M rows). Each
 // warp owns kGgufRowsPerWarp rows and each lane one block of each per step, so a warp reads 32
 // consecutive blocks of a row (576 / 640 / 1088 contiguous bytes) per step; blocks are only 2- or
 // 4-byte aligned, so a lane reads its block in 16- or 32-bit words. Per block the lane forms
@@ -99,19 +96,6 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
   if (row0 >= n) return;
   const int blocks = k / 32;
   const int64_t row_bytes = int64_t(blocks) * Block::kBytes;
-  // The weights do not depend on the previous kernel: this warp's rows (contiguous) head for L2
-  // while it drains, in one bulk request where they are 16-byte aligned, else a line per lane.
-  {
-    const uint8_t* rows = qweight + row0 * row_bytes;
-    const int64_t bytes = min(kGgufRowsPerWarp, n - row0) * row_bytes;
-    if ((reinterpret_cast<uintptr_t>(rows) & 15) == 0 && bytes % 16 == 0) {
-      if (lane == 0) prefetch_l2_bulk(rows, uint32_t(bytes));
-    } else {
-      for (int64_t off = lane * 128; off < bytes; off += 32 * 128) prefetch_l2(rows + off);
-    }
-  }
-  wait_for_previous_grid();
-  allow_next_grid();
 
   float acc[kGgufRowsPerWarp][M];
 #pragma unroll

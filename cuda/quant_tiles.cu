@@ -3,7 +3,6 @@
 // silu_mul}, and the SwiGLU-product epilogue after {none, rmsnorm}.
 #include <algorithm>
 #include <mutex>
-#include <cstdlib>
 #include <string>
 
 #include "launchers.h"
@@ -53,13 +52,9 @@ void launch(T* out, const T* x, const uint4* tiles, const uint2* scales, const T
   const int smem = tile_smem_bytes(M, k, stages);
   const int grid = resident_grid(kernel, kTileWarps * 32, smem, (n + kTileRows - 1) / kTileRows,
                                  "quant_tile_gemv: occupancy");
-  static const int prefetch_bands = [] {
-    const char* v = std::getenv("TINYVLLM_TILE_PREFETCH");
-    return v ? std::atoi(v) : 0;
-  }();
   launch_pdl(kernel, dim3(grid), dim3(kTileWarps * 32), smem, stream, out, x, tiles, scales,
              bias, residual, norm_weight, m, n, k, x_stride, out_stride, residual_stride, eps,
-             groups, shift, interleaved, prefetch_bands);
+             groups, shift, interleaved);
 }
 
 template <typename T, int P, bool S = false>

@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
     const T* __restrict__ norm_weight,    // [k] (kGemvRmsNorm)
     int m, int n, int k, int64_t x_stride, int64_t out_stride, int64_t residual_stride, float eps,
     int groups, int group_shift,          // group of tile i: (64 i) >> group_shift
-    bool interleaved, int prefetch_bands) {
+    bool interleaved) {
   // Dynamic shared memory: act [M][k / 8] (x after the prologue); per warp a ring of STAGES
   // tiles (32 lanes x 16 bytes) and of their scale words (8 rows g x 8 bytes); sx [k / 64][8].
   extern __shared__ uint4 act[];
@@ -207,13 +207,6 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   // The weights do not depend on the previous kernel: request them before waiting on it.
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) issue(i);
-  if (lane == 0) {  // PREFETCH EXPERIMENT: the warp's slices of its first bands head for L2
-    const int nb = min(my_bands, prefetch_bands);
-    for (int b = 0; b < nb; ++b) {
-      prefetch_l2_bulk(tiles + ((int64_t(blockIdx.x) + int64_t(b) * gridDim.x) * k_tiles + tile_begin) * 32,
-                       uint32_t(per_band) * 512u);
-    }
-  }
   wait_for_previous_grid();
 
   gemv_stage_x<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps);
