@@ -123,11 +123,14 @@ class KVCacheManager:
     def cache_computed_blocks(self, request: Request) -> None:
         """Publish the request's full blocks whose KV is now written (of its computed tokens
         whose ids are known)."""
-        entry = self._requests.get(request.request_id)
-        if not self.enable_caching or entry is None:
+        if not self.enable_caching:
             return
-        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
-        if num_full <= entry.num_published:
+        entry = self._requests.get(request.request_id)
+        if entry is None:
+            return
+        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+        num_full = min(request.num_computed_tokens, num_tokens) // self.block_size
+        if num_full <= entry.num_published:  # (most steps: no block filled)
             return
         self._extend_hashes(request, entry, num_full * self.block_size)
         self.pool.cache_blocks(entry.block_ids[entry.num_published:num_full],

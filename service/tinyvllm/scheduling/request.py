@@ -118,11 +118,16 @@ class Request:
     # Most output tokens: the user's max_tokens, capped by the model's context length (set from
     # the prompt, which never changes; read per request per step).
     max_tokens: int = field(init=False)
+    # Whether its sampling can ever read its output ids on the host (penalties, min_tokens):
+    # `sampling_reads_output_tokens` is asked only of such requests.
+    may_read_output_tokens: bool = field(init=False)
 
     def __post_init__(self) -> None:
         room = self.max_model_len - len(self.prompt_token_ids)
-        mt = self.sampling_params.max_tokens
-        self.max_tokens = room if mt is None else min(mt, room)
+        p = self.sampling_params
+        self.max_tokens = room if p.max_tokens is None else min(p.max_tokens, room)
+        self.may_read_output_tokens = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                                       or p.frequency_penalty != 0.0 or p.min_tokens > 0)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, eos_token_ids: frozenset,

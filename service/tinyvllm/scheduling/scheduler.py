@@ -162,8 +162,8 @@ class Scheduler:
         if (self.spec.active(self._num_enqueued()) and not self.spec.drafts_behind
                 and any(r.can_speculate and not r.spec_skip for r in self.running)):
             return False
-        return not any(r.num_output_placeholders and r.sampling_reads_output_tokens
-                       for r in self.running)
+        return not any(r.may_read_output_tokens and r.num_output_placeholders
+                       and r.sampling_reads_output_tokens for r in self.running)
 
     # --- one step -----------------------------------------------------------------------------
 
@@ -202,7 +202,7 @@ class Scheduler:
             r.request_id, num_new, computed,
             computed + num_new >= (len(r.prompt_token_ids) + len(r.output_token_ids)
                                    + r.num_output_placeholders),
-            block_offset, new_block_ids, list(drafts), num_lookahead))
+            block_offset, new_block_ids, list(drafts) if drafts else [], num_lookahead))
 
     def _drop_scheduled(self, step: _Step, victim: Request) -> int:
         """Take a preempted request out of the step; returns the tokens it had there."""
@@ -353,8 +353,9 @@ class Scheduler:
         n = request.num_output_placeholders
         if n and request.in_flight_drafts:
             n += len(request.in_flight_drafts)
-        return n > 0 and (request.num_output_tokens + n >= request.max_tokens
-                          or request.num_tokens + n >= self.max_model_len)
+        num_output = len(request.output_token_ids) + n
+        return n > 0 and (num_output >= request.max_tokens
+                          or len(request.prompt_token_ids) + num_output >= self.max_model_len)
 
     def _pick_victim(self) -> Request:
         """The lowest-priority running request, latest arrival first among equals."""

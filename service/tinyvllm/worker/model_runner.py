@@ -366,7 +366,7 @@ class ModelRunner:
         # Each sampled request's length before its first token of this step (the position
         # that token takes): a result is appended only where the record still has that length
         # (a step scheduled behind a verification that fell short is dropped).
-        lengths = [r.num_prompt_tokens + r.sampling.output_index for r in requests]
+        lengths = [len(r.prompt_token_ids) + r.sampling.output_index for r in requests]
         if inputs.has_drafts:
             pending = PendingVerification(logits, requests, inputs.draft_token_ids, self.sampler,
                                           self.tp, lengths, self._next_ids_buffer())
@@ -378,8 +378,8 @@ class ModelRunner:
         sampled = self.sampler.sample(logits, states)
         if self.tp.size > 1:  # every rank keeps rank 0's tokens (random rows may differ)
             self.tp.broadcast(sampled.token_ids, src=0)
-        self._prev_sampled = _PrevSampled(sampled.token_ids, {
-            r.request_id: (i, n) for i, (r, n) in enumerate(zip(requests, lengths))})
+        self._prev_sampled = _PrevSampled(sampled.token_ids, dict(zip(
+            (r.request_id for r in requests), zip(range(len(requests)), lengths))))
         return StepHandle.launch(requests, states, sampled, self._next_ids_buffer(), prompt,
                                  on_cuda, lengths)
 
@@ -585,6 +585,8 @@ class ModelRunner:
         queued rows."""
         ids = []
         dst, src = [], []
+        prev = self._prev_sampled
+        in_flight = prev.rows.get if prev is not None else {}.get
         for r, position, offset in zip(records, positions, offsets):
             prompt = r.prompt_token_ids
             p = len(prompt)
@@ -593,22 +595,21 @@ class ModelRunner:
             elif position < p + len(r.output_token_ids):
                 ids.append(r.output_token_ids[position - p])
             else:  # sampled by the step in flight: the host does not know it yet
+                entry = in_flight(r.request_id)
+                if entry is None or entry[1] != position:
+                    self._no_input_token(r, position)
                 ids.append(0)
                 dst.append(offset)
-                src.append(self._prev_row(r, position))
+                src.append(entry[0])
         if dst:
             b = self.buffers
             b.prev_token_dst.np[:len(dst)] = dst
             b.prev_token_src.np[:len(src)] = src
         return ids, len(dst)
 
-    def _prev_row(self, request: CachedRequest, position: int) -> int:
-        """The row of `request` in the previous step's samples, which must hold its token at
-        `position` (its one token in flight, or the last of a verification in flight)."""
-        prev = self._prev_sampled
-        entry = prev.rows.get(request.request_id) if prev is not None else None
-        if entry is None or entry[1] != position:
-            raise RuntimeError(f"request {request.request_id!r}: input token {position} is "
-                               f"neither known ({request.num_tokens} are) nor sampled by the "
-                               f"previous step")
-        return entry[0]
+    @staticmethod
+    def _no_input_token(request: CachedRequest, position: int) -> None:
+        """A decode's input token must be known, or be the one the previous step samples for it
+        at that position (its one token in flight, or the last of a verification in flight)."""
+        raise RuntimeError(f"request {request.request_id!r}: input token {position} is neither "
+                           f"known ({request.num_tokens} are) nor sampled by the previous step")

@@ -90,12 +90,15 @@ class StepHandle:
             self._result = self._finish() if self._finish is not None else {}
             if self._sampled is not None:
                 out = self._sampled.to_output(self._states)
-                self._result = {r.request_id: (tok, lp) for r, tok, lp in
-                                zip(self._requests, out.token_ids, out.logprobs)}
-                lengths = self._lengths or [None] * len(self._requests)
-                for r, tok, n in zip(self._requests, out.token_ids, lengths):
-                    if n is None or r.num_tokens == n:
+                self._result = dict(zip((r.request_id for r in self._requests),
+                                        zip(out.token_ids, out.logprobs)))
+                if self._lengths is None:
+                    for r, tok in zip(self._requests, out.token_ids):
                         r.output_token_ids.append(tok)
+                else:
+                    for r, tok, n in zip(self._requests, out.token_ids, self._lengths):
+                        if len(r.prompt_token_ids) + len(r.output_token_ids) == n:
+                            r.output_token_ids.append(tok)
             if self._prompt is not None:
                 self.prompt_logprobs = self._prompt.to_lists()
             self._sampled = self._prompt = None
