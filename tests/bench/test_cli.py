@@ -23,6 +23,8 @@ def test_every_benchmark_is_a_subcommand():
 def test_kernels_and_serve_get_the_rest_of_the_command_line():
     args = build_parser().parse_args(["bench", "kernels", "--quick", "--out", "k.json"])
     assert args.rest == ["--quick", "--out", "k.json"]
+    args = build_parser().parse_args(["bench", "host", "--batch-sizes", "4"])
+    assert args.rest == ["--batch-sizes", "4"]
 
 
 @pytest.mark.slow
@@ -207,3 +209,23 @@ def test_kernels_only_cpu_times_the_packed_linear_without_a_gpu(tmp_path, monkey
     assert [r["name"] for r in record["results"]] == ["cpu Q4_K", "cpu Q8_0"]
     assert all(r["us"] > 0 and r["ratios"]["torch_f32"] > 0 for r in record["results"])
     assert "cpu Q4_K" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("async_flag", ["--async-scheduling", "--no-async-scheduling"])
+def test_host_times_each_phase_of_a_step(tmp_path, capsys, async_flag):
+    """`bench host` drives decode steps over a stubbed forward and records the host time per
+    step and per phase for each batch size, then prints them."""
+    out = tmp_path / "host.json"
+    assert main(["bench", "host", "--batch-sizes", "2", "5", "--input-len", "8",
+                 "--output-len", "6", "--rounds", "2", async_flag, "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "host" and record["git_rev"]
+    assert record["async_scheduling"] == (async_flag == "--async-scheduling")
+    assert [r["batch_size"] for r in record["results"]] == [2, 5]
+    for r in record["results"]:
+        assert r["num_steps"] >= 6 and r["us_per_step"] > 0
+        phases = r["phases_us"]
+        assert set(phases) == {"schedule", "apply", "prepare", "sample", "update"}
+        assert all(v > 0 for v in phases.values()) and sum(phases.values()) < r["us_per_step"]
+    printed = capsys.readouterr().out
+    assert "us per decode step" in printed and "per request" in printed

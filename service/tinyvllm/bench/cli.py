@@ -1,4 +1,4 @@
-"""`tinyvllm bench latency|throughput|prefix|spec|kernels|serve` (see BENCHMARKS.md)."""
+"""`tinyvllm bench latency|throughput|prefix|spec|kernels|serve|host` (see BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ _DELEGATED = {  # modules with their own argument parser: the rest of the comman
     "kernels": ("tinyvllm.bench.kernels", "GPU kernels against torch / cuBLAS baselines "
                 "(--only cpu: the CPU's packed GGUF linear against torch)."),
     "serve": ("tinyvllm.bench.serve", "The gRPC service under Poisson arrivals: TTFT, TPOT, ITL."),
+    "host": ("tinyvllm.bench.host", "Host work per decode step (schedule, inputs, sampling, "
+             "update), the model's forward replaced by fixed logits; CPU."),
 }
 
 
