@@ -385,11 +385,14 @@ def test_rotary_decode_unmerged_partitions(kernels, heads, head_dim):
                                 torch.bfloat16, seed=23)
     _, (q, k, v), positions, cos_sin = make_new_tokens(meta, num_heads, num_kv_heads, head_dim,
                                                        torch.bfloat16, 23)
-    # Decode rows, then verification rows (fuse_new_token off: rotary and the cache write
-    # launch first), whose decode kernel's partitions come back unmerged all the same.
+    # Decode rows (q, k and v read as the strided views they are), then verification rows
+    # (fuse_new_token off: rotary rotates q and k in place and the cache write launches first,
+    # so each run takes copies), whose decode kernel's partitions come back unmerged all the same.
     for step_meta in (meta, dataclasses.replace(meta, fuse_new_token=False)):
+        fresh = ((lambda: (q, k)) if step_meta.fuse_new_token
+                 else (lambda: (q.clone(), k.clone())))
         run = lambda c, merge: rotary_paged_attention(  # noqa: E731
-            positions, q.clone(), k.clone(), v, cos_sin, c, step_meta, 0.1, merge=merge)
+            positions, *fresh(), v, cos_sin, c, step_meta, 0.1, merge=merge)
         merged_cache, parts_cache = cache.clone(), cache.clone()
         out = run(merged_cache, True)
         parts = run(parts_cache, False)
@@ -401,4 +404,5 @@ def test_rotary_decode_unmerged_partitions(kernels, heads, head_dim):
                                 torch.bfloat16, seed=29)  # enough CTAs: one partition each
     _, (q, k, v), positions, cos_sin = make_new_tokens(meta, num_heads, num_kv_heads, head_dim,
                                                        torch.bfloat16, 29)
-    assert isinstance(run(cache, False), torch.Tensor)
+    out = rotary_paged_attention(positions, q, k, v, cos_sin, cache, meta, 0.1, merge=False)
+    assert isinstance(out, torch.Tensor)
