@@ -75,7 +75,10 @@ def generate(engine: EngineCore, prompts: list[list[int]], params=GREEDY) -> lis
 
 def test_decode_batch_sizes():
     assert decode_batch_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 16))
-    assert decode_batch_sizes(1000) == decode_batch_sizes(256)
+    # Above 256 (`--max-num-seqs` 512 / 1024), buckets 64 apart, up to 1024.
+    assert decode_batch_sizes(1024) == decode_batch_sizes(256) + list(range(320, 1025, 64))
+    assert decode_batch_sizes(1000) == decode_batch_sizes(256) + list(range(320, 961, 64)) + [1000]
+    assert decode_batch_sizes(4096) == decode_batch_sizes(1024)
     assert decode_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
     assert decode_batch_sizes(6) == [1, 2, 4, 6]
 

@@ -42,8 +42,14 @@ from tinyvllm.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger(__name__)
 
-MAX_GRAPH_BATCH_SIZE = 256
-"""Largest decode batch captured (vLLM and nano-vllm go to 512; our default max_num_seqs is 256)."""
+MAX_GRAPH_BATCH_SIZE = 1024
+"""Largest decode batch captured (vLLM and nano-vllm go to 512). The default max_num_seqs is 256;
+a larger one (`--max-num-seqs 1024`) would otherwise launch every kernel of its decode steps from
+Python: at 1,024 SmolLM2 decodes on an H100 host, 12-18 ms of launches a step for 3.9 ms of
+kernels (cuda/NOTES.md)."""
+
+COARSE_BATCH_STEP = 64
+"""Above 256 rows the buckets are this far apart (at most a fifth of a step padding)."""
 
 MAX_SEQ_LEN_TO_CAPTURE = 8192
 """Longest context a decode graph serves; longer ones run eagerly (vLLM's default too)."""
@@ -63,7 +69,9 @@ class GraphKey:
 def decode_batch_sizes(max_num_seqs: int) -> list[int]:
     """The batch-size buckets, ascending; max_bs itself is always one of them."""
     max_bs = min(max_num_seqs, MAX_GRAPH_BATCH_SIZE)
-    sizes = [b for b in [1, 2, 4, 8] + list(range(16, max_bs + 1, 16)) if b <= max_bs]
+    fine = [1, 2, 4, 8] + list(range(16, 257, 16))
+    coarse = list(range(256 + COARSE_BATCH_STEP, max_bs + 1, COARSE_BATCH_STEP))
+    sizes = [b for b in fine + coarse if b <= max_bs]
     return sizes if sizes[-1] == max_bs else sizes + [max_bs]
 
 
