@@ -176,5 +176,3 @@ class Request:
         p = self.sampling_params
         return (not self.sampling_reads_output_tokens and p.logprobs is None
                 and p.prompt_logprobs is None)
-
-

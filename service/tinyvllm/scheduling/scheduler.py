@@ -234,8 +234,7 @@ class Scheduler:
             num_new += len(drafts)
             lookahead = (self._lookahead(request, request.num_computed_tokens + num_new, True)
                          if draft_model else 0)
-            block_ids = self.kv.block_ids(request.request_id)
-            block_offset = len(block_ids)
+            block_offset = len(self.kv.block_ids(request.request_id))
             if (not lookahead and request.num_computed_tokens + num_new
                     <= block_offset * block_size):  # its blocks have room (most decodes)
                 self._add_scheduled(step, request, num_new, block_offset, [], drafts)
