@@ -149,6 +149,15 @@ class CachedRequest:
             self.output_token_ids.extend(token_ids)
 
 
+def append_sampled(records: list[CachedRequest], tokens: list, lengths: list[int]) -> None:
+    """Append each record's token (or a verification's tokens) where the record still has the
+    length its step was launched for; else the step ran behind a verification that fell short,
+    and its result for that request is dropped (`Scheduler.update`)."""
+    for r, token_ids, length in zip(records, tokens, lengths):
+        if len(r.prompt_token_ids) + len(r.output_token_ids) == length:
+            r.append_sampled(token_ids)
+
+
 def apply_scheduler_output(records: RequestRecords, out, device: torch.device
                            ) -> Optional[list[CachedRequest]]:
     """Bring the records up to date with a step's message; returns the scheduled requests'

@@ -19,7 +19,7 @@ import torch
 from tinyvllm.ops.sampling import apply_filters, as_int64, kernel_available
 from tinyvllm.ops.spec_decode import PLACEHOLDER_TOKEN_ID, rejection_sample
 from tinyvllm.scheduling.output import SampledTokens
-from tinyvllm.worker.requests import CachedRequest
+from tinyvllm.worker.requests import CachedRequest, append_sampled
 from tinyvllm.worker.sampler import Sampler, SampledTensors, SamplingState, _to_device
 
 
@@ -245,9 +245,8 @@ class PendingVerification:
         result: SampledTokens = {r.request_id: (t, lp) for r, t, lp in
                                  zip(self._plain, plain_tokens, plain_logprobs)}
         result.update({r.request_id: (tokens, None) for (r, _), tokens in zip(self._spec, kept)})
-        for r, length in zip(self._requests, self._lengths):
-            if r.num_tokens == length:  # else behind a verification that fell short: dropped
-                r.append_sampled(result[r.request_id][0])
+        append_sampled(self._requests, [result[r.request_id][0] for r in self._requests],
+                       self._lengths)
         return result
 
 

@@ -14,7 +14,7 @@ import torch
 
 from tinyvllm.scheduling.output import DraftTokens, PromptLogprobs, SampledTokens
 from tinyvllm.worker.prompt_logprobs import StepPromptLogprobs
-from tinyvllm.worker.requests import CachedRequest
+from tinyvllm.worker.requests import CachedRequest, append_sampled
 from tinyvllm.worker.sampler import SampledTensors, SamplingState
 
 
@@ -27,8 +27,9 @@ class StepHandle:
                  sampled: Optional[SampledTensors], ready: Optional[torch.cuda.Event],
                  prompt: Optional[StepPromptLogprobs] = None,
                  lengths: Optional[list[int]] = None):
+        assert sampled is None or lengths is not None, "sampled tokens need their lengths"
         self._requests = requests
-        self._lengths = lengths  # each record's length before its token (None: any)
+        self._lengths = lengths  # each record's length before its token (`append_sampled`)
         self._states = states
         self._sampled = sampled  # on pinned host memory once `ready` has completed
         self._prompt = prompt  # likewise
@@ -92,13 +93,7 @@ class StepHandle:
                 out = self._sampled.to_output(self._states)
                 self._result = dict(zip((r.request_id for r in self._requests),
                                         zip(out.token_ids, out.logprobs)))
-                if self._lengths is None:
-                    for r, tok in zip(self._requests, out.token_ids):
-                        r.output_token_ids.append(tok)
-                else:
-                    for r, tok, n in zip(self._requests, out.token_ids, self._lengths):
-                        if len(r.prompt_token_ids) + len(r.output_token_ids) == n:
-                            r.output_token_ids.append(tok)
+                append_sampled(self._requests, out.token_ids, self._lengths)
             if self._prompt is not None:
                 self.prompt_logprobs = self._prompt.to_lists()
             self._sampled = self._prompt = None
