@@ -2,11 +2,11 @@
 
 Every step of a running batch costs host time outside the model: the scheduler's schedule and
 update, the worker's records (`apply_scheduler_output`), input preparation and sampling. On a GPU
-that time hides behind the step in flight until it grows past the GPU's step time (issue 14's
-"host work at 1,024 running requests"). This benchmark times it alone, on the CPU: a tiny random
-model whose forward is replaced by fixed logits (all zeros, so every greedy row samples token 0),
-B requests of --input-len tokens decoding --output-len tokens each, through `EngineCore.step()`
-as the other engine benchmarks drive it. Per batch size: host microseconds per step (the best of
+that time hides behind the step in flight until it grows past the GPU's step time (at large
+batches: cuda/NOTES.md, "the host side of a step"). This benchmark times it alone, on the CPU:
+a tiny random model whose forward is replaced by fixed logits (all zeros, so every greedy row
+samples token 0), B requests of --input-len tokens decoding --output-len tokens each, through
+`EngineCore.step()` as the other engine benchmarks drive it. Per batch size: host microseconds per step (the best of
 --rounds runs) and each phase's share. Compare trees by running it on each, one after the other
 on the same machine; the figures depend on the CPU.
 
@@ -86,15 +86,8 @@ def build(max_num_seqs: int, max_len: int, async_scheduling: bool):
     _timed(engine.scheduler, "update", "update", acc)
     _timed(runner, "_prepare_inputs", "prepare", acc)
     _timed(runner.sampler, "sample", "sample", acc)
-    apply = model_runner.apply_scheduler_output
-
-    def timed_apply(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return apply(*args, **kwargs)
-        finally:
-            acc["apply"] += time.perf_counter() - start
-    model_runner.apply_scheduler_output = timed_apply
+    apply = model_runner.apply_scheduler_output  # a module function: put back after the runs
+    _timed(model_runner, "apply_scheduler_output", "apply", acc)
     return engine, acc, (model_runner, apply)
 
 
