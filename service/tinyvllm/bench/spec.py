@@ -239,9 +239,8 @@ def _compare(workload: str, batch_size: int, off: dict, on: dict) -> dict[str, A
 
 def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """The round whose decode tokens/s ratio is the median (the lower middle of an even count),
-    with every round's ratios beside it: one run of either engine moves with the host's noise
-    (a batch-64 step is host-bound), so a single pair can show a gain or loss that is not
-    there."""
+    with every round's ratios beside it: a run of either engine is milliseconds of steps whose
+    pace moves with the host's, so a single pair can show a gain or loss that is not there."""
     order = sorted(rounds, key=lambda r: r["decode_tokens_per_s_ratio"] or 0.0)
     median = dict(order[(len(order) - 1) // 2])
     median["identical_outputs"] = all(r["identical_outputs"] for r in rounds)

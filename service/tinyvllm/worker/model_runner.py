@@ -588,28 +588,20 @@ class ModelRunner:
         prev = self._prev_sampled
         in_flight = prev.rows.get if prev is not None else {}.get
         for r, position, offset in zip(records, positions, offsets):
-            prompt = r.prompt_token_ids
-            p = len(prompt)
-            if position < p:
-                ids.append(prompt[position])
-            elif position < p + len(r.output_token_ids):
-                ids.append(r.output_token_ids[position - p])
-            else:  # sampled by the step in flight: the host does not know it yet
-                entry = in_flight(r.request_id)
-                if entry is None or entry[1] != position:
-                    self._no_input_token(r, position)
-                ids.append(0)
-                dst.append(offset)
-                src.append(entry[0])
+            if position < len(r.prompt_token_ids) + len(r.output_token_ids):
+                ids.append(r.token_at(position))
+                continue
+            # Sampled by the step in flight (its one token in flight, or the last of a
+            # verification in flight): the host does not know it yet.
+            entry = in_flight(r.request_id)
+            if entry is None or entry[1] != position:
+                raise RuntimeError(f"request {r.request_id!r}: input token {position} is neither "
+                                   f"known ({r.num_tokens} are) nor sampled by the previous step")
+            ids.append(0)
+            dst.append(offset)
+            src.append(entry[0])
         if dst:
             b = self.buffers
             b.prev_token_dst.np[:len(dst)] = dst
             b.prev_token_src.np[:len(src)] = src
         return ids, len(dst)
-
-    @staticmethod
-    def _no_input_token(request: CachedRequest, position: int) -> None:
-        """A decode's input token must be known, or be the one the previous step samples for it
-        at that position (its one token in flight, or the last of a verification in flight)."""
-        raise RuntimeError(f"request {request.request_id!r}: input token {position} is neither "
-                           f"known ({request.num_tokens} are) nor sampled by the previous step")
