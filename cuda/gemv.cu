@@ -34,6 +34,14 @@ int mma_rows(int64_t m) {
   return rows;
 }
 
+// The tensor-core kernel's rows per CTA (its M): m rounded up to 4, 8 or 16; with chunks (mma 2,
+// any m) at most as many as the staging holds of k values, down to 4.
+int mma_cta_rows(int64_t m, int64_t k, bool chunks) {
+  int rows = mma_rows(std::min<int64_t>(m, kMmaMaxM));
+  while (chunks && rows > 4 && int64_t(rows) * k * 2 > kMmaActBytes) rows /= 2;
+  return rows;
+}
+
 // CTAs of one instantiation resident per SM with `smem` bytes of staging (set up once per kernel).
 template <typename T, int M, int P, bool S>
 int resident_ctas(int smem) {
@@ -81,17 +89,19 @@ void launch_mma(T* out, const T* x, const T* weight, const T* bias, const T* res
   const int smem = M * k * int(sizeof(T)) + kMmaRingBytes;
   const int grid = resident_grid(kernel, kTileWarps * 32, smem, (n + kTileRows - 1) / kTileRows,
                                  "gemv (tensor cores): occupancy");
-  launch_pdl(kernel, dim3(grid), dim3(kTileWarps * 32), smem, stream, out, x, weight, bias,
-             residual, norm_weight, m, n, k, x_stride, out_stride, residual_stride, eps, parts);
+  // gridDim.y: chunks of M rows (more than M rows only with mma 2)
+  launch_pdl(kernel, dim3(grid, unsigned((m + M - 1) / M)), dim3(kTileWarps * 32), smem, stream,
+             out, x, weight, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
+             residual_stride, eps, parts);
 }
 
 template <typename T, int P, bool S = false>
 void launch_m(int m, T* out, const T* x, const T* weight, const T* bias, const T* residual,
               const T* norm_weight, int n, int k, int64_t x_stride, int64_t out_stride,
-              int64_t residual_stride, float eps, bool prefetch_all, bool mma, cudaStream_t s,
+              int64_t residual_stride, float eps, bool prefetch_all, int mma, cudaStream_t s,
               const DecodePartitions& parts = {}) {
   if (mma) {
-    with_mma_rows(m, [&](auto rows) {
+    dispatch_rows<4, 8, 16>(mma_cta_rows(m, k, mma == 2), [&](auto rows) {
       launch_mma<T, decltype(rows)::value, P, S>(out, x, weight, bias, residual, norm_weight, m,
                                                  n, k, x_stride, out_stride, residual_stride,
                                                  eps, parts, s);
@@ -107,8 +117,10 @@ void launch_m(int m, T* out, const T* x, const T* weight, const T* bias, const T
 
 // Sizes every GEMV entry point checks ("gemv: ..." / "gemv_merge: ..."); mma: the tensor-core
 // kernel, which stages m rounded up to 4, 8 or 16 rows.
-void check_shape(const std::string& where, int64_t m, int64_t n, int64_t k, bool mma) {
-  const int64_t max_m = mma ? kMmaMaxM : kGemvMaxM;
+void check_shape(const std::string& where, int64_t m, int64_t n, int64_t k, int mma_mode) {
+  const bool mma = mma_mode != 0, chunks = mma_mode == 2;
+  const int64_t max_m = chunks ? int64_t(4) * 65535 : mma ? kMmaMaxM : kGemvMaxM;
+  require(mma_mode >= 0 && mma_mode <= 2, where + "mma=" + std::to_string(mma_mode) + " unknown");
   require(m >= 0 && m <= max_m, where + "m=" + std::to_string(m) + " rows; at most " +
                                     std::to_string(max_m) + " are served" +
                                     (mma ? " (tensor cores)" : ""));
@@ -116,7 +128,7 @@ void check_shape(const std::string& where, int64_t m, int64_t n, int64_t k, bool
   require(k > 0 && k % (mma ? kTileK : 8) == 0 && k <= INT32_MAX / 2,
           where + "k=" + std::to_string(k) + " must be a positive multiple of " +
               (mma ? "64 (tensor cores)" : "8"));
-  const int64_t staged = mma ? mma_rows(m) * k : m * k;
+  const int64_t staged = mma ? mma_cta_rows(m, k, chunks) * k : m * k;
   const int64_t limit = (mma ? kMmaActBytes : kGemvSmemBytes) / 2;
   require(staged <= limit, where + "m * k = " + std::to_string(staged) +
                                (mma ? " activations (m rounded up to 4, 8 or 16)" : " activations") +
@@ -130,7 +142,7 @@ void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t no
           int64_t residual_stride, float eps, int prologue, int silu_mul_out, int prefetch_weight,
           int mma, int dtype, stream_t stream) {
   const std::string where = "gemv: ";
-  check_shape(where, m, n, k, mma != 0);
+  check_shape(where, m, n, k, mma);
   require(prologue >= kGemvNone && prologue <= kGemvSiluMul,
           where + "prologue=" + std::to_string(prologue) + " unknown");
   require(!silu_mul_out || (n % (mma ? kTileRows : 2) == 0 && residual == 0 &&
@@ -154,7 +166,8 @@ void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t no
     auto* r = reinterpret_cast<const scalar_t*>(residual);
     auto* nw = reinterpret_cast<const scalar_t*>(norm_weight);
     const int mi = int(m), ni = int(n), ki = int(k);
-    const bool pf = prefetch_weight != 0, tc = mma != 0;
+    const bool pf = prefetch_weight != 0;
+    const int tc = mma;
     if (silu_mul_out && prologue == kGemvNone) {
       launch_m<scalar_t, kGemvNone, true>(mi, o, xi, w, b, r, nw, ni, ki, x_stride, out_stride,
                                           residual_stride, eps, pf, tc, s);
@@ -183,7 +196,8 @@ void gemv_merge(ptr_t out, ptr_t split_out, ptr_t split_max, ptr_t split_sum, pt
       checked_partitions(where, split_out, split_max, split_sum, seq_lens, int(m), num_heads,
                          head_dim, num_splits, partition_size);
   const int64_t k = int64_t(num_heads) * head_dim;
-  check_shape(where, m, n, k, mma != 0);
+  require(mma == 0 || mma == 1, where + "mma=" + std::to_string(mma) + " unknown");
+  check_shape(where, m, n, k, mma);
   require(aligned16(reinterpret_cast<void*>(weight)), where + "weight must be 16-byte aligned");
   if (m == 0) return;
   TINYVLLM_DISPATCH_HALF(dtype, "gemv_merge", {
@@ -191,7 +205,7 @@ void gemv_merge(ptr_t out, ptr_t split_out, ptr_t split_max, ptr_t split_sum, pt
         int(m), reinterpret_cast<scalar_t*>(out), nullptr,
         reinterpret_cast<const scalar_t*>(weight), reinterpret_cast<const scalar_t*>(bias),
         reinterpret_cast<const scalar_t*>(residual), nullptr, int(n), int(k), k, out_stride,
-        residual_stride, 0.f, true, mma != 0, as_stream(stream), parts);
+        residual_stride, 0.f, true, mma, as_stream(stream), parts);
   });
 }
 

@@ -45,6 +45,13 @@ __global__ void __launch_bounds__(kTileWarps * 32) gemv_mma_kernel(
     int m, int n, int k, int64_t x_stride, int64_t out_stride, int64_t residual_stride, float eps,
     const DecodePartitions parts) {     // kGemvMergeSplits: k = num_heads * head_dim
   constexpr int NT = (M + 7) / 8;  // mmas per k-step (8 columns each)
+  // Launches of more than M rows (gemv's mma 2): CTA row blockIdx.y takes rows M y .. M y + M - 1,
+  // computed exactly as a launch of those rows alone would.
+  const int64_t row0 = int64_t(blockIdx.y) * M;
+  x += row0 * x_stride;
+  out += row0 * out_stride;
+  if (residual != nullptr) residual += row0 * residual_stride;
+  m = min(m - int(row0), M);
   // Dynamic shared memory: act [M][k / 8] (x after the prologue); per warp a ring of kMmaStages
   // tiles, each [4 vectors][32 lanes] of 16 bytes.
   extern __shared__ uint4 act[];

@@ -101,9 +101,11 @@ void rotary_embedding_and_cache(ptr_t positions, ptr_t query, ptr_t key, ptr_t v
 // prologue 0 none, 1 rmsnorm(x) * norm_weight, 2 silu(x[:, :k]) * x[:, k:]. silu_mul_out: out
 // [m, n / 2] = silu(y[:, :n/2]) * y[:, n/2:] of y = act(x) . weight^T (+ bias). prefetch_weight:
 // the whole weight is requested into L2 while the previous kernel runs (for a projection after a
-// kernel that leaves the memory bus idle, such as decode attention). mma: the tensor-core kernel
-// (gemv_mma.cuh) for m <= 16, k a multiple of 64 and (silu_mul_out) n of 16; it prefetches
-// nothing ahead.
+// kernel that leaves the memory bus idle, such as decode attention). mma 1: the tensor-core
+// kernel (gemv_mma.cuh) for m <= 16, k a multiple of 64 and (silu_mul_out) n of 16; it prefetches
+// nothing ahead. mma 2: the same kernel over any m, in chunks of 16, 8 or 4 rows (the most whose
+// activations its staging holds), one row of CTAs per chunk: batch-invariant steps, where every
+// row must be computed as it would be alone.
 void gemv(ptr_t out, ptr_t x, ptr_t weight, ptr_t bias, ptr_t residual, ptr_t norm_weight,
           int64_t m, int64_t n, int64_t k, int64_t x_stride, int64_t out_stride,
           int64_t residual_stride, float eps, int prologue, int silu_mul_out, int prefetch_weight,

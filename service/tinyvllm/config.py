@@ -249,12 +249,13 @@ class KernelConfig:
         "one-token sequences) run the decode attention kernel and only the rest the prefill "
         "kernel. Off: the whole step runs the prefill kernel.")
     batch_invariant: bool = _f(
-        False, "On CUDA, decode and speculative-verification rows of up to 16 tokens compute "
-        "each row the same way whatever the batch: every such projection on the tensor-core "
-        "GEMV (where it stages the rows: SmolLM2-sized layers), rotary and the cache write "
-        "before the decode attention, whose partitions follow the context only; greedy output "
-        "is then the same with speculation on and off. Slower decode (about 1.25x a step of the "
-        "bundled model). Prefill and mixed steps are unchanged.")
+        False, "On CUDA, every token's logits depend on its own context only, whatever step it "
+        "is in (decode, verification, prefill chunk, recomputation after preemption, a mix): "
+        "every projection of 16-bit weights on the tensor-core GEMV in chunks of 16 rows (fewer "
+        "where a long k fills its staging), every token's attention as a decode row in 64-token "
+        "partitions; greedy output is then the same with speculation on and off and however "
+        "the prompts were chunked. Overrides gemv_max_rows / gemv_mma_max_rows. Slower: a "
+        "decode step of the bundled model about 1.2x, prefill-heavy throughput about 0.25x.")
 
     def __post_init__(self) -> None:
         if self.prefill_attention_kernel not in PREFILL_ATTENTION_KERNELS:

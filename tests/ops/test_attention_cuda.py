@@ -406,3 +406,41 @@ def test_rotary_decode_unmerged_partitions(kernels, heads, head_dim):
                                                        torch.bfloat16, 29)
     out = rotary_paged_attention(positions, q, k, v, cos_sin, cache, meta, 0.1, merge=False)
     assert isinstance(out, torch.Tensor)
+
+
+@pytest.mark.parametrize("case", ["ragged", "decodes_first", "long_decodes_first"])
+@pytest.mark.parametrize("heads", [(9, 3), (32, 8)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_batch_invariant_rows_equal_each_token_alone(kernels, case, heads, monkeypatch):
+    """Under batch_invariant a prefill or mixed batch attends every new token as a decode row
+    (`AttentionMetadata.decode_rows`): each row's output is the same bits as that token alone in
+    a one-row decode launch over a longer context tier (a graph's), and within the reference's
+    tolerance; rows go in groups when their partitions are large."""
+    from tinyvllm import ops
+    from tinyvllm.config import KernelConfig
+
+    num_heads, num_kv_heads = heads
+    query, cache, meta = make_batch(PREFILL_CASES[case], num_heads, num_kv_heads, 128,
+                                    torch.bfloat16, seed=hash((case, heads)) % 2**31)
+    scale = 128 ** -0.5
+    ops.configure(KernelConfig(batch_invariant=True))
+    try:
+        out = torch.full_like(query, float("nan"))
+        attention_cuda.paged_attention_cuda(kernels, query, cache, meta, scale, out=out)
+        ref = paged_attention_ref(query.float(), cache.float(), meta, scale)
+        assert ((out.float() - ref).norm() / ref.norm()).item() <= REL_TOL[torch.bfloat16]
+        rows = meta.decode_rows
+        for r in range(rows.num_seqs):
+            one = AttentionMetadata(
+                num_tokens=1, slot_mapping=rows.slot_mapping[r:r + 1],
+                query_start_loc=rows.query_start_loc[:2], seq_lens=rows.seq_lens[r:r + 1],
+                block_tables=rows.block_tables[r:r + 1], max_query_len=1,
+                max_seq_len=4096, query_start_loc_cpu=[0, 1],
+                seq_lens_cpu=rows.seq_lens_cpu[r:r + 1], fuse_new_token=False)
+            alone = attention_cuda.paged_attention_cuda(kernels, query[r:r + 1], cache, one,
+                                                        scale)
+            assert torch.equal(alone, out[r:r + 1]), f"row {r}"
+        monkeypatch.setattr(attention_cuda, "_INVARIANT_SPLIT_BYTES", 1 << 16)  # groups
+        grouped = attention_cuda.paged_attention_cuda(kernels, query, cache, meta, scale)
+        assert torch.equal(grouped, out)
+    finally:
+        ops.configure(KernelConfig())

@@ -253,6 +253,75 @@ def test_fused_linear(launches):
     assert (args["m"], args["n"], args["k"], args["mma"]) == (5, 48, 64, 1)
 
 
+
+def test_batch_invariant_fused_linear_is_one_launch_of_row_chunks(launches):
+    """Under batch_invariant a step of any size is one launch of the tensor-core GEMV in row
+    chunks (`mma` 2), which sizes them to its staging; 0, 1 stay the decode kernels."""
+    from tinyvllm import ops
+    from tinyvllm.config import KernelConfig
+    x, weight = torch.randn(37, 64).bfloat16(), torch.randn(48, 64).bfloat16()
+    residual = torch.randn(37, 48).bfloat16()
+    ops.configure(KernelConfig(batch_invariant=True))
+    try:
+        assert linear._gemv_kernel(37, _Cuda(x), weight) == linear.INVARIANT_CHUNKS
+        assert linear._gemv_kernel(1, _Cuda(torch.randn(1, 96).bfloat16()),
+                                   torch.randn(48, 96).bfloat16()) is None  # k % 64
+        got = linear._fused_linear_cuda(x, weight, None, None, 1e-6, False, residual, None,
+                                        False, False, linear.INVARIANT_CHUNKS)
+    finally:
+        ops.configure(KernelConfig())
+    args = launches.only("gemv")
+    assert got is residual
+    assert (args["m"], args["mma"], args["x"], args["residual"], args["out"]) == (
+        37, 2, ptr(x), ptr(residual), ptr(residual))
+
+
+class _Cuda:
+    """A CPU tensor that says it is on CUDA (for the kernel choice only)."""
+
+    is_cuda = True
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape, self.dtype = t.shape, t.dtype
+
+
+def test_batch_invariant_attention_runs_every_token_as_a_decode_row(launches, monkeypatch):
+    """Under batch_invariant a mixed step (a decode, a verification-sized chunk and a prompt)
+    runs no prefill kernel: each new token is a decode row with its sequence's block table and
+    the context up to itself, in launches whose partitions fit _INVARIANT_SPLIT_BYTES."""
+    from tinyvllm import ops
+    from tinyvllm.config import KernelConfig
+    meta = metadata([1, 5, 3], [40, 200, 3])
+    query = torch.randn(9, 4, 16, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 60, 16, 2, 16, dtype=torch.bfloat16)
+    rows = meta.decode_rows
+    assert rows.seq_lens_cpu == [40, 196, 197, 198, 199, 200, 1, 2, 3]
+    assert rows.seq_lens.tolist() == rows.seq_lens_cpu and rows.is_pure_decode
+    assert torch.equal(rows.block_tables, meta.block_tables[[0, 1, 1, 1, 1, 1, 2, 2, 2]])
+    assert meta.decode_rows is rows and rows.decode_rows is rows  # built once per step
+    ops.configure(KernelConfig(batch_invariant=True))
+    try:
+        out = attention_cuda.paged_attention_cuda(launches.kernels, query, cache, meta, 0.25)
+        assert [name for name, _ in launches] == ["paged_attention_decode"]
+        args = launches[0][1]
+        assert (args["num_seqs"], args["seq_lens"], args["block_tables"]) == (
+            9, ptr(rows.seq_lens), ptr(rows.block_tables))
+        assert (args["partition_size"], args["num_splits"], args["merge_splits"]) == (64, 4, 1)
+        # Rows in groups: 4 heads x 4 splits x (16 + 2) floats = 1,152 bytes a row.
+        monkeypatch.setattr(attention_cuda, "_INVARIANT_SPLIT_BYTES", 4 * 1152)
+        launches.clear()
+        attention_cuda.paged_attention_cuda(launches.kernels, query, cache, meta, 0.25, out=out)
+        groups = [a for _, a in launches]
+        assert [a["num_seqs"] for a in groups] == [4, 4, 1]
+        row_q, row_table = query.stride(0) * 2, rows.block_tables.stride(0) * 4
+        assert [a["query"] - ptr(query) for a in groups] == [0, 4 * row_q, 8 * row_q]
+        assert [a["out"] - ptr(out) for a in groups] == [0, 4 * 128, 8 * 128]
+        assert [a["block_tables"] - ptr(rows.block_tables) for a in groups] == [
+            0, 4 * row_table, 8 * row_table]
+        assert [a["seq_lens"] - ptr(rows.seq_lens) for a in groups] == [0, 16, 32]
+    finally:
+        ops.configure(KernelConfig())
+
 def test_sampling(launches):
     logits, temperature = torch.randn(2, 100), torch.tensor([0.0, 0.7])
     seed = torch.tensor([1, 2])

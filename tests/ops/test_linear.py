@@ -102,9 +102,15 @@ def test_fused_decode_follows_the_kernel_config(gpu_runs_the_gemv):
     ops.configure(KernelConfig(gemv_max_rows=0))  # every decode-sized batch on tensor cores
     assert linear._gemv_kernel(1, decode, weight) == 1
 
-    ops.configure(KernelConfig(batch_invariant=True))  # every decode-sized row on tensor cores
-    assert [linear._gemv_kernel(x.shape[0], x, weight) for x in (decode, pair)] == [1, 1]
+    ops.configure(KernelConfig(batch_invariant=True))  # every row on tensor cores, in chunks
+    assert [linear._gemv_kernel(x.shape[0], x, weight)
+            for x in (decode, pair, verify, prefill)] == [2, 2, 2, 2]  # INVARIANT_CHUNKS
+    assert use_fused_decode(prefill, *projections())  # 16 rows a launch
     assert use_fused_decode(CudaActivations(5, 4096), torch.nn.Linear(4096, 16, device="meta"))
+    # Llama-3-8B's down_proj: 4 rows a launch
+    assert use_fused_decode(CudaActivations(300, 14336),
+                            torch.nn.Linear(14336, 4096, device="meta"))
+    assert not use_fused_decode(CudaActivations(1, 96), *projections(96))  # k % 64 != 0
 
     ops.configure(KernelConfig(fused_gemv=False))
     assert not use_fused_decode(decode, *projections())

@@ -182,6 +182,8 @@ def test_tensor_core_gemv_partial_band_and_errors():
         cuda_ops().gemv(**gemv_args(x, weight, k=14336, mma=1))  # 8 x 14336 activations
     with pytest.raises(ValueError, match="silu_mul_out needs n=1000 a multiple of 16"):
         cuda_ops().gemv(**gemv_args(x, weight, silu_mul_out=1, mma=1))
+    with pytest.raises(ValueError, match="mma=3 unknown"):
+        cuda_ops().gemv(**gemv_args(x, weight, mma=3))
 
 
 def gemv_args(x: torch.Tensor, weight: torch.Tensor, **changes) -> dict:
@@ -348,3 +350,36 @@ def test_fused_linear_merges_decode_partitions(dtype, m, num_heads, head_dim):
     assert torch.equal(got, expected)
     plain = fused_linear(parts, weight)  # no residual: a new tensor
     assert torch.equal(plain, fused_linear(merged.view(m, k), weight))
+
+
+@pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
+@pytest.mark.parametrize("k", [576, 14336])
+def test_batch_invariant_rows_do_not_depend_on_the_step(prologue, k):
+    """Under batch_invariant a step of any size is one tensor-core GEMV launch in chunks of 16
+    rows (4 at k = 14336, where its staging holds no more), one row of CTAs each: a row gives the
+    same bits alone and anywhere in a step of 17 or 40 rows (a prefill chunk, a mixed step, a
+    large verification)."""
+    ops.configure(KernelConfig(batch_invariant=True))
+    try:
+        dtype, n = torch.bfloat16, 960
+        weight = rand(n, k, dtype=dtype, seed=70, scale=k ** -0.5)
+        x = rand(40, 2 * k if prologue == "silu_mul" else k, dtype=dtype, seed=71)
+        residual = rand(40, n, dtype=dtype, seed=72)
+        kwargs = dict(norm_weight=rand(k, dtype=dtype, seed=73) if prologue == "rms_norm"
+                      else None, silu_mul=prologue == "silu_mul")
+        alone = torch.cat([fused_linear(x[i:i + 1], weight, residual=residual[i:i + 1].clone(),
+                                        **kwargs) for i in range(40)])
+        expected = fused_linear_ref(x, weight, residual=residual.clone(), **kwargs)
+        assert rel_err(alone, expected) <= REL_TOL[dtype]
+        for m in (17, 40):
+            order = torch.arange(m, device="cuda").flip(0)
+            got = fused_linear(x[order].contiguous(), weight,
+                               residual=residual[order].contiguous(), **kwargs)
+            assert torch.equal(got, alone[order]), f"m={m}"
+        if prologue is None:  # gate_up's SwiGLU epilogue, into a new tensor
+            swiglu = rand(2 * n, k, dtype=dtype, seed=74, scale=k ** -0.5)
+            one = torch.cat([fused_linear(x[i:i + 1], swiglu, silu_mul_out=True)
+                             for i in range(40)])
+            assert torch.equal(fused_linear(x, swiglu, silu_mul_out=True), one)
+    finally:
+        ops.configure(KernelConfig())

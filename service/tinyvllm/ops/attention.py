@@ -56,6 +56,31 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
     @functools.cached_property
+    def decode_rows(self) -> "AttentionMetadata":
+        """The same batch with every new token a decode row of its own: its sequence's block
+        table and the context up to and including itself (rows past the last sequence's are
+        left out). The step's new K/V must be in the cache before such rows attend
+        (fuse_new_token is off). Built once per step, on the block tables' device."""
+        if self.is_pure_decode:
+            return self
+        qsl, num_seqs = self.query_start_loc_cpu, self.num_seqs
+        num_rows = qsl[num_seqs]
+        q_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(num_seqs)])
+        seq_of_row = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
+        # row t of a sequence with q new tokens and context L sees L - (q - 1 - t) tokens
+        row_in_seq = torch.arange(num_rows) - torch.tensor(qsl[:-1])[seq_of_row]
+        seq_lens = (torch.tensor(self.seq_lens_cpu) - q_lens)[seq_of_row] + 1 + row_in_seq
+        device = self.block_tables.device
+        tables = self.block_tables.index_select(0, seq_of_row.to(device))
+        return AttentionMetadata(
+            num_tokens=num_rows, slot_mapping=self.slot_mapping[:num_rows],
+            query_start_loc=torch.arange(num_rows + 1, dtype=torch.int32, device=device),
+            seq_lens=seq_lens.to(device=device, dtype=torch.int32), block_tables=tables,
+            max_query_len=1, max_seq_len=self.max_seq_len,
+            query_start_loc_cpu=list(range(num_rows + 1)), seq_lens_cpu=seq_lens.tolist(),
+            fuse_new_token=False)
+
+    @functools.cached_property
     def leading_decodes(self) -> tuple[int, int]:
         """(n, the longest context among them) of the sequences at the head of the batch with one
         new token each. Every layer asks; counted once per step."""
@@ -139,20 +164,10 @@ def _paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atte
     from tinyvllm.ops.quantized import cpu_kernels
 
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    qsl = meta.query_start_loc_cpu
-    num_rows = qsl[meta.num_seqs]
-    if meta.is_pure_decode:
-        tables = meta.block_tables[:num_rows]
-        seq_lens = meta.seq_lens[:num_rows]
-    else:
-        q_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(meta.num_seqs)])
-        seq_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs), q_lens)
-        tables = meta.block_tables[seq_of_row]
-        # row t of a sequence with q new tokens and context L sees L - (q - 1 - t) tokens
-        row_in_seq = torch.arange(num_rows) - torch.tensor(qsl[:-1])[seq_of_row]
-        seq_lens = (meta.seq_lens.cpu()[seq_of_row] - q_lens[seq_of_row] + 1 + row_in_seq)
-    tables = tables.to(torch.int32).contiguous()  # [num_rows, max_blocks]
-    seq_lens = seq_lens.to(torch.int32).contiguous()  # [num_rows]
+    rows = meta.decode_rows
+    num_rows = rows.num_seqs
+    tables = rows.block_tables[:num_rows].to(torch.int32).contiguous()  # [num_rows, max_blocks]
+    seq_lens = rows.seq_lens[:num_rows].to(torch.int32).contiguous()  # [num_rows]
     q = query[:num_rows]
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()

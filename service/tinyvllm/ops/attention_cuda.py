@@ -10,7 +10,8 @@ one. In a mixed batch the leading run of one-token sequences (the scheduler puts
 first) goes to the decode kernel instead: the prefill kernels give every sequence a tile of 64 or
 128 query rows and read its K/V once per query head, so a decode row there costs a whole tile's
 loads and MMAs for one row. All read a cache of the query's dtype or an FP8 (E4M3) one with
-per-layer K/V scales.
+per-layer K/V scales. Under `KernelConfig.batch_invariant` no prefill kernel runs: every new token
+attends as a decode row of its own (`_decode_rows`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
         raise ValueError(f"prefill_kernel={prefill_kernel!r}: expected one of "
                          f"{sorted(PREFILL_KERNELS)}")
     scales = kv_scale_ptrs(kv_cache, k_scale, v_scale)
+    if kernel_config().batch_invariant:
+        _decode_rows(kernel, out, query, kv_cache, meta.decode_rows, scale, scales)
+        return out
     if meta.max_query_len == 1:
         parts = _decode(kernel, out, query, kv_cache, meta, scale, scales, merge=merge)
         return out if parts is None else parts
@@ -107,15 +111,36 @@ _NO_NEW_TOKEN = {"new_key": 0, "new_value": 0, "new_kv_stride": 0, "positions": 
                  "slot_mapping": 0, "cos_sin_cache": 0}
 
 
+_INVARIANT_SPLIT_BYTES = 64 * 1024 * 1024
+"""Most bytes of partition outputs one batch-invariant decode launch writes (`_decode_rows`)."""
+
+
+def _decode_rows(kernel, out, query, kv_cache, rows: AttentionMetadata, scale: float,
+                 scales: tuple[int, int]) -> None:
+    """`KernelConfig.batch_invariant`: every new token attends as a decode row of its own
+    (`AttentionMetadata.decode_rows`: decode, verification and prefill rows alike) in 64-token
+    partitions merged in the launch, so that a row's output depends on its own context only. A
+    long prefill's rows go in groups whose partitions fit _INVARIANT_SPLIT_BYTES."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    splits = max(2, -(-rows.max_seq_len // MIN_PARTITION))
+    group = max(1, _INVARIANT_SPLIT_BYTES // (num_heads * splits * (head_dim + 2) * 4))
+    for first in range(0, rows.num_seqs, group):
+        # max_seq_len: a graph's context tier, which its captured seq_lens do not show
+        _decode(kernel, out[first:], query[first:], kv_cache, rows, scale, scales,
+                num_seqs=min(group, rows.num_seqs - first), max_seq_len=rows.max_seq_len,
+                first_seq=first)
+
+
 def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
             scales: tuple[int, int], new_token: Optional[dict[str, int]] = None,
             merge: bool = True, num_seqs: Optional[int] = None,
-            max_seq_len: Optional[int] = None) -> Optional[DecodePartitions]:
+            max_seq_len: Optional[int] = None, first_seq: int = 0) -> Optional[DecodePartitions]:
     """new_token: the launcher's arguments of a fused new token (rotary_paged_attention_cuda;
     the keys of _NO_NEW_TOKEN), None for none. merge=False: a split launch leaves its partitions
     unmerged and returns them (out is not written). num_seqs: the first num_seqs sequences only
-    (each with one new token, rows 0..num_seqs - 1), max_seq_len the longest of them (defaults:
-    the whole batch)."""
+    (each with one new token, rows 0..num_seqs - 1 of query and out), max_seq_len the longest of
+    them (defaults: the whole batch); first_seq: they are the sequences from this one on of
+    meta's block tables and seq_lens (query and out start at its row)."""
     num_seqs = meta.num_seqs if num_seqs is None else num_seqs
     max_seq_len = meta.max_seq_len if max_seq_len is None else max_seq_len
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -136,8 +161,9 @@ def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
         split_max, split_sum = stats[0], stats[1]
     kernel.paged_attention_decode(
         out=out.data_ptr(), query=query.data_ptr(), key_cache=kv_cache[0].data_ptr(),
-        value_cache=kv_cache[1].data_ptr(), block_tables=meta.block_tables.data_ptr(),
-        seq_lens=meta.seq_lens.data_ptr(), split_out=_ptr(split_out),
+        value_cache=kv_cache[1].data_ptr(),
+        block_tables=meta.block_tables[first_seq:].data_ptr(),
+        seq_lens=meta.seq_lens[first_seq:].data_ptr(), split_out=_ptr(split_out),
         split_max=_ptr(split_max), split_sum=_ptr(split_sum), num_seqs=num_seqs,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         block_size=kv_cache.shape[2], q_stride_token=query.stride(0),
@@ -148,7 +174,8 @@ def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
         stream=stream_handle(query.device))
     if merge or num_splits == 1:
         return None
-    return DecodePartitions(split_out, split_max, split_sum, meta.seq_lens[:num_seqs], partition,
+    return DecodePartitions(split_out, split_max, split_sum,
+                            meta.seq_lens[first_seq:first_seq + num_seqs], partition,
                             query.dtype)
 
 

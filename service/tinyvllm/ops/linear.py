@@ -18,7 +18,9 @@ the GEMV kernel (cuda/gemv.cuh), which streams the weight once; with more rows, 
 multiple of 64, the rows' activations within its staging, n a multiple of 16 with
 silu_mul_out), which also reads each weight once for all rows. `fused_linear_supported` says when
 one applies, and `use_fused_decode` whether a decoder layer runs as such projections
-(`KernelConfig.fused_gemv`).
+(`KernelConfig.fused_gemv`). Under `KernelConfig.batch_invariant` every step, of any size, runs the
+tensor-core form in chunks of 16, 8 or 4 rows (one launch; `INVARIANT_CHUNKS`), so that a row's
+result does not depend on the rows beside it.
 Elsewhere the torch reference runs: the unfused ops in the same order and with the same roundings.
 
 x may also be a split decode's unmerged `DecodePartitions` (o_proj after
@@ -52,6 +54,10 @@ _MMA_LAYER_MAX_K = 2048
 3-8 rows, at Llama-3-8B's 4096 / 14336 about 1.05x (one band of 16 rows per CTA streams 64-224
 tiles, and the bands divide unevenly over the SMs; `bench kernels --only gemv`, H100)."""
 _PROLOGUE = {None: 0, "rms_norm": 1, "silu_mul": 2}
+INVARIANT_CHUNKS = 2
+"""`_gemv_kernel`'s (and `_cuda.gemv`'s `mma`) code for the tensor-core GEMV over any number of
+rows in chunks (`KernelConfig.batch_invariant`); 0 is the scalar kernel, 1 the tensor-core one
+over at most 16 rows."""
 
 
 def use_fused_decode(x: torch.Tensor, *projections: torch.nn.Module) -> bool:
@@ -62,7 +68,7 @@ def use_fused_decode(x: torch.Tensor, *projections: torch.nn.Module) -> bool:
     that serves it (`fused_serves(x)` / `fused_linear(x, **kwargs)`: W4A16 tiles,
     model/quantization/layer.py). On the tensor-core GEMV only layers of k up to
     _MMA_LAYER_MAX_K take it, unless `KernelConfig.batch_invariant` asks for it wherever it
-    serves (every decode-sized batch on it, at 1-2 rows too)."""
+    serves (every batch on it, at 1-2 rows and prefill-sized ones too)."""
     if not kernel_config().fused_gemv or not x.is_cuda:
         return False
     for p in projections:
@@ -98,7 +104,11 @@ def _gemv_kernel(m: int, x: torch.Tensor | DecodePartitions,
     if weight.dim() != 2 or not weight.is_contiguous():
         return None
     config, (n, k) = kernel_config(), weight.shape
-    if m <= config.gemv_max_rows and not config.batch_invariant:
+    if config.batch_invariant:
+        # Any m: the tensor-core kernel in chunks of 16, 8 or 4 rows, whichever its staging holds
+        # (`_cuda.gemv` mma 2), each row computed as it would be alone.
+        return INVARIANT_CHUNKS if tensor_cores_fit(4, n, k) else None
+    if m <= config.gemv_max_rows:
         return 0 if k % 8 == 0 and m * k * 2 <= _GEMV_STAGING_BYTES else None
     if m <= config.gemv_mma_max_rows and tensor_cores_fit(m, n, k):
         return 1
@@ -201,7 +211,8 @@ def _merge_kernel(parts: DecodePartitions, weight: torch.Tensor) -> Optional[int
     k = heads * head_dim
     if m * k * splits * 4 > _MERGE_BYTES_PER_CTA or weight.dim() != 2 or weight.shape[1] != k:
         return None
-    return _gemv_kernel(m, parts, weight)
+    kernel = _gemv_kernel(m, parts, weight)
+    return None if kernel == INVARIANT_CHUNKS else kernel
 
 
 def _merged_linear_cuda(parts: DecodePartitions, weight, bias, residual, out,
