@@ -210,3 +210,21 @@ def test_batch_invariant_logits_do_not_depend_on_the_step(path, invariant_texts)
         assert run(chunked, [prompt + tokens[:8]] + others, 8) == expected[8:]
     finally:
         release(chunked)
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    ({"quantization": "gptq"}, "projections do not all run the tensor-core GEMV"),  # W4A16 tiles
+    ({"quantization": "fp8"}, "projections do not all run the tensor-core GEMV"),  # cuBLAS FP8
+    ({"dtype": "float32"}, "needs dtype bfloat16 or float16, got torch.float32"),
+])
+def test_batch_invariant_refuses_what_it_cannot_cover(kwargs, error):
+    """A model whose projections the tensor-core GEMV does not take would still give
+    batch-dependent outputs: refused at start, naming why (random-weight SmolLM2 shape)."""
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.worker.model_runner import ModelRunner
+
+    kwargs = {"dtype": "bfloat16", **kwargs}
+    config = EngineConfig.from_kwargs(model="smollm2-135m-shape", device="cuda",
+                                      batch_invariant=True, max_model_len=512, **kwargs)
+    with pytest.raises(ValueError, match=error):
+        ModelRunner(config)

@@ -22,7 +22,7 @@ from tinyvllm.config import CacheConfig, EngineConfig
 from tinyvllm.distributed import get_tp
 from tinyvllm.scheduling.output import ScheduledRequest, SchedulerOutput
 from tinyvllm.model.loader import LoadedModel, load_model
-from tinyvllm.ops import AttentionMetadata, allocate_kv_caches
+from tinyvllm.ops import AttentionMetadata, allocate_kv_caches, fused_linear_supported
 from tinyvllm.ops._dispatch import configure, cuda_ops, device_support
 from tinyvllm.ops.quantized import configure_cpu_threads, cpu_kernels
 from tinyvllm.ops.kv_cache import FP8_DTYPE, kv_dtype_name, resolve_kv_cache_dtype
@@ -135,6 +135,7 @@ class ModelRunner:
                                            quantization=config.model.quantization)
         self.model = self.loaded.model
         self.arch = self.loaded.arch
+        self._check_batch_invariant()
         fused_cpu_step = (self.device.type == "cpu" and cpu_kernels() is not None
                           and getattr(self.model, "packed_decoder", None) is not None)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype,
@@ -176,6 +177,29 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens on %s (%s, %d bytes per block)",
                     self.num_blocks, self.block_size, self.device,
                     kv_dtype_name(self.kv_cache_dtype), self.kv_bytes_per_block())
+
+    def _check_batch_invariant(self) -> None:
+        """`--batch-invariant` on CUDA holds only where every projection and the head run the
+        tensor-core GEMV at any row count: refused at start otherwise, naming what it lacks."""
+        if (not self.config.kernel.batch_invariant or self.device.type != "cuda"
+                or cuda_ops() is None):
+            return
+        if self.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"batch_invariant on CUDA needs dtype bfloat16 or float16 (its "
+                             f"kernels take 16-bit activations), got {self.dtype}")
+        probe = torch.zeros(17, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+        serves = getattr(self.model, "_use_fused_decode", None)
+        head = getattr(self.model, "lm_head", None)
+        head_weight = getattr(self.model, "lm_head_weight", None)
+        if (serves is None or not serves(probe)
+                or (head is not None and not isinstance(head, torch.nn.Linear))
+                or not isinstance(head_weight, torch.Tensor)
+                or not fused_linear_supported(probe, head_weight)):
+            raise ValueError(
+                "batch_invariant: this model's projections do not all run the tensor-core GEMV "
+                "(16-bit weights, k a multiple of 64 and n of 16; packed quantized weights do "
+                f"not), so its outputs would still depend on the batch (quantization: "
+                f"{self.config.model.quantization or 'from the checkpoint'}); run without it")
 
     def _check_kv_cache_dtype(self, kv_dtype: torch.dtype) -> None:
         """The CUDA kernels read a cache of the queries' dtype or FP8 (with 16-bit queries)."""
