@@ -222,21 +222,45 @@ class Scheduler:
         speculate = self.spec.active(self._num_enqueued())
         draft_model = speculate and self.spec.config.uses_draft_model
         block_size = self.kv.block_size
+        block_ids = self.kv.block_ids
+        running, max_model_len = self.running, self.max_model_len
+        step_requests, scheduled, step_id = step.requests, step.out.scheduled, step.out.step_id
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            if request.num_output_placeholders and (self._last_token_in_flight(request)
-                                                    or request.discard_step_id >= 0):
-                i += 1  # (a step in flight that will be dropped: scheduled once it is)
-                continue
-            num_new = self._num_new_tokens(request, budget)
+        while i < len(running) and budget > 0:
+            request = running[i]
+            # This runs per request per step: written out inline, _add_scheduled too for a plain
+            # decode with room. A token in flight that is the request's last (max_tokens or the
+            # context length; a verification in flight counts its drafts as accepted) would be
+            # computed for nothing, and a step in flight that will be dropped is waited for.
+            num_prompt, num_output = len(request.prompt_token_ids), len(request.output_token_ids)
+            placeholders = request.num_output_placeholders
+            if placeholders:
+                behind = placeholders + len(request.in_flight_drafts)
+                if (request.discard_step_id >= 0 or num_output + behind >= request.max_tokens
+                        or num_prompt + num_output + behind >= max_model_len):
+                    i += 1
+                    continue
+            num_tokens = num_prompt + num_output + placeholders
+            computed = request.num_computed_tokens
+            num_new = max(1, min(num_tokens - computed, budget))
             drafts = self._draft(request, budget) if speculate and num_new == 1 else []
-            num_new += len(drafts)
-            lookahead = (self._lookahead(request, request.num_computed_tokens + num_new, True)
+            if drafts:
+                num_new += len(drafts)
+            lookahead = (self._lookahead(request, computed + num_new, True)
                          if draft_model else 0)
-            block_offset = len(self.kv.block_ids(request.request_id))
-            if (not lookahead and request.num_computed_tokens + num_new
-                    <= block_offset * block_size):  # its blocks have room (most decodes)
+            block_offset = len(block_ids(request.request_id))
+            if not drafts and not lookahead and computed + num_new <= block_offset * block_size:
+                # a plain decode (or prompt chunk) whose blocks have room: most requests
+                step_requests.append(request)
+                request.last_step_id = step_id
+                request.in_flight_drafts = drafts
+                scheduled.append(ScheduledRequest(request.request_id, num_new, computed,
+                                                  computed + num_new >= num_tokens,
+                                                  block_offset, [], [], 0))
+                budget -= num_new
+                i += 1
+                continue
+            if not lookahead and computed + num_new <= block_offset * block_size:
                 self._add_scheduled(step, request, num_new, block_offset, [], drafts)
                 budget -= num_new
                 i += 1
@@ -293,12 +317,6 @@ class Scheduler:
             self._add_scheduled(step, request, num_new, 0, new_blocks, (), lookahead)
             budget -= num_new
 
-    @staticmethod
-    def _num_new_tokens(request: Request, budget: int) -> int:
-        num_new = (len(request.prompt_token_ids) + len(request.output_token_ids)
-                   + request.num_output_placeholders - request.num_computed_tokens)
-        return max(1, min(num_new, budget))
-
     def _draft(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request, capped so that the step fits the budget and the
         accepted tokens plus the bonus one never pass max_tokens or the context length."""
@@ -344,17 +362,6 @@ class Scheduler:
             lookahead = 0
             new_blocks = self.kv.allocate_slots(request, num_new, hits)
         return None if new_blocks is None else (new_blocks, lookahead)
-
-    def _last_token_in_flight(self, request: Request) -> bool:
-        """The token in flight is the request's last (max_tokens or the context length; a
-        verification in flight counts its drafts as accepted): a decode of it would be computed
-        for nothing."""
-        n = request.num_output_placeholders
-        if n and request.in_flight_drafts:
-            n += len(request.in_flight_drafts)
-        num_output = len(request.output_token_ids) + n
-        return n > 0 and (num_output >= request.max_tokens
-                          or len(request.prompt_token_ids) + num_output >= self.max_model_len)
 
     def _pick_victim(self) -> Request:
         """The lowest-priority running request, latest arrival first among equals."""
