@@ -9,6 +9,19 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True)
+def default_kernel_config():
+    """Every test starts and ends on the default kernel choices: a ModelRunner installs its
+    engine's (`ops.configure`) for the process, and one that fails after that (a refused config)
+    or a test that reconfigures would otherwise leave them to the next test."""
+    from tinyvllm import ops
+    from tinyvllm.config import KernelConfig
+
+    ops.configure(KernelConfig())
+    yield
+    ops.configure(KernelConfig())
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The SmolLM2-135M-Instruct Q4_1 GGUF file."""
