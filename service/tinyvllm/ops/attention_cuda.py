@@ -63,7 +63,8 @@ def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
         split_decodes: in a mixed batch, the leading one-token sequences run the decode kernel
             (False: the whole batch runs the prefill kernel; A/B timing).
         merge: False: a pure-decode launch whose context is split returns its unmerged
-            DecodePartitions (for `ops.fused_linear`) instead of the output.
+            DecodePartitions (for `ops.fused_linear`) instead of the output; under
+            `KernelConfig.batch_invariant` every launch merges its partitions itself.
     Returns:
         [num_tokens, num_heads, head_dim]; on pure decode only the first num_seqs rows are written.
     """
