@@ -134,6 +134,26 @@ def test_tensor_core_gemv_matches_reference(tensor_cores_only, dtype, m, n, k, p
     check_fused_linear(dtype, m, n, k, prologue, epilogue, kernel=1)
 
 
+def rows_alone_equal_rows_in_steps(k: int, prologue, num_rows: int, step_sizes, seed: int):
+    """Rows of a random x through `fused_linear` (residual epilogue) one at a time, then in steps
+    of m rows, reversed so that every row moves: the same bits. Returns (x, weight, residual,
+    the prologue's kwargs, the rows alone)."""
+    dtype, n = torch.bfloat16, 960
+    weight = rand(n, k, dtype=dtype, seed=seed, scale=k ** -0.5)
+    x = rand(num_rows, 2 * k if prologue == "silu_mul" else k, dtype=dtype, seed=seed + 1)
+    residual = rand(num_rows, n, dtype=dtype, seed=seed + 2)
+    kwargs = dict(norm_weight=rand(k, dtype=dtype, seed=seed + 3) if prologue == "rms_norm"
+                  else None, silu_mul=prologue == "silu_mul")
+    alone = torch.cat([fused_linear(x[i:i + 1], weight, residual=residual[i:i + 1].clone(),
+                                    **kwargs) for i in range(num_rows)])
+    for m in step_sizes:
+        order = torch.arange(m, device="cuda").flip(0)
+        got = fused_linear(x[order].contiguous(), weight,
+                           residual=residual[order].contiguous(), **kwargs)
+        assert torch.equal(got, alone[order]), f"m={m}"
+    return x, weight, residual, kwargs, alone
+
+
 @pytest.mark.parametrize("kernel_rows", [(2, 2), (0, 16)])  # (gemv_max_rows, most rows)
 @pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
 @pytest.mark.parametrize("k", [576, 4096])
@@ -144,22 +164,8 @@ def test_gemv_rows_do_not_depend_on_the_batch(kernel_rows, prologue, k):
     scalar_rows, most = kernel_rows
     ops.configure(KernelConfig(gemv_max_rows=scalar_rows))
     try:
-        dtype = torch.bfloat16
-        n = 960
-        weight = rand(n, k, dtype=dtype, seed=60, scale=k ** -0.5)
-        x = rand(16, 2 * k if prologue == "silu_mul" else k, dtype=dtype, seed=61)
-        residual = rand(16, n, dtype=dtype, seed=62)
-        kwargs = dict(norm_weight=rand(k, dtype=dtype, seed=63) if prologue == "rms_norm"
-                      else None, silu_mul=prologue == "silu_mul")
-        alone = torch.cat([fused_linear(x[i:i + 1], weight, residual=residual[i:i + 1].clone(),
-                                        **kwargs) for i in range(16)])
-        for m in (2, 3, 5, 8, 9, 16):
-            if m > most:
-                continue
-            order = torch.arange(m, device="cuda").flip(0)  # reversed: every row moves
-            got = fused_linear(x[order].contiguous(), weight,
-                               residual=residual[order].contiguous(), **kwargs)
-            assert torch.equal(got, alone[order]), f"m={m}"
+        rows_alone_equal_rows_in_steps(k, prologue, 16,
+                                       [m for m in (2, 3, 5, 8, 9, 16) if m <= most], seed=60)
     finally:
         ops.configure(KernelConfig())
 
@@ -361,23 +367,12 @@ def test_batch_invariant_rows_do_not_depend_on_the_step(prologue, k):
     large verification)."""
     ops.configure(KernelConfig(batch_invariant=True))
     try:
-        dtype, n = torch.bfloat16, 960
-        weight = rand(n, k, dtype=dtype, seed=70, scale=k ** -0.5)
-        x = rand(40, 2 * k if prologue == "silu_mul" else k, dtype=dtype, seed=71)
-        residual = rand(40, n, dtype=dtype, seed=72)
-        kwargs = dict(norm_weight=rand(k, dtype=dtype, seed=73) if prologue == "rms_norm"
-                      else None, silu_mul=prologue == "silu_mul")
-        alone = torch.cat([fused_linear(x[i:i + 1], weight, residual=residual[i:i + 1].clone(),
-                                        **kwargs) for i in range(40)])
+        x, weight, residual, kwargs, alone = rows_alone_equal_rows_in_steps(
+            k, prologue, 40, (17, 40), seed=70)
         expected = fused_linear_ref(x, weight, residual=residual.clone(), **kwargs)
-        assert rel_err(alone, expected) <= REL_TOL[dtype]
-        for m in (17, 40):
-            order = torch.arange(m, device="cuda").flip(0)
-            got = fused_linear(x[order].contiguous(), weight,
-                               residual=residual[order].contiguous(), **kwargs)
-            assert torch.equal(got, alone[order]), f"m={m}"
+        assert rel_err(alone, expected) <= REL_TOL[torch.bfloat16]
         if prologue is None:  # gate_up's SwiGLU epilogue, into a new tensor
-            swiglu = rand(2 * n, k, dtype=dtype, seed=74, scale=k ** -0.5)
+            swiglu = rand(2 * weight.shape[0], k, dtype=torch.bfloat16, seed=74, scale=k ** -0.5)
             one = torch.cat([fused_linear(x[i:i + 1], swiglu, silu_mul_out=True)
                              for i in range(40)])
             assert torch.equal(fused_linear(x, swiglu, silu_mul_out=True), one)
