@@ -249,19 +249,17 @@ class Scheduler:
             lookahead = (self._lookahead(request, computed + num_new, True)
                          if draft_model else 0)
             block_offset = len(block_ids(request.request_id))
-            if not drafts and not lookahead and computed + num_new <= block_offset * block_size:
-                # a plain decode (or prompt chunk) whose blocks have room: most requests
-                step_requests.append(request)
-                request.last_step_id = step_id
-                request.in_flight_drafts = drafts
-                scheduled.append(ScheduledRequest(request.request_id, num_new, computed,
-                                                  computed + num_new >= num_tokens,
-                                                  block_offset, [], [], 0))
-                budget -= num_new
-                i += 1
-                continue
             if not lookahead and computed + num_new <= block_offset * block_size:
-                self._add_scheduled(step, request, num_new, block_offset, [], drafts)
+                # its blocks have room: most requests
+                if drafts:
+                    self._add_scheduled(step, request, num_new, block_offset, [], drafts)
+                else:  # a plain decode or prompt chunk: _add_scheduled's work, written out
+                    step_requests.append(request)
+                    request.last_step_id = step_id
+                    request.in_flight_drafts = drafts
+                    scheduled.append(ScheduledRequest(request.request_id, num_new, computed,
+                                                      computed + num_new >= num_tokens,
+                                                      block_offset, [], [], 0))
                 budget -= num_new
                 i += 1
                 continue
