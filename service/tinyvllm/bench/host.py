@@ -6,9 +6,9 @@ that time hides behind the step in flight until it grows past the GPU's step tim
 batches: cuda/NOTES.md, "the host side of a step"). This benchmark times it alone, on the CPU:
 a tiny random model whose forward is replaced by fixed logits (all zeros, so every greedy row
 samples token 0), B requests of --input-len tokens decoding --output-len tokens each, through
-`EngineCore.step()` as the other engine benchmarks drive it. Per batch size: host microseconds per step (the best of
---rounds runs) and each phase's share. Compare trees by running it on each, one after the other
-on the same machine; the figures depend on the CPU.
+`EngineCore.step()` as the other engine benchmarks drive it. Per batch size: host microseconds
+per step (the best of --rounds runs) and each phase's share. Compare trees by running it on each,
+one after the other on the same machine; the figures depend on the CPU.
 
     tinyvllm bench host --batch-sizes 64 256 1024 [--async-scheduling]
 """
