@@ -75,11 +75,13 @@ __device__ __forceinline__ uint4 rms_scaled8(const uint4& x, const uint4& w, flo
 
 constexpr int kStageBatch = 4;  // vectors a thread loads before using any (latency hiding)
 
-// Writes act(x) of the M staged rows into act ([M][k8] vectors); rows at or past m are zero.
-// kRmsNorm: inv_rms must hold each row's 1 / rms (see gemv_row_scale).
+// Writes act(x) of the M staged rows into act ([M][k8 + row_pad] vectors: row_pad vectors
+// after each row, unwritten); rows at or past m are zero. kRmsNorm: inv_rms must hold each row's
+// 1 / rms (see gemv_row_scale).
 template <typename T, int M, int P>
 __device__ __forceinline__ void gemv_stage(uint4* act, int k8, const T* x, int64_t x_stride,
-                                           const T* norm_weight, const float* inv_rms, int m) {
+                                           const T* norm_weight, const float* inv_rms, int m,
+                                           int row_pad = 0) {
   const int total = M * k8;
   for (int base = threadIdx.x; base < total; base += kStageBatch * blockDim.x) {
     uint4 a[kStageBatch], b[kStageBatch];
@@ -101,16 +103,16 @@ __device__ __forceinline__ void gemv_stage(uint4* act, int k8, const T* x, int64
       if (idx >= total) break;
       const int row = idx / k8;
       if constexpr (P == kGemvNone) {
-        act[idx] = a[j];
+        act[idx + row * row_pad] = a[j];
       } else if constexpr (P == kGemvRmsNorm) {
-        act[idx] = rms_scaled8<T>(a[j], b[j], row < m ? inv_rms[row] : 0.f);
+        act[idx + row * row_pad] = rms_scaled8<T>(a[j], b[j], row < m ? inv_rms[row] : 0.f);
       } else {
         float gf[8], uf[8], of[8];
         unpack8<T>(a[j], gf);
         unpack8<T>(b[j], uf);
 #pragma unroll
         for (int e = 0; e < 8; ++e) of[e] = round_to<T>(gf[e] / (1.f + __expf(-gf[e]))) * uf[e];
-        act[idx] = pack8<T>(of);
+        act[idx + row * row_pad] = pack8<T>(of);
       }
     }
   }
@@ -189,7 +191,7 @@ template <typename T, int M, int J>
 __device__ __forceinline__ void gemv_stage_rmsnorm_one_pass(uint4* act, int k8, const T* x,
                                                             int64_t x_stride,
                                                             const T* norm_weight, float* inv_rms,
-                                                            int m, float eps) {
+                                                            int m, float eps, int row_pad = 0) {
   uint4 a[M][J], w[J];
 #pragma unroll
   for (int j = 0; j < J; ++j) {
@@ -221,7 +223,7 @@ __device__ __forceinline__ void gemv_stage_rmsnorm_one_pass(uint4* act, int k8, 
     if (v >= k8) break;
 #pragma unroll
     for (int i = 0; i < M; ++i) {
-      act[i * k8 + v] = rms_scaled8<T>(a[i][j], w[j], i < m ? inv_rms[i] : 0.f);
+      act[i * (k8 + row_pad) + v] = rms_scaled8<T>(a[i][j], w[j], i < m ? inv_rms[i] : 0.f);
     }
   }
 }
@@ -232,21 +234,23 @@ __device__ __forceinline__ void gemv_stage_rmsnorm_one_pass(uint4* act, int k8, 
 template <typename T, int M, int P>
 __device__ __forceinline__ void gemv_stage_x(uint4* act, int k8, const T* x, int64_t x_stride,
                                              const T* norm_weight, float* inv_rms, int m,
-                                             float eps) {
+                                             float eps, int row_pad = 0) {
   if constexpr (P == kGemvRmsNorm) {
     // Rows of up to blockDim vectors (k = 2048 at 256 threads) at any M; up to 4 x blockDim at
     // M <= 2 (decode at Llama-3-8B's k = 4096).
     constexpr int kJ = M <= 2 ? 4 : 1;
     if (k8 <= int(blockDim.x)) {
-      gemv_stage_rmsnorm_one_pass<T, M, 1>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps);
+      gemv_stage_rmsnorm_one_pass<T, M, 1>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps,
+                                           row_pad);
     } else if (kJ > 1 && k8 <= kJ * int(blockDim.x)) {
-      gemv_stage_rmsnorm_one_pass<T, M, kJ>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps);
+      gemv_stage_rmsnorm_one_pass<T, M, kJ>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps,
+                                            row_pad);
     } else {
       gemv_row_scale<T, M>(inv_rms, x, x_stride, k8, m, eps);
-      gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m);
+      gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m, row_pad);
     }
   } else {
-    gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m);
+    gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m, row_pad);
   }
 }
 

@@ -1,6 +1,6 @@
 // Launchers of the W4A16 tile-layout GEMV and its dequantize (quant_tiles.cuh): size checks and
-// the choice of instantiation, {float16, bfloat16} x M {1, 2, 4, 8} x prologue {none, rmsnorm,
-// silu_mul}, and the SwiGLU-product epilogue after {none, rmsnorm}.
+// the choice of instantiation, {float16, bfloat16} x M {1, 2, 4, 8, 16} x prologue {none,
+// rmsnorm, silu_mul}, and the SwiGLU-product epilogue after {none, rmsnorm}.
 #include <algorithm>
 #include <mutex>
 #include <string>
@@ -11,20 +11,54 @@
 namespace tinyvllm {
 namespace {
 
-constexpr int kTileMaxM = 8;                    // the mma's 8 columns
-constexpr int kTileActBytes = 64 * 1024;   // the staged activations, M x k
-constexpr int kTileSumBytes = 16 * 1024;   // x's sums per tile: 8 floats per 64 values of k
-// Per CTA, the warps' rings of STAGES tiles (512 bytes of weights and 64 of scales each) and
-// x's sums per tile (8 floats per 64 values of k).
+constexpr int kTileMaxM = 16;  // two n-tiles of the mma's 8 columns
+constexpr int kStages = kTileStages;
+
+// Dynamic shared memory of a launch of M rows: the staged activations (M x k), the warps' rings
+// of kStages tiles (512 bytes of weights and 64 of scales each) and x's sums per tile.
 constexpr int ring_bytes(int stages) { return kTileWarps * stages * 32 * (16 + 2); }
-int tile_smem_bytes(int m, int k, int stages) {
-  return m * k * 2 + ring_bytes(stages) + (k / kTileK) * 8 * 4;
+template <int M>
+int64_t tile_smem_bytes(int64_t k) {
+  return M * (k * 2 + 16 * kTileRowPad<M>) + ring_bytes(kStages) +
+         (k / kTileK) * kTileSumCols<M> * 4;
 }
 
-// f(M) with the instantiation's M for m rows: 1, 2, 4 or 8 (an integral_constant).
+// f(M) with the instantiation's M for m rows: 1, 2, 4, 8 or 16 (an integral_constant).
 template <typename F>
 void with_tile_rows(int m, F&& f) {
-  dispatch_rows<1, 2, 4, 8>(m, std::forward<F>(f));
+  dispatch_rows<1, 2, 4, 8, 16>(m, std::forward<F>(f));
+}
+
+// The dynamic shared memory a CTA of one instantiation may take on this device: the opt-in
+// limit per block less the kernel's static shared memory (asked once).
+template <typename T, int M, int P, bool S>
+int kernel_smem_cap() {
+  static const int cap = [] {
+    int device = 0, optin = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+               "quant_tile_gemv: shared memory per block");
+    cudaFuncAttributes attr{};
+    check_cuda(cudaFuncGetAttributes(&attr, quant_tile_gemv_kernel<T, M, P, S, kStages>),
+               "quant_tile_gemv: cudaFuncGetAttributes");
+    return optin - int(attr.sharedSizeBytes);
+  }();
+  return cap;
+}
+
+// The same for every instantiation of M rows (the least of them), so that how many rows fit
+// does not depend on the prologue or the dtype.
+template <int M>
+int tile_smem_cap() {
+  auto least = [](auto t) {
+    using T = decltype(t);
+    return std::min({kernel_smem_cap<T, M, kGemvNone, false>(),
+                     kernel_smem_cap<T, M, kGemvRmsNorm, false>(),
+                     kernel_smem_cap<T, M, kGemvSiluMul, false>(),
+                     kernel_smem_cap<T, M, kGemvNone, true>(),
+                     kernel_smem_cap<T, M, kGemvRmsNorm, true>()});
+  };
+  return std::min(least(__half{}), least(__nv_bfloat16{}));
 }
 
 // Each CTA takes ceil(bands / resident CTAs) bands (strided), so that all CTAs are resident at
@@ -41,15 +75,14 @@ void launch(T* out, const T* x, const uint4* tiles, const uint2* scales, const T
     shift = 0;
     while ((1 << shift) < group_size) ++shift;
   }
-  constexpr int stages = kTileStages;
-  auto kernel = quant_tile_gemv_kernel<T, M, P, S, stages>;
+  auto kernel = quant_tile_gemv_kernel<T, M, P, S, kStages>;
   static std::once_flag once;
   std::call_once(once, [&] {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    kTileActBytes + ring_bytes(stages) + kTileSumBytes),
+                                    kernel_smem_cap<T, M, P, S>()),
                "quant_tile_gemv: cudaFuncSetAttribute");
   });
-  const int smem = tile_smem_bytes(M, k, stages);
+  const int smem = int(tile_smem_bytes<M>(k));
   const int grid = resident_grid(kernel, kTileWarps * 32, smem, (n + kTileRows - 1) / kTileRows,
                                  "quant_tile_gemv: occupancy");
   launch_pdl(kernel, dim3(grid), dim3(kTileWarps * 32), smem, stream, out, x, tiles, scales,
@@ -96,12 +129,17 @@ void quant_tile_gemv(ptr_t out, ptr_t x, ptr_t tiles, ptr_t tile_scales, ptr_t b
   check_tiles(where, n, k, group_size, interleaved != 0, tiles, tile_scales);
   require(m >= 0 && m <= kTileMaxM, where + "m=" + std::to_string(m) + " rows; at most " +
                                         std::to_string(kTileMaxM) + " are served");
-  int64_t padded_m = 0;  // the instantiation's M (none for no rows)
-  if (m > 0) with_tile_rows(int(m), [&](auto rows) { padded_m = rows; });
-  require(padded_m * k * 2 <= kTileActBytes,
-          where + "m * k = " + std::to_string(padded_m * k) +
-              " activations (m rounded up to 1, 2, 4 or 8) exceed the staging buffer (" +
-              std::to_string(kTileActBytes / 2) + ")");
+  if (m > 0) {
+    with_tile_rows(int(m), [&](auto rows) {
+      constexpr int M = decltype(rows)::value;
+      require(tile_smem_bytes<M>(k) <= tile_smem_cap<M>(),
+              where + "m=" + std::to_string(m) + " rows of k=" + std::to_string(k) +
+                  " (m rounded up to 1, 2, 4, 8 or 16) take " +
+                  std::to_string(tile_smem_bytes<M>(k)) +
+                  " bytes of shared memory, the device allows " +
+                  std::to_string(tile_smem_cap<M>()) + "; quant_tile_rows(k) rows fit");
+    });
+  }
   require(prologue >= kGemvNone && prologue <= kGemvSiluMul,
           where + "prologue=" + std::to_string(prologue) + " unknown");
   require(!silu_mul_out || (interleaved && residual == 0 && prologue != kGemvSiluMul),
@@ -141,6 +179,22 @@ void quant_tile_gemv(ptr_t out, ptr_t x, ptr_t tiles, ptr_t tile_scales, ptr_t b
                                        residual_stride, eps, group_size, il, s);
     }
   });
+}
+
+int quant_tile_rows(int64_t k) {
+  require(k > 0 && k % kTileK == 0 && k <= INT32_MAX / 2,
+          "quant_tile_rows: k=" + std::to_string(k) + " must be a positive multiple of 64");
+  int rows = 0;
+  auto fits = [&](auto m) {
+    constexpr int M = decltype(m)::value;
+    if (rows == 0 && tile_smem_bytes<M>(k) <= tile_smem_cap<M>()) rows = M;
+  };
+  fits(std::integral_constant<int, 16>{});
+  fits(std::integral_constant<int, 8>{});
+  fits(std::integral_constant<int, 4>{});
+  fits(std::integral_constant<int, 2>{});
+  fits(std::integral_constant<int, 1>{});
+  return rows;
 }
 
 void quant_tile_dequantize(ptr_t out, ptr_t tiles, ptr_t tile_scales, int64_t n, int64_t k,

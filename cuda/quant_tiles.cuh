@@ -13,8 +13,10 @@
 // same columns of row g + 8. `(word >> 4i) & 0x000F000F | magic` (i = 0..3, one shift and one
 // lop3) is then fragment register a_i as the pair (magic + q), magic = 128 (bf16) or 1024 (fp16)
 // so that the nibble lands in the mantissa exactly. The mma multiplies by x (B: column c = row c
-// of x, so up to 8 rows of x in one mma; b0 / b1 = x at k0 + 16j + 4t + {0, 1} / {2, 3}, one
-// 8-byte shared-memory load) and sums in fp32; the zero point is applied once per group:
+// of x, so 8 rows of x per mma; b0 / b1 = x at k0 + 16j + 4t + {0, 1} / {2, 3}, one 8-byte
+// shared-memory load). Up to 16 rows of x take two n-tiles: the same A fragments go to two mmas,
+// so the weight is read once for all the rows. Sums are in fp32; the zero point is applied once
+// per group:
 // sum x (q - zero) = sum x (magic + q) - (magic + zero) sum x, with sum x of the same tiles
 // taken from per-tile sums of x made at staging. fp16's magic (1024) costs too much precision
 // over long groups, so there the pair (magic, magic) is subtracted first (exact) and the mma sums
@@ -128,6 +130,13 @@ __device__ __forceinline__ void quant_tile_epilogue(const float (&y)[4], int ban
   }
 }
 
+// Columns of x's per-tile sums for M rows: 8 per n-tile.
+template <int M> constexpr int kTileSumCols = M > 8 ? 16 : 8;
+// 16-byte vectors of padding after each staged row of x (M > 1): lane (g, t) reads B from row g
+// at 8t bytes past the tile's k0, and rows 32 bytes off their 128-byte alignment put the 16 lanes
+// of each half-warp's 8-byte loads on distinct banks (unpadded, rows g, g + 1, .. share them).
+template <int M> constexpr int kTileRowPad = M > 1 ? 2 : 0;
+
 // sx[i][c] = the sum of act row c over tile i (64 values) in fp32, for c < M (other columns are
 // left unwritten: they only feed the accumulators of unused columns). A thread per (tile, row),
 // each starting at a different vector of its tile (fewer bank conflicts).
@@ -136,7 +145,7 @@ __device__ __forceinline__ void tile_sums(float* sx, const uint4* act, int k) {
   constexpr int kVectors = kTileK / 8;
   for (int p = threadIdx.x; p < (k / kTileK) * M; p += blockDim.x) {
     const int tile = p / M, c = p % M;
-    const uint4* v = act + c * (k / 8) + tile * kVectors;
+    const uint4* v = act + c * (k / 8 + kTileRowPad<M>) + tile * kVectors;
     float s = 0.f;
 #pragma unroll
     for (int i = 0; i < kVectors; ++i) {
@@ -145,7 +154,7 @@ __device__ __forceinline__ void tile_sums(float* sx, const uint4* act, int k) {
 #pragma unroll
       for (int e = 0; e < 8; ++e) s += f[e];
     }
-    sx[tile * 8 + c] = s;
+    sx[tile * kTileSumCols<M> + c] = s;
   }
 }
 
@@ -161,18 +170,23 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
     int m, int n, int k, int64_t x_stride, int64_t out_stride, int64_t residual_stride, float eps,
     int groups, int group_shift,          // group of tile i: (64 i) >> group_shift
     bool interleaved) {
-  // Dynamic shared memory: act [M][k / 8] (x after the prologue); per warp a ring of STAGES
-  // tiles (32 lanes x 16 bytes) and of their scale words (8 rows g x 8 bytes); sx [k / 64][8].
+  // Dynamic shared memory: act [M][k / 8 + kTileRowPad] (x after the prologue); per warp a ring
+  // of STAGES tiles (32 lanes x 16 bytes) and of their scale words (8 rows g x 8 bytes); sx
+  // [k / 64][8 NT].
+  constexpr int NT = M > 8 ? 2 : 1;  // n-tiles: 8 rows of x each
+  static_assert(M <= 16, "two n-tiles of 8 rows at most");
   extern __shared__ uint4 act[];
   __shared__ float inv_rms[M];
-  __shared__ float partial[2][kTileWarps][4][32];  // double-buffered: one barrier per band
+  __shared__ float partial[2][kTileWarps][4 * NT][32];  // double-buffered: one barrier per band
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane >> 2, t = lane & 3;
   const int k8 = k / 8, k_tiles = k / kTileK;
-  uint4* ring = act + M * k8 + warp * STAGES * 32;
-  uint2* ring_sc = reinterpret_cast<uint2*>(act + M * k8 + kTileWarps * STAGES * 32) +
+  constexpr int kPad = kTileRowPad<M>;
+  const int act_vectors = M * (k8 + kPad);
+  uint4* ring = act + act_vectors + warp * STAGES * 32;
+  uint2* ring_sc = reinterpret_cast<uint2*>(act + act_vectors + kTileWarps * STAGES * 32) +
                    warp * STAGES * 8;
-  float* sx = reinterpret_cast<float*>(act + M * k8 + kTileWarps * STAGES * (32 + 4));
+  float* sx = reinterpret_cast<float*>(act + act_vectors + kTileWarps * STAGES * (32 + 4));
   const int bands = (n + kTileRows - 1) / kTileRows;
   // CTA c owns bands c, c + grid, ...; in each, warp w the tiles [tile_begin, tile_end).
   const int my_bands = int(blockIdx.x) < bands ? (bands - 1 - blockIdx.x) / gridDim.x + 1 : 0;
@@ -209,7 +223,7 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   for (int i = 0; i < STAGES - 1; ++i) issue(i);
   wait_for_previous_grid();
 
-  gemv_stage_x<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps);
+  gemv_stage_x<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps, kPad);
   __syncthreads();
   allow_next_grid();
   tile_sums<T, M>(sx, act, k);
@@ -222,22 +236,32 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   // subtracted first (exact) and the mma sums x q.
   constexpr bool kSubtractMagic = TileMagic<T>::kSubtract;
   constexpr float kMagicValue = TileMagic<T>::kValue;
-  // Column g of B is row g of x; lanes past the M staged rows read row 0 (unused columns).
-  const T* xrow = reinterpret_cast<const T*>(act) + (g < M ? g : 0) * k + 4 * t;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};  // this group's: rows g, g + 8 x columns 2t, 2t + 1
-  float sum[4] = {0.f, 0.f, 0.f, 0.f};  // this band's, scaled
+  // Column g of n-tile h's B is row 8h + g of x; lanes past the M staged rows read row 0
+  // (unused columns).
+  constexpr int kSumCols = kTileSumCols<M>;
+  const T* xrow[NT];
+#pragma unroll
+  for (int h = 0; h < NT; ++h) {
+    const int row = 8 * h + g;
+    xrow[h] = reinterpret_cast<const T*>(act) + (row < M ? row : 0) * (k + 8 * kPad) + 4 * t;
+  }
+  float acc[NT][4] = {};  // this group's, per n-tile: rows g, g + 8 x columns 2t, 2t + 1
+  float sum[NT][4] = {};  // this band's, scaled
   float scale_lo = 0.f, scale_hi = 0.f, zero_lo = 0.f, zero_hi = 0.f;  // zero: magic + zero
-  // sum x over the tiles this warp has summed into acc (columns 2t, 2t + 1): a group may
-  // straddle two warps' slices of k, each of which corrects for its own part.
-  float2 sx_acc = make_float2(0.f, 0.f);
+  // sum x over the tiles this warp has summed into acc (columns 2t, 2t + 1 of each n-tile): a
+  // group may straddle two warps' slices of k, each of which corrects for its own part.
+  float2 sx_acc[NT] = {};
   int group = -1;
   auto flush = [&]() {
-    sum[0] = fmaf(scale_lo, fmaf(-zero_lo, sx_acc.x, acc[0]), sum[0]);
-    sum[1] = fmaf(scale_lo, fmaf(-zero_lo, sx_acc.y, acc[1]), sum[1]);
-    sum[2] = fmaf(scale_hi, fmaf(-zero_hi, sx_acc.x, acc[2]), sum[2]);
-    sum[3] = fmaf(scale_hi, fmaf(-zero_hi, sx_acc.y, acc[3]), sum[3]);
-    acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
-    sx_acc = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int h = 0; h < NT; ++h) {
+      sum[h][0] = fmaf(scale_lo, fmaf(-zero_lo, sx_acc[h].x, acc[h][0]), sum[h][0]);
+      sum[h][1] = fmaf(scale_lo, fmaf(-zero_lo, sx_acc[h].y, acc[h][1]), sum[h][1]);
+      sum[h][2] = fmaf(scale_hi, fmaf(-zero_hi, sx_acc[h].x, acc[h][2]), sum[h][2]);
+      sum[h][3] = fmaf(scale_hi, fmaf(-zero_hi, sx_acc[h].y, acc[h][3]), sum[h][3]);
+      acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
+      sx_acc[h] = make_float2(0.f, 0.f);
+    }
   };
 
   for (int bi = 0, i = 0; bi < my_bands; ++bi) {
@@ -257,13 +281,16 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
         tile_scale<T>(sc.y, scale_hi, zero_hi);
         if constexpr (kSubtractMagic) zero_lo -= kMagicValue, zero_hi -= kMagicValue;
       }
-      const float2 tile_sx = *reinterpret_cast<const float2*>(sx + tile * 8 + 2 * t);
-      sx_acc.x += tile_sx.x;
-      sx_acc.y += tile_sx.y;
+#pragma unroll
+      for (int h = 0; h < NT; ++h) {
+        const float2 tile_sx =
+            *reinterpret_cast<const float2*>(sx + tile * kSumCols + 8 * h + 2 * t);
+        sx_acc[h].x += tile_sx.x;
+        sx_acc[h].y += tile_sx.y;
+      }
       const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint2 b = *reinterpret_cast<const uint2*>(xrow + tile * kTileK + 16 * j);
         const uint32_t q = words[j];
         uint32_t a[4] = {nibble_pair(q, kMagic), nibble_pair(q >> 4, kMagic),
                          nibble_pair(q >> 8, kMagic), nibble_pair(q >> 12, kMagic)};
@@ -271,28 +298,41 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
 #pragma unroll
           for (int r = 0; r < 4; ++r) a[r] = sub_pair<T>(a[r], kMagic);
         }
-        mma_16816<T>(acc, a, b.x, b.y);
+#pragma unroll
+        for (int h = 0; h < NT; ++h) {
+          const uint2 b = *reinterpret_cast<const uint2*>(xrow[h] + tile * kTileK + 16 * j);
+          mma_16816<T>(acc[h], a, b.x, b.y);
+        }
       }
     }
     // The end of band bi: the warps' sums meet in shared memory, one warp writes the outputs.
     flush();
     group = -1;
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      partial[bi & 1][warp][c][lane] = sum[c];
-      sum[c] = 0.f;
+    for (int h = 0; h < NT; ++h) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        partial[bi & 1][warp][4 * h + c][lane] = sum[h][c];
+        sum[h][c] = 0.f;
+      }
     }
     __syncthreads();
     if (warp == bi % kTileWarps) {
-      float y[4];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        y[c] = 0.f;
+      for (int h = 0; h < NT; ++h) {  // n-tile h: rows 8h .. 8h + 7 of x and out
+        if (8 * h >= m) break;
+        float y[4];
 #pragma unroll
-        for (int w = 0; w < kTileWarps; ++w) y[c] += partial[bi & 1][w][c][lane];
+        for (int c = 0; c < 4; ++c) {
+          y[c] = 0.f;
+#pragma unroll
+          for (int w = 0; w < kTileWarps; ++w) y[c] += partial[bi & 1][w][4 * h + c][lane];
+        }
+        quant_tile_epilogue<T, SILU_MUL>(
+            y, blockIdx.x + bi * gridDim.x, g, t, out + 8 * h * out_stride, bias,
+            residual ? residual + 8 * h * residual_stride : nullptr, m - 8 * h, n, out_stride,
+            residual_stride, interleaved);
       }
-      quant_tile_epilogue<T, SILU_MUL>(y, blockIdx.x + bi * gridDim.x, g, t, out, bias, residual,
-                                       m, n, out_stride, residual_stride, interleaved);
     }
   }
   cp_async_wait<0>();  // no copy outlives the kernel

@@ -379,6 +379,11 @@ def test_quantized_tiles(launches):
             args["silu_mul_out"], args["dtype"], args["stream"]) == (
         2, 48, 128, 128, 24, 24, 64, 1, 1, 1, 2, STREAM)
     launches.clear()
+    quant_tiles._rows_per_launch.cache_clear()
+    quant_tiles.rows_per_launch(tiles)
+    quant_tiles._rows_per_launch.cache_clear()
+    assert launches.only("quant_tile_rows") == {"k": 128}
+    launches.clear()
     weight = quant_tiles.dequantize_tiles_cuda(tiles)
     args = launches.only("quant_tile_dequantize")
     assert (args["out"], args["tiles"], args["tile_scales"], args["n"], args["k"],

@@ -86,7 +86,7 @@ def rel_err(out, ref):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16, 17])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 12, 16, 17, 32])
 @pytest.mark.parametrize("n,k,group_size", [(7, 64, 64), (1001, 576, 64), (4104, 4096, 128),
                                             (96, 14336, 14336), (333, 4160, 64),
                                             (6144, 4096, 128), (4096, 14336, 128),
@@ -108,7 +108,7 @@ def test_gemv_matches_reference(dtype, m, n, k, group_size):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 11, 16])
 @pytest.mark.parametrize("fusion", ["rms_norm", "silu_mul", "residual", "silu_mul_out",
                                     "rms_norm+silu_mul_out", "silu_mul_out_plain_layout"])
 def test_fused_prologues_and_epilogues_match_reference(dtype, m, fusion):
@@ -142,6 +142,32 @@ def test_fused_prologues_and_epilogues_match_reference(dtype, m, fusion):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("k", [4096, 14336])
+def test_one_launch_serves_the_rows_that_fit_and_refuses_more(k):
+    """`rows_per_launch` rows of x go in one launch (16 at k = 4096 on an H100: two n-tiles over
+    one read of the weight); one row more than fits the device's shared memory is refused with
+    an error that says so, rather than launched."""
+    n, dtype = 64, torch.bfloat16
+    qweight, scales, zeros = make_weight(n, k, 128, dtype, 5, "cuda")
+    tiles = qt.repack(qweight, scales, zeros, 128)
+    rows = qt.rows_per_launch(tiles)
+    assert rows in (1, 2, 4, 8, 16)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert rows == {4096: 16, 14336: 4}[k]
+    x = torch.randn(rows, k, device="cuda").to(dtype)
+    out = torch.empty(rows, n, dtype=dtype, device="cuda")
+    qt._launch(x, tiles, out, None, None, 1e-6, False, False, False)
+    ref = ql.quant_linear_ref(x.float(), qweight, scales.float(), zeros.float(), 4, 128)
+    assert rel_err(out, ref) < 1e-2
+    if rows < 16:
+        more = torch.randn(2 * rows, k, device="cuda").to(dtype)
+        with pytest.raises(ValueError, match=r"shared memory.*quant_tile_rows"):
+            qt._launch(more, tiles, torch.empty(2 * rows, n, dtype=dtype, device="cuda"), None,
+                       None, 1e-6, False, False, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("interleave", [False, True])
 def test_dequantize_kernel_is_exact(interleave):
     qweight, scales, zeros = make_weight(160, 256, 64, torch.bfloat16, 1, "cuda")
@@ -153,7 +179,7 @@ def test_dequantize_kernel_is_exact(interleave):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("batch", [1, 2, 13])
 def test_decoder_fused_path_matches_unfused_on_tiles(batch):
     """A decode step of a random W4A16 model: its projections in the tile layout (gate_up
     interleaved), the fused GEMVs (norms, SwiGLU, residual adds folded in) give the logits of the

@@ -64,7 +64,7 @@ KERNEL_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "fused_linear": ("gemv", "gemv_merge"),
     "sample": ("sample",),
     "rejection_sample": ("rejection_sample",),
-    "quant_linear": ("quant_gemv", "quant_dequantize", "quant_tile_gemv",
+    "quant_linear": ("quant_gemv", "quant_dequantize", "quant_tile_gemv", "quant_tile_rows",
                      "quant_tile_dequantize"),
     "gguf_linear": ("gguf_gemv", "gguf_dequantize"),
     "quantize_rows": ("quantize_rows", "rescale_int32"),
@@ -73,7 +73,7 @@ KERNEL_FUNCTIONS: dict[str, tuple[str, ...]] = {
 }
 """Op -> the module's functions its CUDA path calls (same keys as KERNEL_MIN_CAPABILITY)."""
 
-CUDA_ABI_VERSION = 8
+CUDA_ABI_VERSION = 9
 """The launcher interface this package calls; a module must report it as its `abi_version`
 (cuda/launchers.h kAbiVersion: the two are bumped together)."""
 

@@ -22,6 +22,7 @@ dequantized and the torch reference of the fused ops.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -32,12 +33,12 @@ from tinyvllm.ops.linear import fused_linear_ref
 from tinyvllm.ops.quant_linear import unpack
 
 TILE_K, TILE_ROWS = 64, 16
-GEMV_MAX_ROWS = 8
-"""Rows of x one GEMV launch serves (cuda/quant_tiles.cu kTileMaxM)."""
+GEMV_MAX_ROWS = 16
+"""The most rows of x one GEMV launch serves (cuda/quant_tiles.cu kTileMaxM; fewer where they do
+not fit the device's shared memory: `rows_per_launch`)."""
 MAX_LAUNCHES = 2
 """Launches over the same weight (slices of x's rows) before dequantizing for cuBLAS pays:
 two reads of 4-bit weights cost less than one of the bf16 weight."""
-_SMEM_BYTES = 64 * 1024  # cuda/quant_tiles.cu kTileSmemBytes: the staged x
 _MAGIC = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 _NIBBLE = (0, 4, 2, 6)  # nibble of value e = 0..3 of a lane's four in a word (row g; +1: row g + 8)
 _PROLOGUE = {None: 0, "rms_norm": 1, "silu_mul": 2}
@@ -135,18 +136,26 @@ def dequantize_tiles_cuda(w: QuantTiles) -> torch.Tensor:
     return out
 
 
+@functools.cache
+def _rows_per_launch(k: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return cuda_ops().quant_tile_rows(k=k)
+    with torch.cuda.device(device):
+        return cuda_ops().quant_tile_rows(k=k)
+
+
 def rows_per_launch(w: QuantTiles) -> int:
-    """Rows of x one GEMV launch serves over w: 8, 4, 2, 1 or 0, as the staged activations fit
-    the kernel's shared memory."""
-    return next((m for m in (GEMV_MAX_ROWS, 4, 2, 1) if m * w.k * 2 <= _SMEM_BYTES), 0)
+    """Rows of x one GEMV launch serves over w on its GPU: 16, 8, 4, 2, 1 or 0, as the staged
+    activations fit the device's shared memory per block (16 at Llama-3-8B's k = 4096 on an
+    H100, 4 at its down projection's k = 14336)."""
+    return _rows_per_launch(w.k, w.tiles.device)
 
 
 def gemv_serves(x: torch.Tensor, w: QuantTiles) -> bool:
     """Whether `tile_linear` over x [m, k] (or [m, 2k] with silu_mul) runs the GEMV kernel: at
     most MAX_LAUNCHES launches of `rows_per_launch` rows, each reading the whole weight."""
-    rows = rows_per_launch(w)
-    return (x.is_cuda and x.dtype == w.tile_scales.dtype and rows > 0
-            and 1 <= x.shape[0] <= MAX_LAUNCHES * rows and kernel_enabled("quant_linear"))
+    return (x.is_cuda and x.dtype == w.tile_scales.dtype and kernel_enabled("quant_linear")
+            and 1 <= x.shape[0] <= MAX_LAUNCHES * rows_per_launch(w))
 
 
 def tile_linear(x: torch.Tensor, w: QuantTiles, bias: Optional[torch.Tensor] = None, *,
