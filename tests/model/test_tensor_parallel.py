@@ -58,7 +58,7 @@ class Case:
             model = load_model(self.path, torch.float32, torch.device("cpu"), packed=True,
                                quantization=self.quantization).model
         if self.fused:
-            model._use_fused_decode = lambda hidden: True
+            model.uses_fused_decode = lambda hidden: True
         return model
 
 

@@ -252,7 +252,7 @@ def fused_and_unfused_logits(model, batch: int, dtype: torch.dtype
                                         arch.num_kv_heads, arch.head_dim, dtype, "cuda")
         for c in caches:  # the same random context for both runs
             c.copy_(rand(*c.shape, dtype=dtype, seed=c.numel() % 1000))
-        assert model._use_fused_decode(model.model.embed_tokens(ids)) == fused
+        assert model.uses_fused_decode(model.model.embed_tokens(ids)) == fused
         return model.compute_logits(model(ids, positions, caches, meta))
 
     try:

@@ -274,7 +274,7 @@ class LlamaForCausalLM(nn.Module):
         if self.packed_decoder is not None and self.packed_decoder.serves(hidden, kv_caches):
             # the first len(kv_caches) layers: all, or a truncated self-draft's
             return self.packed_decoder(hidden, positions, kv_caches[:len(layers)], meta)
-        if self._use_fused_decode(hidden):
+        if self.uses_fused_decode(hidden):
             for layer, kv_cache in zip(layers, kv_caches, strict=True):
                 layer.forward_fused(positions, hidden, kv_cache, meta, self.cos_sin_cache)
             return ops.rms_norm(hidden, self.model.norm, self.arch.rms_norm_eps)
@@ -285,7 +285,7 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = ops.rms_norm(hidden, self.model.norm, self.arch.rms_norm_eps, residual)
         return hidden
 
-    def _use_fused_decode(self, hidden: torch.Tensor) -> bool:
+    def uses_fused_decode(self, hidden: torch.Tensor) -> bool:
         """Whether the layers run `forward_fused` (ops decides: decode-sized CUDA batches)."""
         layer = self.model.layers[0]
         return ops.use_fused_decode(hidden, layer.self_attn.qkv_proj, layer.self_attn.o_proj,

@@ -191,7 +191,7 @@ class ModelRunner:
         # invariance take the tensor-core GEMV at every row count.
         rows = quant_tiles.MAX_LAUNCHES * quant_tiles.GEMV_MAX_ROWS + 1
         probe = torch.zeros(rows, self.arch.hidden_size, dtype=self.dtype, device=self.device)
-        serves = getattr(self.model, "_use_fused_decode", None)
+        serves = getattr(self.model, "uses_fused_decode", None)
         head = getattr(self.model, "lm_head", None)
         head_weight = getattr(self.model, "lm_head_weight", None)
         if (serves is None or not serves(probe)
