@@ -136,6 +136,23 @@ def test_fused_decode_needs_plain_weights_the_kernel_takes(gpu_runs_the_gemv):
     assert use_fused_decode(CudaActivations(2, 4096), torch.nn.Linear(4096, 16, device="meta"))
 
 
+class PackedProjection(torch.nn.Module):
+    """A packed projection with a fused GEMV of its own (as W4A16 tiles) serving up to 32 rows."""
+
+    def fused_serves(self, x) -> bool:
+        return x.shape[0] <= 32
+
+
+def test_packed_projections_take_the_fused_decode_where_they_serve_but_not_batch_invariant(
+        gpu_runs_the_gemv):
+    x, many = CudaActivations(4, 64), CudaActivations(33, 64)
+    assert use_fused_decode(x, projections()[0], PackedProjection())
+    assert not use_fused_decode(many, projections()[0], PackedProjection())
+    ops.configure(KernelConfig(batch_invariant=True))  # rows computed alike only on 16-bit weights
+    assert use_fused_decode(many, *projections())
+    assert not use_fused_decode(x, projections()[0], PackedProjection())
+
+
 def test_cpu_batches_never_take_the_fused_decode():
     x = torch.zeros(1, 64, dtype=torch.bfloat16)
     assert ops.kernel_config().fused_gemv

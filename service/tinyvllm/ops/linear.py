@@ -68,7 +68,8 @@ def use_fused_decode(x: torch.Tensor, *projections: torch.nn.Module) -> bool:
     that serves it (`fused_serves(x)` / `fused_linear(x, **kwargs)`: W4A16 tiles,
     model/quantization/layer.py). On the tensor-core GEMV only layers of k up to
     _MMA_LAYER_MAX_K take it, unless `KernelConfig.batch_invariant` asks for it wherever it
-    serves (every batch on it, at 1-2 rows and prefill-sized ones too)."""
+    serves (every batch on it, at 1-2 rows and prefill-sized ones too); packed projections do not
+    under batch invariance."""
     if not kernel_config().fused_gemv or not x.is_cuda:
         return False
     for p in projections:
@@ -79,7 +80,9 @@ def use_fused_decode(x: torch.Tensor, *projections: torch.nn.Module) -> bool:
             return False  # at Llama-3-8B's k the tensor-core layer trails cuBLAS + the ops
         serves = getattr(p, "fused_serves", None)  # a packed projection with its own GEMV
         if serves is not None:
-            if not serves(x):
+            # Its GEMV's rows are not computed as under batch invariance (larger batches go to
+            # cuBLAS): only 16-bit weights qualify then.
+            if kernel_config().batch_invariant or not serves(x):
                 return False
         elif not (isinstance(getattr(p, "weight", None), torch.Tensor)
                   and fused_linear_supported(x, p.weight)):

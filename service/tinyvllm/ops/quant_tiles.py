@@ -22,6 +22,7 @@ dequantized and the torch reference of the fused ops.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple, Optional
 
@@ -33,9 +34,6 @@ from tinyvllm.ops.linear import fused_linear_ref
 from tinyvllm.ops.quant_linear import unpack
 
 TILE_K, TILE_ROWS = 64, 16
-GEMV_MAX_ROWS = 16
-"""The most rows of x one GEMV launch serves (cuda/quant_tiles.cu kTileMaxM; fewer where they do
-not fit the device's shared memory: `rows_per_launch`)."""
 MAX_LAUNCHES = 2
 """Launches over the same weight (slices of x's rows) before dequantizing for cuBLAS pays:
 two reads of 4-bit weights cost less than one of the bf16 weight."""
@@ -138,9 +136,7 @@ def dequantize_tiles_cuda(w: QuantTiles) -> torch.Tensor:
 
 @functools.cache
 def _rows_per_launch(k: int, device: torch.device) -> int:
-    if device.type != "cuda":
-        return cuda_ops().quant_tile_rows(k=k)
-    with torch.cuda.device(device):
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         return cuda_ops().quant_tile_rows(k=k)
 
 

@@ -22,7 +22,7 @@ from tinyvllm.config import CacheConfig, EngineConfig
 from tinyvllm.distributed import get_tp
 from tinyvllm.scheduling.output import ScheduledRequest, SchedulerOutput
 from tinyvllm.model.loader import LoadedModel, load_model
-from tinyvllm.ops import AttentionMetadata, allocate_kv_caches, fused_linear_supported, quant_tiles
+from tinyvllm.ops import AttentionMetadata, allocate_kv_caches, fused_linear_supported
 from tinyvllm.ops._dispatch import configure, cuda_ops, device_support
 from tinyvllm.ops.quantized import configure_cpu_threads, cpu_kernels
 from tinyvllm.ops.kv_cache import FP8_DTYPE, kv_dtype_name, resolve_kv_cache_dtype
@@ -187,10 +187,9 @@ class ModelRunner:
         if self.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"batch_invariant on CUDA needs dtype bfloat16 or float16 (its "
                              f"kernels take 16-bit activations), got {self.dtype}")
-        # More rows than any packed projection's GEMV serves; 16-bit weights under batch
-        # invariance take the tensor-core GEMV at every row count.
-        rows = quant_tiles.MAX_LAUNCHES * quant_tiles.GEMV_MAX_ROWS + 1
-        probe = torch.zeros(rows, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+        # Past one 16-row chunk: under batch invariance `use_fused_decode` takes 16-bit weights
+        # at every row count and packed ones at none.
+        probe = torch.zeros(17, self.arch.hidden_size, dtype=self.dtype, device=self.device)
         serves = getattr(self.model, "uses_fused_decode", None)
         head = getattr(self.model, "lm_head", None)
         head_weight = getattr(self.model, "lm_head_weight", None)
