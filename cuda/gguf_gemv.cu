@@ -1,6 +1,7 @@
 // Launchers of the GGUF block GEMV and dequantize (gguf_gemv.cuh): size checks and the choice of
-// instantiation, {float16, bfloat16} x {Q4_0, Q4_1, Q8_0} x M {1, 2, 4, 8}.
+// instantiation, {float16, bfloat16} x {Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K} x M {1, 2, 4, 8}.
 #include <string>
+#include <type_traits>
 
 #include "gguf_gemv.cuh"
 #include "launchers.h"
@@ -14,8 +15,14 @@ template <typename T, int M, int QT>
 void launch_gemv(T* out, const T* x, const uint8_t* qweight, const T* bias, int m, int n, int k,
                  int64_t x_stride, int64_t out_stride, cudaStream_t stream) {
   constexpr int kRowsPerCta = kGgufGemvWarps * kGgufRowsPerWarp;
-  gguf_gemv_kernel<T, M, QT><<<(n + kRowsPerCta - 1) / kRowsPerCta, kGgufGemvWarps * 32, 0,
-                               stream>>>(out, x, qweight, bias, m, n, k, x_stride, out_stride);
+  const unsigned grid = unsigned((n + kRowsPerCta - 1) / kRowsPerCta);
+  if constexpr (gguf_is_kquant(QT)) {
+    gguf_kquant_gemv_kernel<T, M, QT><<<grid, kGgufGemvWarps * 32, 0, stream>>>(
+        out, x, qweight, bias, m, n, k, x_stride, out_stride);
+  } else {
+    gguf_gemv_kernel<T, M, QT><<<grid, kGgufGemvWarps * 32, 0, stream>>>(
+        out, x, qweight, bias, m, n, k, x_stride, out_stride);
+  }
   check_launch("gguf_gemv");
 }
 
@@ -34,12 +41,32 @@ void launch_gemv_m(T* out, const T* x, const uint8_t* qweight, const T* bias, in
 }
 
 void check_layout(const std::string& where, int qtype, int64_t n, int64_t k, ptr_t qweight) {
-  require(qtype == kGgufQ4_0 || qtype == kGgufQ4_1 || qtype == kGgufQ8_0,
-          where + "qtype=" + std::to_string(qtype) + "; Q4_0 (2), Q4_1 (3) and Q8_0 (8) are served");
+  require(qtype == kGgufQ4_0 || qtype == kGgufQ4_1 || qtype == kGgufQ8_0 || gguf_is_kquant(qtype),
+          where + "qtype=" + std::to_string(qtype) +
+              "; Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q5_K (13) and Q6_K (14) are served");
   require(n > 0 && n <= INT32_MAX, where + "n=" + std::to_string(n) + " out of range");
-  require(k > 0 && k % 32 == 0 && k <= INT32_MAX / 2,
-          where + "k=" + std::to_string(k) + " must be a positive multiple of 32");
-  require((qweight & 3) == 0, where + "qweight must be 4-byte aligned");
+  const int64_t block = gguf_is_kquant(qtype) ? kKQuantValues : 32;
+  require(k > 0 && k % block == 0 && k <= INT32_MAX / 2,
+          where + "k=" + std::to_string(k) + " must be a positive multiple of " +
+              std::to_string(block) + " for qtype " + std::to_string(qtype));
+  if (gguf_is_kquant(qtype)) {
+    require((qweight & 15) == 0, where + "qweight must be 16-byte aligned");
+  } else {
+    require((qweight & 3) == 0, where + "qweight must be 4-byte aligned");
+  }
+}
+
+// F(std::integral_constant<int, QT>) for the runtime qtype (checked by check_layout).
+template <typename F>
+void dispatch_qtype(int qtype, F&& f) {
+  switch (qtype) {
+    case kGgufQ4_0: f(std::integral_constant<int, kGgufQ4_0>()); break;
+    case kGgufQ4_1: f(std::integral_constant<int, kGgufQ4_1>()); break;
+    case kGgufQ8_0: f(std::integral_constant<int, kGgufQ8_0>()); break;
+    case kGgufQ4_K: f(std::integral_constant<int, kGgufQ4_K>()); break;
+    case kGgufQ5_K: f(std::integral_constant<int, kGgufQ5_K>()); break;
+    default: f(std::integral_constant<int, kGgufQ6_K>()); break;
+  }
 }
 
 }  // namespace
@@ -61,13 +88,9 @@ void gguf_gemv(ptr_t out, ptr_t x, ptr_t qweight, ptr_t bias, int64_t m, int64_t
     auto* q = reinterpret_cast<const uint8_t*>(qweight);
     auto* b = reinterpret_cast<const scalar_t*>(bias);
     const int mi = int(m), ni = int(n), ki = int(k);
-    if (qtype == kGgufQ4_0) {
-      launch_gemv_m<scalar_t, kGgufQ4_0>(o, xi, q, b, mi, ni, ki, x_stride, out_stride, s);
-    } else if (qtype == kGgufQ4_1) {
-      launch_gemv_m<scalar_t, kGgufQ4_1>(o, xi, q, b, mi, ni, ki, x_stride, out_stride, s);
-    } else {
-      launch_gemv_m<scalar_t, kGgufQ8_0>(o, xi, q, b, mi, ni, ki, x_stride, out_stride, s);
-    }
+    dispatch_qtype(qtype, [&](auto qt) {
+      launch_gemv_m<scalar_t, decltype(qt)::value>(o, xi, q, b, mi, ni, ki, x_stride, out_stride, s);
+    });
   });
 }
 
@@ -77,19 +100,21 @@ void gguf_dequantize(ptr_t out, ptr_t qweight, ptr_t rows, int64_t num_rows, int
   check_layout(where, qtype, num_rows > 0 ? num_rows : 1, k, qweight);
   if (num_rows <= 0) return;
   const int threads = 256;
-  const unsigned grid = unsigned((num_rows * (k / 32) + threads - 1) / threads);
+  const int64_t per_row = gguf_is_kquant(qtype) ? k / kKChunkValues : k / 32;  // one thread each
+  const unsigned grid = unsigned((num_rows * per_row + threads - 1) / threads);
   const cudaStream_t s = as_stream(stream);
   auto* r = reinterpret_cast<const int64_t*>(rows);
   TINYVLLM_DISPATCH_HALF(dtype, "gguf_dequantize", {
     auto* o = reinterpret_cast<scalar_t*>(out);
     auto* q = reinterpret_cast<const uint8_t*>(qweight);
-    if (qtype == kGgufQ4_0) {
-      gguf_dequantize_kernel<scalar_t, kGgufQ4_0><<<grid, threads, 0, s>>>(o, q, r, int(num_rows), int(k));
-    } else if (qtype == kGgufQ4_1) {
-      gguf_dequantize_kernel<scalar_t, kGgufQ4_1><<<grid, threads, 0, s>>>(o, q, r, int(num_rows), int(k));
-    } else {
-      gguf_dequantize_kernel<scalar_t, kGgufQ8_0><<<grid, threads, 0, s>>>(o, q, r, int(num_rows), int(k));
-    }
+    dispatch_qtype(qtype, [&](auto qt) {
+      constexpr int QT = decltype(qt)::value;
+      if constexpr (gguf_is_kquant(QT)) {
+        gguf_kquant_dequantize_kernel<scalar_t, QT><<<grid, threads, 0, s>>>(o, q, r, int(num_rows), int(k));
+      } else {
+        gguf_dequantize_kernel<scalar_t, QT><<<grid, threads, 0, s>>>(o, q, r, int(num_rows), int(k));
+      }
+    });
     check_launch("gguf_dequantize");
   });
 }

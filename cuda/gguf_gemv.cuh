@@ -1,21 +1,41 @@
-// Decode GEMV over GGUF block formats read as the file stores them (Q4_0, Q4_1, Q8_0): rows of
-// k / 32 blocks, one row per output feature (ops/quantized.py's layout; ggml-common.h):
+// Decode GEMV over GGUF block formats read as the file stores them, one row per output feature
+// (ops/quantized.py's layout; ggml-common.h):
 //
-//   Q4_0  18 bytes: fp16 d, 16 bytes of nibbles   w = (q - 8) * d
-//   Q4_1  20 bytes: fp16 d, fp16 m, 16 bytes      w = q * d + m
-//   Q8_0  34 bytes: fp16 d, 32 int8               w = q * d
+//   Q4_0  18 bytes / 32 values: fp16 d, 16 bytes of nibbles    w = (q - 8) * d
+//   Q4_1  20 bytes / 32 values: fp16 d, fp16 m, 16 bytes       w = q * d + m
+//   Q8_0  34 bytes / 32 values: fp16 d, 32 int8                w = q * d
+//   Q4_K 144 bytes / 256 values: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins (8 each),
+//        128 bytes of nibbles; sub-block j (32 values) w = d sc_j q - dmin m_j
+//   Q5_K 176 bytes: d, dmin, the 12 scale bytes, qh[32] (bit j of qh[l]: the 5th bit of element l
+//        of sub-block j), 128 bytes of nibbles; as Q4_K with q of 5 bits
+//   Q6_K 210 bytes: ql[128], qh[64], int8 scales[16] (one per 16 values), fp16 d last;
+//        w = d sc (q - 32), q of 6 bits
 //
-// Nibble order: byte j holds element j (low nibble) and element j + 16 (high nibble).
+// Nibble order: in the 32-value types byte j holds element j (low nibble) and element j + 16
+// (high). In the K-quants 32 bytes hold two 32-value spans, byte l element l of the first (low
+// nibble) and of the second (high): Q4_K / Q5_K sub-blocks 2c and 2c + 1 from qs[32c ..], Q6_K
+// values 128h + 32g + l and 128h + 32g + 64 + l (g = 0, 1) from ql[64h + 32g ..] with the high bits
+// in qh[32h + l] at bits 2g and 2g + 4.
 //
-// gguf_gemv_kernel: out[m, n] = x[m, k] . w^T (+ bias) for decode-sized m (at most M rows). Each
-// warp owns kGgufRowsPerWarp rows and each lane one block of each per step, so a warp reads 32
-// consecutive blocks of a row (576 / 640 / 1088 contiguous bytes) per step; blocks are only 2- or
-// 4-byte aligned, so a lane reads its block in 16- or 32-bit words. Per block the lane forms
-// dot = sum x * q and sx = sum x and adds d * (dot - 8 sx) (Q4_0), d * dot + m * sx (Q4_1) or
-// d * dot (Q8_0). The activations are not quantized (unlike the CPU kernels): the result is the
-// float product with the dequantized weight, up to summation order.
+// gguf_gemv_kernel (32-value types): out[m, n] = x[m, k] . w^T (+ bias) for decode-sized m (at most
+// M rows). Each warp owns kGgufRowsPerWarp rows and each lane one block of each per step, so a
+// warp reads 32 consecutive blocks of a row (576 / 640 / 1088 contiguous bytes) per step; blocks
+// are only 2- or 4-byte aligned, so a lane reads its block in 16- or 32-bit words. Per block the
+// lane forms dot = sum x * q and sx = sum x and adds d * (dot - 8 sx) (Q4_0), d * dot + m * sx
+// (Q4_1) or d * dot (Q8_0). The activations are not quantized (unlike the CPU kernels): the result
+// is the float product with the dequantized weight, up to summation order.
 //
-// gguf_dequantize_kernel: rows of the weight as T (prefill-sized batches, embedding lookups).
+// gguf_kquant_gemv_kernel (K-quants): the same warp and row split; a lane takes one 64-value chunk
+// (the two spans of 32 bytes above) of each row per step, so a warp reads 8 consecutive
+// super-blocks of a row per step. Q4_K / Q5_K super-blocks are 16-byte aligned (144 and 176 bytes
+// in rows of whole super-blocks), read in 16-byte words; Q6_K ones only 2-byte aligned, read in
+// aligned 32-bit words realigned by a funnel shift. Each element becomes a float without a
+// conversion instruction: its bits go into the mantissa of 2^B (B its bit width), giving 2^B + q
+// exactly, and the 2^B (and Q6_K's 32) comes off per 16 values through sum x:
+// sum x w = scale * sum x (2^B + q) - (scale (2^B + offset) + min) * sum x.
+//
+// gguf_dequantize_kernel / gguf_kquant_dequantize_kernel: rows of the weight as T with gguf-py's
+// arithmetic (prefill-sized batches, embedding lookups).
 #pragma once
 
 #include "common.cuh"
@@ -25,7 +45,11 @@ namespace tinyvllm {
 constexpr int kGgufGemvWarps = 4;
 constexpr int kGgufRowsPerWarp = 2;
 
-enum GgufType : int { kGgufQ4_0 = 2, kGgufQ4_1 = 3, kGgufQ8_0 = 8 };
+enum GgufType : int {
+  kGgufQ4_0 = 2, kGgufQ4_1 = 3, kGgufQ8_0 = 8, kGgufQ4_K = 12, kGgufQ5_K = 13, kGgufQ6_K = 14
+};
+
+constexpr bool gguf_is_kquant(int qtype) { return qtype >= kGgufQ4_K && qtype <= kGgufQ6_K; }
 
 template <int QT> struct GgufBlock;
 
@@ -177,6 +201,260 @@ __global__ void gguf_dequantize_kernel(T* __restrict__ out, const uint8_t* __res
   T* dst = out + int64_t(r) * k + blk * 32;
 #pragma unroll
   for (int j = 0; j < 32; ++j) dst[j] = from_float<T>(b.value(j));
+}
+
+// ---- K-quants --------------------------------------------------------------------------------
+
+constexpr int kKQuantValues = 256;  // values per super-block
+constexpr int kKChunkValues = 64;   // values per lane and step: two spans of 32
+constexpr int kKChunks = kKQuantValues / kKChunkValues;
+
+// (a >> n) for n >= 0, (a << -n) otherwise; n known at compile time where it matters.
+__device__ __forceinline__ uint32_t shift_right(uint32_t a, int n) { return n >= 0 ? a >> n : a << -n; }
+
+// 8 32-bit words from a 2-byte aligned address: 9 aligned loads, realigned by a funnel shift.
+// Reads up to 4 bytes past the 32 (the callers' spans are followed by more of their super-block).
+__device__ __forceinline__ void load32_u16_aligned(const uint8_t* p, uint32_t (&w)[8]) {
+  const uint32_t* base = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t(3));
+  const uint32_t shift = uint32_t(reinterpret_cast<uintptr_t>(p) & 3) * 8;
+  uint32_t a[9];
+#pragma unroll
+  for (int i = 0; i < 9; ++i) a[i] = __ldg(base + i);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w[i] = __funnelshift_r(a[i], a[i + 1], shift);
+}
+
+__device__ __forceinline__ void load32_u16x8(const uint8_t* p, uint32_t (&w)[8]) {  // 16-byte aligned
+  const uint4 a = __ldg(reinterpret_cast<const uint4*>(p));
+  const uint4 b = __ldg(reinterpret_cast<const uint4*>(p) + 1);
+  w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+  w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+}
+
+// Scale and min j (0..7) of a Q4_K / Q5_K super-block from its 12 scale bytes as words s0..s2
+// (ggml's get_scale_min_k4).
+__device__ __forceinline__ void kquant_scale_min(uint32_t s0, uint32_t s1, uint32_t s2, int j,
+                                                 uint32_t& sc, uint32_t& mn) {
+  if (j < 4) {
+    sc = (s0 >> (8 * j)) & 63u;
+    mn = (s1 >> (8 * j)) & 63u;
+  } else {
+    const int b = 8 * (j - 4);
+    sc = ((s2 >> b) & 0xFu) | (((s0 >> (b + 6)) & 3u) << 4);
+    mn = ((s2 >> (b + 4)) & 0xFu) | (((s1 >> (b + 6)) & 3u) << 4);
+  }
+}
+
+// A lane's chunk c (0..3) of one super-block: the 32 bytes of nibbles, the high bits (shifted so
+// that span s's are at bit 8b + s (Q5_K) or 8b + 4s (Q6_K) of word l / 4, b = l % 4), and per
+// quarter of 16 values (span * 2 + half) the scale d sc and the min dmin m (0 for Q6_K).
+template <int QT> struct KChunk;
+
+template <> struct KChunk<kGgufQ4_K> {
+  static constexpr int kBytes = 144, kBits = 4, kOffset = 0;
+  uint32_t q[8], h[8];
+  float scale[4], min[4];
+  static __device__ __forceinline__ int span_value(int c, int s) { return 64 * c + 32 * s; }
+  __device__ __forceinline__ void load(const uint8_t* sb, int c) {
+    const uint4 head = __ldg(reinterpret_cast<const uint4*>(sb));
+    load_header(head, c);
+    load32_u16x8(sb + 16 + 32 * c, q);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) h[i] = 0;
+  }
+  __device__ __forceinline__ void load_header(const uint4& head, int c) {
+    const float d = __half2float(__ushort_as_half(uint16_t(head.x & 0xFFFFu)));
+    const float dmin = __half2float(__ushort_as_half(uint16_t(head.x >> 16)));
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      uint32_t sc, mn;
+      kquant_scale_min(head.y, head.z, head.w, 2 * c + s, sc, mn);
+      scale[2 * s] = scale[2 * s + 1] = __fmul_rn(d, float(sc));
+      min[2 * s] = min[2 * s + 1] = __fmul_rn(dmin, float(mn));
+    }
+  }
+  // Element l (0..31) of span s as an unsigned integer of kBits.
+  __device__ __forceinline__ uint32_t u(int s, int l) const {
+    return (q[l >> 2] >> (8 * (l & 3) + 4 * s)) & 0xFu;
+  }
+  // The same element as the float 2^kBits + u, built in the mantissa.
+  __device__ __forceinline__ float magic(int s, int l) const {
+    constexpr int S = 23 - kBits;
+    const int pos = 8 * (l & 3) + 4 * s;
+    return __uint_as_float((shift_right(q[l >> 2], pos - S) & (0xFu << S)) | ((127u + kBits) << 23));
+  }
+};
+
+template <> struct KChunk<kGgufQ5_K> : KChunk<kGgufQ4_K> {
+  static constexpr int kBytes = 176, kBits = 5, kOffset = 0;
+  __device__ __forceinline__ void load(const uint8_t* sb, int c) {
+    load_header(__ldg(reinterpret_cast<const uint4*>(sb)), c);
+    load32_u16x8(sb + 48 + 32 * c, q);
+    load32_u16x8(sb + 16, h);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) h[i] >>= 2 * c;  // sub-block 2c + s's bit at 8b + s
+  }
+  __device__ __forceinline__ uint32_t u(int s, int l) const {
+    const int b = 8 * (l & 3);
+    return ((q[l >> 2] >> (b + 4 * s)) & 0xFu) | (((h[l >> 2] >> (b + s)) & 1u) << 4);
+  }
+  __device__ __forceinline__ float magic(int s, int l) const {
+    constexpr int S = 23 - kBits;
+    const int b = 8 * (l & 3);
+    return __uint_as_float((shift_right(q[l >> 2], b + 4 * s - S) & (0xFu << S)) |
+                           (shift_right(h[l >> 2], b + s - (S + 4)) & (1u << (S + 4))) |
+                           ((127u + kBits) << 23));
+  }
+};
+
+template <> struct KChunk<kGgufQ6_K> {
+  static constexpr int kBytes = 210, kBits = 6, kOffset = 32;
+  uint32_t q[8], h[8];
+  float scale[4], min[4];
+  static __device__ __forceinline__ int span_value(int c, int s) {
+    return 128 * (c >> 1) + 32 * (c & 1) + 64 * s;
+  }
+  __device__ __forceinline__ void load(const uint8_t* sb, int c) {
+    const int half = c >> 1, g = c & 1;
+    load32_u16_aligned(sb + 64 * half + 32 * g, q);
+    load32_u16_aligned(sb + 128 + 32 * half, h);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) h[i] >>= 2 * g;  // span s's two bits at 8b + 4s
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(sb);
+    const float d = __half2float(__ushort_as_half(__ldg(p + 104)));
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const uint32_t pair = __ldg(p + 96 + 4 * half + g + 2 * s);  // bytes 192 + 8h + 2g + 4s
+      scale[2 * s] = __fmul_rn(d, float(int8_t(pair & 0xFFu)));
+      scale[2 * s + 1] = __fmul_rn(d, float(int8_t(pair >> 8)));
+      min[2 * s] = min[2 * s + 1] = 0.f;
+    }
+  }
+  __device__ __forceinline__ uint32_t u(int s, int l) const {
+    const int b = 8 * (l & 3);
+    return ((q[l >> 2] >> (b + 4 * s)) & 0xFu) | (((h[l >> 2] >> (b + 4 * s)) & 3u) << 4);
+  }
+  __device__ __forceinline__ float magic(int s, int l) const {
+    constexpr int S = 23 - kBits;
+    const int pos = 8 * (l & 3) + 4 * s;
+    return __uint_as_float((shift_right(q[l >> 2], pos - S) & (0xFu << S)) |
+                           (shift_right(h[l >> 2], pos - (S + 4)) & (3u << (S + 4))) |
+                           ((127u + kBits) << 23));
+  }
+};
+
+template <typename T, int M, int QT>
+__global__ void __launch_bounds__(kGgufGemvWarps * 32)
+    gguf_kquant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
+                            const uint8_t* __restrict__ qweight, const T* __restrict__ bias,
+                            int m, int n, int k, int64_t x_stride, int64_t out_stride) {
+  using Chunk = KChunk<QT>;
+  constexpr float kBase = float(1 << Chunk::kBits) + float(Chunk::kOffset);
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int row0 = (blockIdx.x * kGgufGemvWarps + warp) * kGgufRowsPerWarp;
+  if (row0 >= n) return;
+  const int chunks = k / kKChunkValues;
+  const int64_t row_bytes = int64_t(k / kKQuantValues) * Chunk::kBytes;
+
+  float acc[kGgufRowsPerWarp][M];
+#pragma unroll
+  for (int r = 0; r < kGgufRowsPerWarp; ++r)
+#pragma unroll
+    for (int i = 0; i < M; ++i) acc[r][i] = 0.f;
+
+  for (int ci = lane; ci < chunks; ci += 32) {
+    const int sb = ci / kKChunks, c = ci % kKChunks;
+    Chunk w[kGgufRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kGgufRowsPerWarp; ++r) {
+      const int row = min(row0 + r, n - 1);
+      w[r].load(qweight + row * row_bytes + int64_t(sb) * Chunk::kBytes, c);
+    }
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int x0 = sb * kKQuantValues + Chunk::span_value(c, s);
+#pragma unroll
+      for (int hq = 0; hq < 2; ++hq) {  // quarters of 16 values: one scale each
+        float dot[kGgufRowsPerWarp][M], sx[M];
+#pragma unroll
+        for (int i = 0; i < M; ++i) {
+          sx[i] = 0.f;
+#pragma unroll
+          for (int r = 0; r < kGgufRowsPerWarp; ++r) dot[r][i] = 0.f;
+        }
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {  // 8 values at a time: the weights', then x's row by row
+          const int l0 = 16 * hq + 8 * p;
+          float v[kGgufRowsPerWarp][8];
+#pragma unroll
+          for (int r = 0; r < kGgufRowsPerWarp; ++r)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[r][j] = w[r].magic(s, l0 + j);
+#pragma unroll
+          for (int i = 0; i < M; ++i) {
+            if (i >= m) break;
+            float xv[8];
+            unpack8<T>(__ldg(reinterpret_cast<const uint4*>(x + i * x_stride + x0 + l0)), xv);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              sx[i] += xv[j];
+#pragma unroll
+              for (int r = 0; r < kGgufRowsPerWarp; ++r) dot[r][i] = fmaf(xv[j], v[r][j], dot[r][i]);
+            }
+          }
+        }
+        const int qr = 2 * s + hq;
+#pragma unroll
+        for (int r = 0; r < kGgufRowsPerWarp; ++r) {
+          const float scale = w[r].scale[qr];
+          const float off = fmaf(scale, kBase, w[r].min[qr]);
+#pragma unroll
+          for (int i = 0; i < M; ++i) acc[r][i] += fmaf(scale, dot[r][i], -off * sx[i]);
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < kGgufRowsPerWarp; ++r) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      const float total = warp_sum(acc[r][i]);
+      const int row = row0 + r;
+      if (lane == 0 && i < m && row < n) {
+        const float b = bias != nullptr ? to_float<T>(bias[row]) : 0.f;
+        out[i * out_stride + row] = from_float<T>(total + b);
+      }
+    }
+  }
+}
+
+// One thread per 64-value chunk: rows `rows` (null: 0 .. num_rows - 1) of the weight as T
+// [num_rows, k], with gguf-py's arithmetic: d sc q - dmin m (Q4_K, Q5_K), d sc (q - 32) (Q6_K),
+// each product and difference rounded on its own.
+template <typename T, int QT>
+__global__ void gguf_kquant_dequantize_kernel(T* __restrict__ out, const uint8_t* __restrict__ qweight,
+                                              const int64_t* __restrict__ rows, int num_rows, int k) {
+  using Chunk = KChunk<QT>;
+  const int chunks = k / kKChunkValues;
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= int64_t(num_rows) * chunks) return;
+  const int r = int(idx / chunks), ci = int(idx % chunks);
+  const int sb = ci / kKChunks, c = ci % kKChunks;
+  const int64_t src_row = rows != nullptr ? rows[r] : r;
+  Chunk w;
+  w.load(qweight + src_row * (k / kKQuantValues) * Chunk::kBytes + int64_t(sb) * Chunk::kBytes, c);
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    T* dst = out + int64_t(r) * k + sb * kKQuantValues + Chunk::span_value(c, s);
+#pragma unroll
+    for (int l = 0; l < 32; ++l) {
+      const int qr = 2 * s + l / 16;
+      const float v = float(int(w.u(s, l)) - Chunk::kOffset);
+      dst[l] = from_float<T>(__fsub_rn(__fmul_rn(w.scale[qr], v), w.min[qr]));
+    }
+  }
 }
 
 }  // namespace tinyvllm

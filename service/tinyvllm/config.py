@@ -44,11 +44,11 @@ class ModelConfig:
     )
     enforce_eager: bool = _f(False, "Disable CUDA graphs and always run eagerly.")
     dequantize: Optional[bool] = _f(
-        None, "Dequantize a GGUF file's Q4_0 / Q4_1 / Q8_0 (and on the CPU Q4_K / Q5_K / Q6_K) "
-        "weights at load and run the float path (--dequantize), or keep them packed as in the "
-        "file (--no-dequantize). Default: packed on the CPU (C++ kernels, activations quantized "
-        "to int8 per block on the fly, per 256 values for the K-quants), dequantized on a GPU; "
-        "--no-dequantize on a GPU runs the CUDA block GEMV over the first three."
+        None, "Dequantize a GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights at "
+        "load and run the float path (--dequantize), or keep them packed as in the file "
+        "(--no-dequantize). Default: packed on the CPU (C++ kernels, activations quantized to "
+        "int8 per block on the fly, per 256 values for the K-quants), dequantized on a GPU; "
+        "--no-dequantize on a GPU runs the CUDA block GEMV (float activations) over them."
     )
     quantization: Optional[str] = _f(
         None, "Quantized checkpoint format to expect: gptq, awq, compressed-tensors or "

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.model.packed import PackedEmbedding, PackedLinear
+from tinyvllm.model.packed import PackedEmbedding, PackedLinear, PackedShards
 from tinyvllm.model.synthetic import make_random_model, tiny_arch
+from tinyvllm.ops import quantized as q
 from tests.model.test_loader_gguf import LLAMA3_SCALING, TOKENS, _write_gguf
+from tests.model.test_packed import MIXED_TYPE_BY_TENSOR, _kquant_gguf
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -18,8 +20,10 @@ pytestmark = [pytest.mark.gpu,
 PROMPT = "The capital of France is Paris and the capital of Italy is Rome"
 
 
-@pytest.fixture(scope="module", params=["Q4_0", "Q4_1", "Q8_0"])
+@pytest.fixture(scope="module", params=["Q4_0", "Q4_1", "Q8_0", "Q4_K_M"])
 def quantized_gguf(request, tmp_path_factory):
+    if request.param == "Q4_K_M":  # Q4_K q / k beside a Q6_K v, Q5_K o / down, Q6_K gate / up
+        return _kquant_gguf(tmp_path_factory, MIXED_TYPE_BY_TENSOR, "tiny-q4_k_m.gguf")
     # head_dim 64: the CUDA attention kernels serve 64 and 128.
     arch = tiny_arch(vocab_size=len(TOKENS), tie_word_embeddings=True, hidden_size=128,
                      num_heads=2, num_kv_heads=1, head_dim=64, intermediate_size=256,
@@ -46,6 +50,11 @@ def test_packed_on_gpu_scores_as_the_dequantized_model(quantized_gguf, dtype):
     assert isinstance(net.model.layers[0].mlp.down_proj, PackedLinear)
     assert isinstance(net.model.embed_tokens, PackedEmbedding)
     assert net.model.layers[0].mlp.down_proj.qweight.is_cuda
+    if "q4_k_m" in quantized_gguf.name:
+        qkv = net.model.layers[0].self_attn.qkv_proj
+        assert isinstance(qkv, PackedShards)
+        assert [p.qtype for p in qkv.parts] == [q.KQUANT_TYPES[t] for t in ("Q4_K", "Q4_K", "Q6_K")]
+        assert net.model.embed_tokens.qtype == q.KQUANT_TYPES["Q4_K"]
     got = _prompt_logprobs(packed)
     del packed
     ref = _prompt_logprobs(LLM(dequantize=True, **kwargs))

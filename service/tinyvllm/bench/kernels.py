@@ -436,7 +436,7 @@ def bench_tile_fused(m, name, n, k, prologue, epilogue, copy_gbps, gen) -> Row:
     return Row("w4a16 g128 fused", f"m{m} {name} {n}x{k}", us, gbps, frac_copy_bw=gbps / copy_gbps)
 
 
-GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
 
 def bench_gguf_linear(m, name, n, k, qtype_name, copy_gbps, gen) -> Row:

@@ -2,8 +2,8 @@
 and a GPU with `--no-dequantize`).
 
 `load_gguf_packed` builds the Llama model with every projection (qkv, o, gate_up, down, lm_head)
-whose GGUF tensors the kernels read (`ops.quantized.KERNEL_TYPES`; on the CPU also
-`KQUANT_TYPES`) as a `PackedLinear` over the file's bytes, and a quantized token embedding as a
+whose GGUF tensors the kernels read (`ops.quantized.KERNEL_TYPES` and `KQUANT_TYPES`) as a
+`PackedLinear` over the file's bytes, and a quantized token embedding as a
 `PackedEmbedding` (sharing its bytes with a tied lm_head). Everything else (norms, biases, any
 other quantization type) is dequantized and loaded as today, and each such projection is named in
 one log line.
@@ -108,9 +108,10 @@ def _packed_rows(t: Any, arch: LlamaArch, permuted: bool) -> np.ndarray:
 
 
 def kernel_types(device: torch.device) -> dict[str, int]:
-    """The GGUF types kept packed on `device`, by name -> type code: the K-quants on the CPU only
-    (no CUDA kernel reads them)."""
-    return {**q.KERNEL_TYPES, **(q.KQUANT_TYPES if device.type == "cpu" else {})}
+    """The GGUF types kept packed on `device` (the CPU or a CUDA GPU: the same), by name -> type
+    code."""
+    del device  # the CPU and CUDA kernels read the same types
+    return {**q.KERNEL_TYPES, **q.KQUANT_TYPES}
 
 
 def _kernel_type(tensors: list[Any], device: torch.device) -> Optional[int]:

@@ -1,4 +1,5 @@
-"""CUDA path of `ops.quantized` (cuda/gguf_gemv.cuh): GGUF Q4_0 / Q4_1 / Q8_0 rows read as stored.
+"""CUDA path of `ops.quantized` (cuda/gguf_gemv.cuh): GGUF Q4_0 / Q4_1 / Q8_0 and Q4_K / Q5_K /
+Q6_K rows read as stored.
 Decode-sized batches run the GEMV (float activations, the weight dequantized in registers);
 larger ones dequantize the rows and use cuBLAS."""
 

@@ -1,5 +1,5 @@
-"""Linear layers over GGUF weights kept packed (Q4_0, Q4_1, Q8_0; on the CPU also the K-quants
-Q4_K, Q5_K, Q6_K).
+"""Linear layers over GGUF weights kept packed (Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K,
+Q6_K).
 
     y = x @ dequantize(qweight).T + bias
 
@@ -7,8 +7,8 @@ Q4_K, Q5_K, Q6_K).
 laid out as ggml writes it. The C++ kernels (`tinyvllm._cpu`, core_cpp/cpu/) quantize each row of
 x to int8 per 32-value block on the fly (a float scale per block, round half to even) and take
 integer dot products, as llama.cpp does. The K-quants (`KQUANT_TYPES`, 256-value super-blocks)
-do the same per 256 values (llama.cpp's Q8_K: one float scale a super-block), on the CPU only (the
-CUDA kernels read the 32-value types). Two torch references:
+do the same per 256 values (llama.cpp's Q8_K: one float scale a super-block). The CUDA kernels
+(`ops.gguf_cuda`) read every one of these types with float activations. Two torch references:
 
 - `quantized_linear_ref`: the same arithmetic in torch (x through the same int8 round trip, per
   32 values, per 256 for the K-quants; the weight dequantized by `gguf.quants`); the kernels match
@@ -38,11 +38,11 @@ QK_K = 256
 """Values per super-block of the K-quants (KQUANT_TYPES)."""
 
 KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-"""GGUF types the int8-dot kernels read (CPU, CUDA and the fused decoder step), by name -> ggml
+"""GGUF 32-value types the kernels read (CPU, CUDA and the fused decoder step), by name -> ggml
 type code (gguf.GGMLQuantizationType values)."""
 
 KQUANT_TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-"""GGUF K-quant types the CPU kernels read (activations int8 per 256 values; the CPU only)."""
+"""GGUF K-quant types the kernels read (CPU: activations int8 per 256 values; CUDA: float)."""
 
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 12: 144, 13: 176, 14: 210}
 """Bytes per block (32 values; K-quants 256), by type code (ggml-common.h)."""
@@ -133,8 +133,7 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k: int,
     """x @ dequantize(qweight).T + bias through the C++ kernels (the reference without them).
 
     On a GPU (x and qweight there, x float16 / bfloat16) the CUDA GEMV reads the blocks with
-    float activations (`ops.gguf_cuda`; without the kernels, and for the K-quants, the
-    dequantized reference).
+    float activations (`ops.gguf_cuda`; without the kernels, the dequantized reference).
 
     Args:
         isa: "auto" (the best this CPU has; env TINYVLLM_CPU_ISA overrides), "avx512vnni",
@@ -178,7 +177,7 @@ def _quantized_linear_cuda(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k
         raise ValueError(f"x: expected a float16 / bfloat16 [..., {k}] tensor on the GPU, got "
                          f"{x.dtype} {tuple(x.shape)}")
     mod = use_kernel("gguf_linear", x, qweight)
-    if mod is None or qtype in KQUANT_TYPES.values():  # no CUDA K-quant kernel
+    if mod is None:
         return dequantized_linear_ref(x, qweight, qtype, k, bias)
     from tinyvllm.ops.gguf_cuda import gguf_linear_cuda
 
@@ -197,7 +196,7 @@ def embedding_rows(qweight: torch.Tensor, qtype: int, k: int, ids: torch.Tensor,
 
         _check_packed(qweight, qtype, k, qweight.device)
         mod = use_kernel("gguf_linear", qweight)
-        if mod is None or qtype in KQUANT_TYPES.values():
+        if mod is None:
             return dequantize(qweight[ids.reshape(-1)].cpu(), qtype, k).to(
                 device=qweight.device, dtype=dtype).view(*ids.shape, k)
         from tinyvllm.ops.gguf_cuda import gguf_dequantize_cuda
