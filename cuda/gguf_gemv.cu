@@ -100,7 +100,7 @@ void gguf_dequantize(ptr_t out, ptr_t qweight, ptr_t rows, int64_t num_rows, int
   check_layout(where, qtype, num_rows > 0 ? num_rows : 1, k, qweight);
   if (num_rows <= 0) return;
   const int threads = 256;
-  const int64_t per_row = gguf_is_kquant(qtype) ? k / kKChunkValues : k / 32;  // one thread each
+  const int64_t per_row = gguf_is_kquant(qtype) ? k / kKQuarterValues : k / 32;  // a thread each
   const unsigned grid = unsigned((num_rows * per_row + threads - 1) / threads);
   const cudaStream_t s = as_stream(stream);
   auto* r = reinterpret_cast<const int64_t*>(rows);

@@ -25,11 +25,15 @@
 // (Q4_1) or d * dot (Q8_0). The activations are not quantized (unlike the CPU kernels): the result
 // is the float product with the dequantized weight, up to summation order.
 //
-// gguf_kquant_gemv_kernel (K-quants): the same warp and row split; a lane takes one 64-value chunk
-// (the two spans of 32 bytes above) of each row per step, so a warp reads 8 consecutive
-// super-blocks of a row per step. Q4_K / Q5_K super-blocks are 16-byte aligned (144 and 176 bytes
-// in rows of whole super-blocks), read in 16-byte words; Q6_K ones only 2-byte aligned, read in
-// aligned 32-bit words realigned by a funnel shift. Each element becomes a float without a
+// gguf_kquant_gemv_kernel (K-quants): the same warp and row split; four lanes share a 64-value
+// chunk (the two spans of one 32 bytes above), each taking 16 values of one span: 16 bytes of
+// nibbles and the one scale and min of those values. A warp reads 2 consecutive super-blocks of a
+// row per step, and the four lanes of a chunk read 16 contiguous x values each, so one load of x
+// by the warp touches 8 cache lines rather than 32 (one 64-value chunk a lane read x lines at a
+// 128-byte stride and left the L1 the bottleneck: 87% busy at 49% of DRAM bandwidth, ncu). Q4_K /
+// Q5_K super-blocks are 16-byte aligned (144 and 176 bytes in rows of whole super-blocks), read in
+// 16-byte words; Q6_K ones only 2-byte aligned, read in aligned 32-bit words realigned by a funnel
+// shift. Each element becomes a float without a
 // conversion instruction: its bits go into the mantissa of 2^B (B its bit width), giving 2^B + q
 // exactly, and the 2^B (and Q6_K's 32) comes off per 16 values through sum x:
 // sum x w = scale * sum x (2^B + q) - (scale (2^B + offset) + min) * sum x.
@@ -206,29 +210,28 @@ __global__ void gguf_dequantize_kernel(T* __restrict__ out, const uint8_t* __res
 // ---- K-quants --------------------------------------------------------------------------------
 
 constexpr int kKQuantValues = 256;  // values per super-block
-constexpr int kKChunkValues = 64;   // values per lane and step: two spans of 32
+constexpr int kKChunkValues = 64;   // values of one 32-byte group of nibbles: two spans of 32
 constexpr int kKChunks = kKQuantValues / kKChunkValues;
+constexpr int kKQuarterValues = 16;  // values per lane and step: one scale (and min) each
 
-// (a >> n) for n >= 0, (a << -n) otherwise; n known at compile time where it matters.
+// (a >> n) for n >= 0, (a << -n) otherwise; n known at compile time.
 __device__ __forceinline__ uint32_t shift_right(uint32_t a, int n) { return n >= 0 ? a >> n : a << -n; }
 
-// 8 32-bit words from a 2-byte aligned address: 9 aligned loads, realigned by a funnel shift.
-// Reads up to 4 bytes past the 32 (the callers' spans are followed by more of their super-block).
-__device__ __forceinline__ void load32_u16_aligned(const uint8_t* p, uint32_t (&w)[8]) {
+// 4 32-bit words from a 2-byte aligned address: 5 aligned loads, realigned by a funnel shift.
+// Reads up to 4 bytes past the 16 (the callers' spans are followed by more of their super-block).
+__device__ __forceinline__ void load16_u16_aligned(const uint8_t* p, uint32_t (&w)[4]) {
   const uint32_t* base = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t(3));
   const uint32_t shift = uint32_t(reinterpret_cast<uintptr_t>(p) & 3) * 8;
-  uint32_t a[9];
+  uint32_t a[5];
 #pragma unroll
-  for (int i = 0; i < 9; ++i) a[i] = __ldg(base + i);
+  for (int i = 0; i < 5; ++i) a[i] = __ldg(base + i);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) w[i] = __funnelshift_r(a[i], a[i + 1], shift);
+  for (int i = 0; i < 4; ++i) w[i] = __funnelshift_r(a[i], a[i + 1], shift);
 }
 
-__device__ __forceinline__ void load32_u16x8(const uint8_t* p, uint32_t (&w)[8]) {  // 16-byte aligned
+__device__ __forceinline__ void load16(const uint8_t* p, uint32_t (&w)[4]) {  // 16-byte aligned
   const uint4 a = __ldg(reinterpret_cast<const uint4*>(p));
-  const uint4 b = __ldg(reinterpret_cast<const uint4*>(p) + 1);
   w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
-  w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
 }
 
 // Scale and min j (0..7) of a Q4_K / Q5_K super-block from its 12 scale bytes as words s0..s2
@@ -245,117 +248,123 @@ __device__ __forceinline__ void kquant_scale_min(uint32_t s0, uint32_t s1, uint3
   }
 }
 
-// A lane's chunk c (0..3) of one super-block: the 32 bytes of nibbles, the high bits (shifted so
-// that span s's are at bit 8b + s (Q5_K) or 8b + 4s (Q6_K) of word l / 4, b = l % 4), and per
-// quarter of 16 values (span * 2 + half) the scale d sc and the min dmin m (0 for Q6_K).
-template <int QT> struct KChunk;
+// A lane's quarter qi (0..3) of chunk c (0..3) of one super-block: 16 values of span qi / 2 (the
+// low nibbles for span 0, the high ones for span 1) from bytes 16 (qi % 2) .. + 16 of the chunk's
+// 32, with one scale d sc and one min dmin m (0 for Q6_K). Loading shifts the words so that
+// element j's nibble sits at bit 8 (j % 4) of word j / 4 and its high bits (Q5_K, Q6_K) at the same
+// bit of h[j / 4].
+template <int QT> struct KQuarter;
 
-template <> struct KChunk<kGgufQ4_K> {
+template <> struct KQuarter<kGgufQ4_K> {
   static constexpr int kBytes = 144, kBits = 4, kOffset = 0;
-  uint32_t q[8], h[8];
-  float scale[4], min[4];
+  uint32_t q[4], h[4];
+  float scale, min;
   static __device__ __forceinline__ int span_value(int c, int s) { return 64 * c + 32 * s; }
-  __device__ __forceinline__ void load(const uint8_t* sb, int c) {
+  __device__ __forceinline__ void load_scale(const uint8_t* sb, int c, int s) {
     const uint4 head = __ldg(reinterpret_cast<const uint4*>(sb));
-    load_header(head, c);
-    load32_u16x8(sb + 16 + 32 * c, q);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) h[i] = 0;
+    uint32_t sc, mn;
+    kquant_scale_min(head.y, head.z, head.w, 2 * c + s, sc, mn);
+    scale = __fmul_rn(__half2float(__ushort_as_half(uint16_t(head.x & 0xFFFFu))), float(sc));
+    min = __fmul_rn(__half2float(__ushort_as_half(uint16_t(head.x >> 16))), float(mn));
   }
-  __device__ __forceinline__ void load_header(const uint4& head, int c) {
-    const float d = __half2float(__ushort_as_half(uint16_t(head.x & 0xFFFFu)));
-    const float dmin = __half2float(__ushort_as_half(uint16_t(head.x >> 16)));
+  __device__ __forceinline__ void load(const uint8_t* sb, int c, int qi) {
+    const int s = qi >> 1;
+    load_scale(sb, c, s);
+    load16(sb + 16 + 32 * c + 16 * (qi & 1), q);
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      uint32_t sc, mn;
-      kquant_scale_min(head.y, head.z, head.w, 2 * c + s, sc, mn);
-      scale[2 * s] = scale[2 * s + 1] = __fmul_rn(d, float(sc));
-      min[2 * s] = min[2 * s + 1] = __fmul_rn(dmin, float(mn));
+    for (int i = 0; i < 4; ++i) {
+      q[i] >>= 4 * s;
+      h[i] = 0;
     }
   }
-  // Element l (0..31) of span s as an unsigned integer of kBits.
-  __device__ __forceinline__ uint32_t u(int s, int l) const {
-    return (q[l >> 2] >> (8 * (l & 3) + 4 * s)) & 0xFu;
-  }
-  // The same element as the float 2^kBits + u, built in the mantissa.
-  __device__ __forceinline__ float magic(int s, int l) const {
+  __device__ __forceinline__ uint32_t u(int j) const { return (q[j >> 2] >> (8 * (j & 3))) & 0xFu; }
+  // Element j as the float 2^kBits + u, built in the mantissa.
+  __device__ __forceinline__ float magic(int j) const {
     constexpr int S = 23 - kBits;
-    const int pos = 8 * (l & 3) + 4 * s;
-    return __uint_as_float((shift_right(q[l >> 2], pos - S) & (0xFu << S)) | ((127u + kBits) << 23));
-  }
-};
-
-template <> struct KChunk<kGgufQ5_K> : KChunk<kGgufQ4_K> {
-  static constexpr int kBytes = 176, kBits = 5, kOffset = 0;
-  __device__ __forceinline__ void load(const uint8_t* sb, int c) {
-    load_header(__ldg(reinterpret_cast<const uint4*>(sb)), c);
-    load32_u16x8(sb + 48 + 32 * c, q);
-    load32_u16x8(sb + 16, h);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) h[i] >>= 2 * c;  // sub-block 2c + s's bit at 8b + s
-  }
-  __device__ __forceinline__ uint32_t u(int s, int l) const {
-    const int b = 8 * (l & 3);
-    return ((q[l >> 2] >> (b + 4 * s)) & 0xFu) | (((h[l >> 2] >> (b + s)) & 1u) << 4);
-  }
-  __device__ __forceinline__ float magic(int s, int l) const {
-    constexpr int S = 23 - kBits;
-    const int b = 8 * (l & 3);
-    return __uint_as_float((shift_right(q[l >> 2], b + 4 * s - S) & (0xFu << S)) |
-                           (shift_right(h[l >> 2], b + s - (S + 4)) & (1u << (S + 4))) |
+    return __uint_as_float((shift_right(q[j >> 2], 8 * (j & 3) - S) & (0xFu << S)) |
                            ((127u + kBits) << 23));
   }
 };
 
-template <> struct KChunk<kGgufQ6_K> {
+template <> struct KQuarter<kGgufQ5_K> : KQuarter<kGgufQ4_K> {
+  static constexpr int kBytes = 176, kBits = 5, kOffset = 0;
+  __device__ __forceinline__ void load(const uint8_t* sb, int c, int qi) {
+    const int s = qi >> 1;
+    load_scale(sb, c, s);
+    load16(sb + 48 + 32 * c + 16 * (qi & 1), q);
+    load16(sb + 16 + 16 * (qi & 1), h);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      q[i] >>= 4 * s;
+      h[i] >>= 2 * c + s;  // sub-block 2c + s's bit
+    }
+  }
+  __device__ __forceinline__ uint32_t u(int j) const {
+    const int b = 8 * (j & 3);
+    return ((q[j >> 2] >> b) & 0xFu) | (((h[j >> 2] >> b) & 1u) << 4);
+  }
+  __device__ __forceinline__ float magic(int j) const {
+    constexpr int S = 23 - kBits;
+    const int b = 8 * (j & 3);
+    return __uint_as_float((shift_right(q[j >> 2], b - S) & (0xFu << S)) |
+                           (shift_right(h[j >> 2], b - (S + 4)) & (1u << (S + 4))) |
+                           ((127u + kBits) << 23));
+  }
+};
+
+template <> struct KQuarter<kGgufQ6_K> {
   static constexpr int kBytes = 210, kBits = 6, kOffset = 32;
-  uint32_t q[8], h[8];
-  float scale[4], min[4];
+  uint32_t q[4], h[4];
+  float scale, min;
   static __device__ __forceinline__ int span_value(int c, int s) {
     return 128 * (c >> 1) + 32 * (c & 1) + 64 * s;
   }
-  __device__ __forceinline__ void load(const uint8_t* sb, int c) {
-    const int half = c >> 1, g = c & 1;
-    load32_u16_aligned(sb + 64 * half + 32 * g, q);
-    load32_u16_aligned(sb + 128 + 32 * half, h);
+  __device__ __forceinline__ void load(const uint8_t* sb, int c, int qi) {
+    const int half = c >> 1, g = c & 1, s = qi >> 1, hq = qi & 1;
+    load16_u16_aligned(sb + 64 * half + 32 * g + 16 * hq, q);
+    load16_u16_aligned(sb + 128 + 32 * half + 16 * hq, h);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) h[i] >>= 2 * g;  // span s's two bits at 8b + 4s
-    const uint16_t* p = reinterpret_cast<const uint16_t*>(sb);
-    const float d = __half2float(__ushort_as_half(__ldg(p + 104)));
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const uint32_t pair = __ldg(p + 96 + 4 * half + g + 2 * s);  // bytes 192 + 8h + 2g + 4s
-      scale[2 * s] = __fmul_rn(d, float(int8_t(pair & 0xFFu)));
-      scale[2 * s + 1] = __fmul_rn(d, float(int8_t(pair >> 8)));
-      min[2 * s] = min[2 * s + 1] = 0.f;
+    for (int i = 0; i < 4; ++i) {
+      q[i] >>= 4 * s;
+      h[i] >>= 2 * g + 4 * s;  // group g + 2s's two bits
     }
+    const float d = __half2float(__ushort_as_half(__ldg(reinterpret_cast<const uint16_t*>(sb + 208))));
+    scale = __fmul_rn(d, float(int8_t(__ldg(sb + 192 + 8 * half + 2 * g + 4 * s + hq))));
+    min = 0.f;
   }
-  __device__ __forceinline__ uint32_t u(int s, int l) const {
-    const int b = 8 * (l & 3);
-    return ((q[l >> 2] >> (b + 4 * s)) & 0xFu) | (((h[l >> 2] >> (b + 4 * s)) & 3u) << 4);
+  __device__ __forceinline__ uint32_t u(int j) const {
+    const int b = 8 * (j & 3);
+    return ((q[j >> 2] >> b) & 0xFu) | (((h[j >> 2] >> b) & 3u) << 4);
   }
-  __device__ __forceinline__ float magic(int s, int l) const {
+  __device__ __forceinline__ float magic(int j) const {
     constexpr int S = 23 - kBits;
-    const int pos = 8 * (l & 3) + 4 * s;
-    return __uint_as_float((shift_right(q[l >> 2], pos - S) & (0xFu << S)) |
-                           (shift_right(h[l >> 2], pos - (S + 4)) & (3u << (S + 4))) |
+    const int b = 8 * (j & 3);
+    return __uint_as_float((shift_right(q[j >> 2], b - S) & (0xFu << S)) |
+                           (shift_right(h[j >> 2], b - (S + 4)) & (3u << (S + 4))) |
                            ((127u + kBits) << 23));
   }
 };
+
+// Value offset in its super-block of quarter qi of chunk c.
+template <int QT>
+__device__ __forceinline__ int kquarter_value(int c, int qi) {
+  return KQuarter<QT>::span_value(c, qi >> 1) + kKQuarterValues * (qi & 1);
+}
 
 template <typename T, int M, int QT>
 __global__ void __launch_bounds__(kGgufGemvWarps * 32)
     gguf_kquant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                             const uint8_t* __restrict__ qweight, const T* __restrict__ bias,
                             int m, int n, int k, int64_t x_stride, int64_t out_stride) {
-  using Chunk = KChunk<QT>;
-  constexpr float kBase = float(1 << Chunk::kBits) + float(Chunk::kOffset);
+  using Quarter = KQuarter<QT>;
+  constexpr float kBase = float(1 << Quarter::kBits) + float(Quarter::kOffset);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int row0 = (blockIdx.x * kGgufGemvWarps + warp) * kGgufRowsPerWarp;
   if (row0 >= n) return;
   const int chunks = k / kKChunkValues;
-  const int64_t row_bytes = int64_t(k / kKQuantValues) * Chunk::kBytes;
+  const int qi = lane & 3;
+  const int64_t row_bytes = int64_t(k / kKQuantValues) * Quarter::kBytes;
 
   float acc[kGgufRowsPerWarp][M];
 #pragma unroll
@@ -363,56 +372,47 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
 #pragma unroll
     for (int i = 0; i < M; ++i) acc[r][i] = 0.f;
 
-  for (int ci = lane; ci < chunks; ci += 32) {
+  for (int ci = lane >> 2; ci < chunks; ci += 8) {
     const int sb = ci / kKChunks, c = ci % kKChunks;
-    Chunk w[kGgufRowsPerWarp];
+    Quarter w[kGgufRowsPerWarp];
 #pragma unroll
     for (int r = 0; r < kGgufRowsPerWarp; ++r) {
       const int row = min(row0 + r, n - 1);
-      w[r].load(qweight + row * row_bytes + int64_t(sb) * Chunk::kBytes, c);
+      w[r].load(qweight + row * row_bytes + int64_t(sb) * Quarter::kBytes, c, qi);
+    }
+    const int x0 = sb * kKQuantValues + kquarter_value<QT>(c, qi);
+    float dot[kGgufRowsPerWarp][M], sx[M];
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      sx[i] = 0.f;
+#pragma unroll
+      for (int r = 0; r < kGgufRowsPerWarp; ++r) dot[r][i] = 0.f;
     }
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const int x0 = sb * kKQuantValues + Chunk::span_value(c, s);
+    for (int p = 0; p < 2; ++p) {  // 8 values at a time: the weights', then x's row by row
+      float v[kGgufRowsPerWarp][8];
 #pragma unroll
-      for (int hq = 0; hq < 2; ++hq) {  // quarters of 16 values: one scale each
-        float dot[kGgufRowsPerWarp][M], sx[M];
+      for (int r = 0; r < kGgufRowsPerWarp; ++r)
 #pragma unroll
-        for (int i = 0; i < M; ++i) {
-          sx[i] = 0.f;
+        for (int j = 0; j < 8; ++j) v[r][j] = w[r].magic(8 * p + j);
 #pragma unroll
-          for (int r = 0; r < kGgufRowsPerWarp; ++r) dot[r][i] = 0.f;
-        }
+      for (int i = 0; i < M; ++i) {
+        if (i >= m) break;
+        float xv[8];
+        unpack8<T>(__ldg(reinterpret_cast<const uint4*>(x + i * x_stride + x0 + 8 * p)), xv);
 #pragma unroll
-        for (int p = 0; p < 2; ++p) {  // 8 values at a time: the weights', then x's row by row
-          const int l0 = 16 * hq + 8 * p;
-          float v[kGgufRowsPerWarp][8];
+        for (int j = 0; j < 8; ++j) {
+          sx[i] += xv[j];
 #pragma unroll
-          for (int r = 0; r < kGgufRowsPerWarp; ++r)
-#pragma unroll
-            for (int j = 0; j < 8; ++j) v[r][j] = w[r].magic(s, l0 + j);
-#pragma unroll
-          for (int i = 0; i < M; ++i) {
-            if (i >= m) break;
-            float xv[8];
-            unpack8<T>(__ldg(reinterpret_cast<const uint4*>(x + i * x_stride + x0 + l0)), xv);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              sx[i] += xv[j];
-#pragma unroll
-              for (int r = 0; r < kGgufRowsPerWarp; ++r) dot[r][i] = fmaf(xv[j], v[r][j], dot[r][i]);
-            }
-          }
-        }
-        const int qr = 2 * s + hq;
-#pragma unroll
-        for (int r = 0; r < kGgufRowsPerWarp; ++r) {
-          const float scale = w[r].scale[qr];
-          const float off = fmaf(scale, kBase, w[r].min[qr]);
-#pragma unroll
-          for (int i = 0; i < M; ++i) acc[r][i] += fmaf(scale, dot[r][i], -off * sx[i]);
+          for (int r = 0; r < kGgufRowsPerWarp; ++r) dot[r][i] = fmaf(xv[j], v[r][j], dot[r][i]);
         }
       }
+    }
+#pragma unroll
+    for (int r = 0; r < kGgufRowsPerWarp; ++r) {
+      const float off = fmaf(w[r].scale, kBase, w[r].min);
+#pragma unroll
+      for (int i = 0; i < M; ++i) acc[r][i] += fmaf(w[r].scale, dot[r][i], -off * sx[i]);
     }
   }
 
@@ -430,30 +430,27 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
   }
 }
 
-// One thread per 64-value chunk: rows `rows` (null: 0 .. num_rows - 1) of the weight as T
+// One thread per 16-value quarter: rows `rows` (null: 0 .. num_rows - 1) of the weight as T
 // [num_rows, k], with gguf-py's arithmetic: d sc q - dmin m (Q4_K, Q5_K), d sc (q - 32) (Q6_K),
 // each product and difference rounded on its own.
 template <typename T, int QT>
 __global__ void gguf_kquant_dequantize_kernel(T* __restrict__ out, const uint8_t* __restrict__ qweight,
                                               const int64_t* __restrict__ rows, int num_rows, int k) {
-  using Chunk = KChunk<QT>;
-  const int chunks = k / kKChunkValues;
+  using Quarter = KQuarter<QT>;
+  const int quarters = k / kKQuarterValues;
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= int64_t(num_rows) * chunks) return;
-  const int r = int(idx / chunks), ci = int(idx % chunks);
-  const int sb = ci / kKChunks, c = ci % kKChunks;
+  if (idx >= int64_t(num_rows) * quarters) return;
+  const int r = int(idx / quarters), qx = int(idx % quarters);
+  const int sb = qx / (kKQuantValues / kKQuarterValues), c = (qx / 4) % kKChunks, qi = qx % 4;
   const int64_t src_row = rows != nullptr ? rows[r] : r;
-  Chunk w;
-  w.load(qweight + src_row * (k / kKQuantValues) * Chunk::kBytes + int64_t(sb) * Chunk::kBytes, c);
+  Quarter w;
+  w.load(qweight + src_row * (k / kKQuantValues) * Quarter::kBytes + int64_t(sb) * Quarter::kBytes,
+         c, qi);
+  T* dst = out + int64_t(r) * k + sb * kKQuantValues + kquarter_value<QT>(c, qi);
 #pragma unroll
-  for (int s = 0; s < 2; ++s) {
-    T* dst = out + int64_t(r) * k + sb * kKQuantValues + Chunk::span_value(c, s);
-#pragma unroll
-    for (int l = 0; l < 32; ++l) {
-      const int qr = 2 * s + l / 16;
-      const float v = float(int(w.u(s, l)) - Chunk::kOffset);
-      dst[l] = from_float<T>(__fsub_rn(__fmul_rn(w.scale[qr], v), w.min[qr]));
-    }
+  for (int j = 0; j < kKQuarterValues; ++j) {
+    const float v = float(int(w.u(j)) - Quarter::kOffset);
+    dst[j] = from_float<T>(__fsub_rn(__fmul_rn(w.scale, v), w.min));
   }
 }
 
