@@ -212,7 +212,8 @@ __global__ void gguf_dequantize_kernel(T* __restrict__ out, const uint8_t* __res
 constexpr int kKQuantValues = 256;  // values per super-block
 constexpr int kKChunkValues = 64;   // values of one 32-byte group of nibbles: two spans of 32
 constexpr int kKChunks = kKQuantValues / kKChunkValues;
-constexpr int kKQuarterValues = 16;  // values per lane and step: one scale (and min) each
+constexpr int kKQuarterValues = 16;  // values per scale (Q6_K) and per activation load pair
+constexpr int kKLaneValues = 16;     // values per lane and step: 16 (a quarter) or 32 (a span)
 
 // (a >> n) for n >= 0, (a << -n) otherwise; n known at compile time.
 __device__ __forceinline__ uint32_t shift_right(uint32_t a, int n) { return n >= 0 ? a >> n : a << -n; }
@@ -253,26 +254,42 @@ __device__ __forceinline__ void kquant_scale_min(uint32_t s0, uint32_t s1, uint3
 // 32, with one scale d sc and one min dmin m (0 for Q6_K). Loading shifts the words so that
 // element j's nibble sits at bit 8 (j % 4) of word j / 4 and its high bits (Q5_K, Q6_K) at the same
 // bit of h[j / 4].
-template <int QT> struct KQuarter;
+// V (16 or 32) values of one span per lane: lane slot qi of the chunk's 64 / V takes span
+// qi * V / 32 from value V * qi % 32 of it.
+template <int V> struct KSlot {
+  static constexpr int kSlots = kKChunkValues / V;
+  static __device__ __forceinline__ int span(int qi) { return qi * V / 32; }
+  static __device__ __forceinline__ int first(int qi) { return V * qi % 32; }  // in the span
+};
 
-template <> struct KQuarter<kGgufQ4_K> {
+template <int QT, int V> struct KQuarter;
+
+template <int V> struct KQuarter<kGgufQ4_K, V> {
   static constexpr int kBytes = 144, kBits = 4, kOffset = 0;
-  uint32_t q[4], h[4];
-  float scale, min;
+  static constexpr int kWords = V / 4, kScales = V / kKQuarterValues;
+  uint32_t q[kWords], h[kWords];
+  float scale[kScales], min[kScales];
   static __device__ __forceinline__ int span_value(int c, int s) { return 64 * c + 32 * s; }
   __device__ __forceinline__ void load_scale(const uint8_t* sb, int c, int s) {
     const uint4 head = __ldg(reinterpret_cast<const uint4*>(sb));
     uint32_t sc, mn;
     kquant_scale_min(head.y, head.z, head.w, 2 * c + s, sc, mn);
-    scale = __fmul_rn(__half2float(__ushort_as_half(uint16_t(head.x & 0xFFFFu))), float(sc));
-    min = __fmul_rn(__half2float(__ushort_as_half(uint16_t(head.x >> 16))), float(mn));
+    const float d = __fmul_rn(__half2float(__ushort_as_half(uint16_t(head.x & 0xFFFFu))), float(sc));
+    const float m = __fmul_rn(__half2float(__ushort_as_half(uint16_t(head.x >> 16))), float(mn));
+#pragma unroll
+    for (int i = 0; i < kScales; ++i) {
+      scale[i] = d;
+      min[i] = m;
+    }
   }
   __device__ __forceinline__ void load(const uint8_t* sb, int c, int qi) {
-    const int s = qi >> 1;
+    const int s = KSlot<V>::span(qi);
     load_scale(sb, c, s);
-    load16(sb + 16 + 32 * c + 16 * (qi & 1), q);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kWords / 4; ++i)
+      load16(sb + 16 + 32 * c + KSlot<V>::first(qi) + 16 * i, *reinterpret_cast<uint32_t(*)[4]>(q + 4 * i));
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) {
       q[i] >>= 4 * s;
       h[i] = 0;
     }
@@ -286,15 +303,20 @@ template <> struct KQuarter<kGgufQ4_K> {
   }
 };
 
-template <> struct KQuarter<kGgufQ5_K> : KQuarter<kGgufQ4_K> {
+template <int V> struct KQuarter<kGgufQ5_K, V> : KQuarter<kGgufQ4_K, V> {
   static constexpr int kBytes = 176, kBits = 5, kOffset = 0;
+  using Base = KQuarter<kGgufQ4_K, V>;
+  using Base::q, Base::h, Base::kWords;
   __device__ __forceinline__ void load(const uint8_t* sb, int c, int qi) {
-    const int s = qi >> 1;
-    load_scale(sb, c, s);
-    load16(sb + 48 + 32 * c + 16 * (qi & 1), q);
-    load16(sb + 16 + 16 * (qi & 1), h);
+    const int s = KSlot<V>::span(qi);
+    Base::load_scale(sb, c, s);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kWords / 4; ++i) {
+      load16(sb + 48 + 32 * c + KSlot<V>::first(qi) + 16 * i, *reinterpret_cast<uint32_t(*)[4]>(q + 4 * i));
+      load16(sb + 16 + KSlot<V>::first(qi) + 16 * i, *reinterpret_cast<uint32_t(*)[4]>(h + 4 * i));
+    }
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) {
       q[i] >>= 4 * s;
       h[i] >>= 2 * c + s;  // sub-block 2c + s's bit
     }
@@ -312,25 +334,33 @@ template <> struct KQuarter<kGgufQ5_K> : KQuarter<kGgufQ4_K> {
   }
 };
 
-template <> struct KQuarter<kGgufQ6_K> {
+template <int V> struct KQuarter<kGgufQ6_K, V> {
   static constexpr int kBytes = 210, kBits = 6, kOffset = 32;
-  uint32_t q[4], h[4];
-  float scale, min;
+  static constexpr int kWords = V / 4, kScales = V / kKQuarterValues;
+  uint32_t q[kWords], h[kWords];
+  float scale[kScales], min[kScales];
   static __device__ __forceinline__ int span_value(int c, int s) {
     return 128 * (c >> 1) + 32 * (c & 1) + 64 * s;
   }
   __device__ __forceinline__ void load(const uint8_t* sb, int c, int qi) {
-    const int half = c >> 1, g = c & 1, s = qi >> 1, hq = qi & 1;
-    load16_u16_aligned(sb + 64 * half + 32 * g + 16 * hq, q);
-    load16_u16_aligned(sb + 128 + 32 * half + 16 * hq, h);
+    const int half = c >> 1, g = c & 1, s = KSlot<V>::span(qi), first = KSlot<V>::first(qi);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kWords / 4; ++i) {
+      load16_u16_aligned(sb + 64 * half + 32 * g + first + 16 * i, *reinterpret_cast<uint32_t(*)[4]>(q + 4 * i));
+      load16_u16_aligned(sb + 128 + 32 * half + first + 16 * i, *reinterpret_cast<uint32_t(*)[4]>(h + 4 * i));
+    }
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) {
       q[i] >>= 4 * s;
       h[i] >>= 2 * g + 4 * s;  // group g + 2s's two bits
     }
     const float d = __half2float(__ushort_as_half(__ldg(reinterpret_cast<const uint16_t*>(sb + 208))));
-    scale = __fmul_rn(d, float(int8_t(__ldg(sb + 192 + 8 * half + 2 * g + 4 * s + hq))));
-    min = 0.f;
+#pragma unroll
+    for (int i = 0; i < kScales; ++i) {  // one int8 scale per 16 values
+      const int8_t sc = int8_t(__ldg(sb + 192 + 8 * half + 2 * g + 4 * s + first / 16 + i));
+      scale[i] = __fmul_rn(d, float(sc));
+      min[i] = 0.f;
+    }
   }
   __device__ __forceinline__ uint32_t u(int j) const {
     const int b = 8 * (j & 3);
@@ -345,10 +375,10 @@ template <> struct KQuarter<kGgufQ6_K> {
   }
 };
 
-// Value offset in its super-block of quarter qi of chunk c.
-template <int QT>
-__device__ __forceinline__ int kquarter_value(int c, int qi) {
-  return KQuarter<QT>::span_value(c, qi >> 1) + kKQuarterValues * (qi & 1);
+// Value offset in its super-block of lane slot qi of chunk c.
+template <int QT, int V>
+__device__ __forceinline__ int kslot_value(int c, int qi) {
+  return KQuarter<QT, V>::span_value(c, KSlot<V>::span(qi)) + KSlot<V>::first(qi);
 }
 
 template <typename T, int M, int QT>
@@ -356,14 +386,16 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
     gguf_kquant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                             const uint8_t* __restrict__ qweight, const T* __restrict__ bias,
                             int m, int n, int k, int64_t x_stride, int64_t out_stride) {
-  using Quarter = KQuarter<QT>;
+  constexpr int V = kKLaneValues;
+  using Quarter = KQuarter<QT, V>;
+  using Slot = KSlot<V>;
   constexpr float kBase = float(1 << Quarter::kBits) + float(Quarter::kOffset);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int row0 = (blockIdx.x * kGgufGemvWarps + warp) * kGgufRowsPerWarp;
   if (row0 >= n) return;
   const int chunks = k / kKChunkValues;
-  const int qi = lane & 3;
+  const int qi = lane % Slot::kSlots;
   const int64_t row_bytes = int64_t(k / kKQuantValues) * Quarter::kBytes;
 
   float acc[kGgufRowsPerWarp][M];
@@ -372,7 +404,7 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
 #pragma unroll
     for (int i = 0; i < M; ++i) acc[r][i] = 0.f;
 
-  for (int ci = lane >> 2; ci < chunks; ci += 8) {
+  for (int ci = lane / Slot::kSlots; ci < chunks; ci += 32 / Slot::kSlots) {
     const int sb = ci / kKChunks, c = ci % kKChunks;
     Quarter w[kGgufRowsPerWarp];
 #pragma unroll
@@ -380,39 +412,43 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
       const int row = min(row0 + r, n - 1);
       w[r].load(qweight + row * row_bytes + int64_t(sb) * Quarter::kBytes, c, qi);
     }
-    const int x0 = sb * kKQuantValues + kquarter_value<QT>(c, qi);
-    float dot[kGgufRowsPerWarp][M], sx[M];
+    const int x0 = sb * kKQuantValues + kslot_value<QT, V>(c, qi);
 #pragma unroll
-    for (int i = 0; i < M; ++i) {
-      sx[i] = 0.f;
-#pragma unroll
-      for (int r = 0; r < kGgufRowsPerWarp; ++r) dot[r][i] = 0.f;
-    }
-#pragma unroll
-    for (int p = 0; p < 2; ++p) {  // 8 values at a time: the weights', then x's row by row
-      float v[kGgufRowsPerWarp][8];
-#pragma unroll
-      for (int r = 0; r < kGgufRowsPerWarp; ++r)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[r][j] = w[r].magic(8 * p + j);
+    for (int hq = 0; hq < Quarter::kScales; ++hq) {  // 16 values a scale
+      float dot[kGgufRowsPerWarp][M], sx[M];
 #pragma unroll
       for (int i = 0; i < M; ++i) {
-        if (i >= m) break;
-        float xv[8];
-        unpack8<T>(__ldg(reinterpret_cast<const uint4*>(x + i * x_stride + x0 + 8 * p)), xv);
+        sx[i] = 0.f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          sx[i] += xv[j];
+        for (int r = 0; r < kGgufRowsPerWarp; ++r) dot[r][i] = 0.f;
+      }
 #pragma unroll
-          for (int r = 0; r < kGgufRowsPerWarp; ++r) dot[r][i] = fmaf(xv[j], v[r][j], dot[r][i]);
+      for (int p = 0; p < 2; ++p) {  // 8 values at a time: the weights', then x's row by row
+        const int l0 = kKQuarterValues * hq + 8 * p;
+        float v[kGgufRowsPerWarp][8];
+#pragma unroll
+        for (int r = 0; r < kGgufRowsPerWarp; ++r)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) v[r][j] = w[r].magic(l0 + j);
+#pragma unroll
+        for (int i = 0; i < M; ++i) {
+          if (i >= m) break;
+          float xv[8];
+          unpack8<T>(__ldg(reinterpret_cast<const uint4*>(x + i * x_stride + x0 + l0)), xv);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            sx[i] += xv[j];
+#pragma unroll
+            for (int r = 0; r < kGgufRowsPerWarp; ++r) dot[r][i] = fmaf(xv[j], v[r][j], dot[r][i]);
+          }
         }
       }
-    }
 #pragma unroll
-    for (int r = 0; r < kGgufRowsPerWarp; ++r) {
-      const float off = fmaf(w[r].scale, kBase, w[r].min);
+      for (int r = 0; r < kGgufRowsPerWarp; ++r) {
+        const float off = fmaf(w[r].scale[hq], kBase, w[r].min[hq]);
 #pragma unroll
-      for (int i = 0; i < M; ++i) acc[r][i] += fmaf(w[r].scale, dot[r][i], -off * sx[i]);
+        for (int i = 0; i < M; ++i) acc[r][i] += fmaf(w[r].scale[hq], dot[r][i], -off * sx[i]);
+      }
     }
   }
 
@@ -436,7 +472,7 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
 template <typename T, int QT>
 __global__ void gguf_kquant_dequantize_kernel(T* __restrict__ out, const uint8_t* __restrict__ qweight,
                                               const int64_t* __restrict__ rows, int num_rows, int k) {
-  using Quarter = KQuarter<QT>;
+  using Quarter = KQuarter<QT, kKQuarterValues>;
   const int quarters = k / kKQuarterValues;
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= int64_t(num_rows) * quarters) return;
@@ -446,11 +482,11 @@ __global__ void gguf_kquant_dequantize_kernel(T* __restrict__ out, const uint8_t
   Quarter w;
   w.load(qweight + src_row * (k / kKQuantValues) * Quarter::kBytes + int64_t(sb) * Quarter::kBytes,
          c, qi);
-  T* dst = out + int64_t(r) * k + sb * kKQuantValues + kquarter_value<QT>(c, qi);
+  T* dst = out + int64_t(r) * k + sb * kKQuantValues + kslot_value<QT, kKQuarterValues>(c, qi);
 #pragma unroll
   for (int j = 0; j < kKQuarterValues; ++j) {
     const float v = float(int(w.u(j)) - Quarter::kOffset);
-    dst[j] = from_float<T>(__fsub_rn(__fmul_rn(w.scale, v), w.min));
+    dst[j] = from_float<T>(__fsub_rn(__fmul_rn(w.scale[0], v), w.min[0]));
   }
 }
 
