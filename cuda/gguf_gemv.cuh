@@ -25,18 +25,20 @@
 // (Q4_1) or d * dot (Q8_0). The activations are not quantized (unlike the CPU kernels): the result
 // is the float product with the dequantized weight, up to summation order.
 //
-// gguf_kquant_gemv_kernel (K-quants): the same warp and row split; four lanes share a 64-value
-// chunk (the two spans of one 32 bytes above), each taking 16 values of one span: 16 bytes of
-// nibbles and the one scale and min of those values. A warp reads 2 consecutive super-blocks of a
-// row per step, and the four lanes of a chunk read 16 contiguous x values each, so one load of x
-// by the warp touches 8 cache lines rather than 32 (one 64-value chunk a lane read x lines at a
-// 128-byte stride and left the L1 the bottleneck: 87% busy at 49% of DRAM bandwidth, ncu). Q4_K /
+// gguf_kquant_gemv_kernel (K-quants): the same warp and row split; two lanes share a 64-value chunk
+// (the two spans of one 32 bytes above), each taking the 32 values of one span: the 32 bytes of
+// nibbles (both lanes read them, one using the low nibbles and one the high), and the span's scale
+// and min (Q6_K: one scale per 16 values). A warp reads 4 consecutive super-blocks of a row per
+// step, and the two lanes of a chunk read 32 contiguous x values each, so one load of x by the warp
+// touches 16 cache lines rather than 32: with one chunk a lane, x's lines at a 128-byte stride left
+// the L1 the bottleneck (87% busy at 49% of DRAM bandwidth, ncu); with 16 values a lane the header
+// decoding per value made it compute-bound (`kKLaneValues`; cuda/NOTES.md has the three). Q4_K /
 // Q5_K super-blocks are 16-byte aligned (144 and 176 bytes in rows of whole super-blocks), read in
 // 16-byte words; Q6_K ones only 2-byte aligned, read in aligned 32-bit words realigned by a funnel
-// shift. Each element becomes a float without a
-// conversion instruction: its bits go into the mantissa of 2^B (B its bit width), giving 2^B + q
-// exactly, and the 2^B (and Q6_K's 32) comes off per 16 values through sum x:
-// sum x w = scale * sum x (2^B + q) - (scale (2^B + offset) + min) * sum x.
+// shift. Each element becomes a float without a conversion instruction: its bits go into the
+// mantissa of 2^B (B its bit width), giving 2^B + q exactly, and the 2^B (and Q6_K's 32) comes off
+// per 16 values through sum x: sum x w = scale * sum x (2^B + q) - (scale (2^B + offset) + min) *
+// sum x.
 //
 // gguf_dequantize_kernel / gguf_kquant_dequantize_kernel: rows of the weight as T with gguf-py's
 // arithmetic (prefill-sized batches, embedding lookups).
@@ -213,7 +215,7 @@ constexpr int kKQuantValues = 256;  // values per super-block
 constexpr int kKChunkValues = 64;   // values of one 32-byte group of nibbles: two spans of 32
 constexpr int kKChunks = kKQuantValues / kKChunkValues;
 constexpr int kKQuarterValues = 16;  // values per scale (Q6_K) and per activation load pair
-constexpr int kKLaneValues = 16;     // values per lane and step: 16 (a quarter) or 32 (a span)
+constexpr int kKLaneValues = 32;     // values per lane and step: 16 (a quarter) or 32 (a span)
 
 // (a >> n) for n >= 0, (a << -n) otherwise; n known at compile time.
 __device__ __forceinline__ uint32_t shift_right(uint32_t a, int n) { return n >= 0 ? a >> n : a << -n; }
@@ -249,22 +251,20 @@ __device__ __forceinline__ void kquant_scale_min(uint32_t s0, uint32_t s1, uint3
   }
 }
 
-// A lane's quarter qi (0..3) of chunk c (0..3) of one super-block: 16 values of span qi / 2 (the
-// low nibbles for span 0, the high ones for span 1) from bytes 16 (qi % 2) .. + 16 of the chunk's
-// 32, with one scale d sc and one min dmin m (0 for Q6_K). Loading shifts the words so that
-// element j's nibble sits at bit 8 (j % 4) of word j / 4 and its high bits (Q5_K, Q6_K) at the same
-// bit of h[j / 4].
-// V (16 or 32) values of one span per lane: lane slot qi of the chunk's 64 / V takes span
-// qi * V / 32 from value V * qi % 32 of it.
+// A lane's slice of chunk c (0..3) of one super-block: V (16 or 32) values of one span (the low
+// nibbles for span 0, the high ones for span 1) from the chunk's 32 bytes, with a scale d sc and a
+// min dmin m (0 for Q6_K) per 16 values. Lane slot qi of the chunk's 64 / V takes span qi V / 32
+// from its value V qi % 32. Loading shifts the words so that element j's nibble sits at bit
+// 8 (j % 4) of word j / 4 and its high bits (Q5_K, Q6_K) at the same bit of h[j / 4].
 template <int V> struct KSlot {
   static constexpr int kSlots = kKChunkValues / V;
   static __device__ __forceinline__ int span(int qi) { return qi * V / 32; }
   static __device__ __forceinline__ int first(int qi) { return V * qi % 32; }  // in the span
 };
 
-template <int QT, int V> struct KQuarter;
+template <int QT, int V> struct KSlice;
 
-template <int V> struct KQuarter<kGgufQ4_K, V> {
+template <int V> struct KSlice<kGgufQ4_K, V> {
   static constexpr int kBytes = 144, kBits = 4, kOffset = 0;
   static constexpr int kWords = V / 4, kScales = V / kKQuarterValues;
   uint32_t q[kWords], h[kWords];
@@ -303,9 +303,9 @@ template <int V> struct KQuarter<kGgufQ4_K, V> {
   }
 };
 
-template <int V> struct KQuarter<kGgufQ5_K, V> : KQuarter<kGgufQ4_K, V> {
+template <int V> struct KSlice<kGgufQ5_K, V> : KSlice<kGgufQ4_K, V> {
   static constexpr int kBytes = 176, kBits = 5, kOffset = 0;
-  using Base = KQuarter<kGgufQ4_K, V>;
+  using Base = KSlice<kGgufQ4_K, V>;
   using Base::q, Base::h, Base::kWords;
   __device__ __forceinline__ void load(const uint8_t* sb, int c, int qi) {
     const int s = KSlot<V>::span(qi);
@@ -334,7 +334,7 @@ template <int V> struct KQuarter<kGgufQ5_K, V> : KQuarter<kGgufQ4_K, V> {
   }
 };
 
-template <int V> struct KQuarter<kGgufQ6_K, V> {
+template <int V> struct KSlice<kGgufQ6_K, V> {
   static constexpr int kBytes = 210, kBits = 6, kOffset = 32;
   static constexpr int kWords = V / 4, kScales = V / kKQuarterValues;
   uint32_t q[kWords], h[kWords];
@@ -378,7 +378,7 @@ template <int V> struct KQuarter<kGgufQ6_K, V> {
 // Value offset in its super-block of lane slot qi of chunk c.
 template <int QT, int V>
 __device__ __forceinline__ int kslot_value(int c, int qi) {
-  return KQuarter<QT, V>::span_value(c, KSlot<V>::span(qi)) + KSlot<V>::first(qi);
+  return KSlice<QT, V>::span_value(c, KSlot<V>::span(qi)) + KSlot<V>::first(qi);
 }
 
 template <typename T, int M, int QT>
@@ -387,16 +387,16 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
                             const uint8_t* __restrict__ qweight, const T* __restrict__ bias,
                             int m, int n, int k, int64_t x_stride, int64_t out_stride) {
   constexpr int V = kKLaneValues;
-  using Quarter = KQuarter<QT, V>;
+  using Slice = KSlice<QT, V>;
   using Slot = KSlot<V>;
-  constexpr float kBase = float(1 << Quarter::kBits) + float(Quarter::kOffset);
+  constexpr float kBase = float(1 << Slice::kBits) + float(Slice::kOffset);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int row0 = (blockIdx.x * kGgufGemvWarps + warp) * kGgufRowsPerWarp;
   if (row0 >= n) return;
   const int chunks = k / kKChunkValues;
   const int qi = lane % Slot::kSlots;
-  const int64_t row_bytes = int64_t(k / kKQuantValues) * Quarter::kBytes;
+  const int64_t row_bytes = int64_t(k / kKQuantValues) * Slice::kBytes;
 
   float acc[kGgufRowsPerWarp][M];
 #pragma unroll
@@ -406,15 +406,15 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
 
   for (int ci = lane / Slot::kSlots; ci < chunks; ci += 32 / Slot::kSlots) {
     const int sb = ci / kKChunks, c = ci % kKChunks;
-    Quarter w[kGgufRowsPerWarp];
+    Slice w[kGgufRowsPerWarp];
 #pragma unroll
     for (int r = 0; r < kGgufRowsPerWarp; ++r) {
       const int row = min(row0 + r, n - 1);
-      w[r].load(qweight + row * row_bytes + int64_t(sb) * Quarter::kBytes, c, qi);
+      w[r].load(qweight + row * row_bytes + int64_t(sb) * Slice::kBytes, c, qi);
     }
     const int x0 = sb * kKQuantValues + kslot_value<QT, V>(c, qi);
 #pragma unroll
-    for (int hq = 0; hq < Quarter::kScales; ++hq) {  // 16 values a scale
+    for (int hq = 0; hq < Slice::kScales; ++hq) {  // 16 values a scale
       float dot[kGgufRowsPerWarp][M], sx[M];
 #pragma unroll
       for (int i = 0; i < M; ++i) {
@@ -472,20 +472,20 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
 template <typename T, int QT>
 __global__ void gguf_kquant_dequantize_kernel(T* __restrict__ out, const uint8_t* __restrict__ qweight,
                                               const int64_t* __restrict__ rows, int num_rows, int k) {
-  using Quarter = KQuarter<QT, kKQuarterValues>;
+  using Slice = KSlice<QT, kKQuarterValues>;
   const int quarters = k / kKQuarterValues;
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= int64_t(num_rows) * quarters) return;
   const int r = int(idx / quarters), qx = int(idx % quarters);
   const int sb = qx / (kKQuantValues / kKQuarterValues), c = (qx / 4) % kKChunks, qi = qx % 4;
   const int64_t src_row = rows != nullptr ? rows[r] : r;
-  Quarter w;
-  w.load(qweight + src_row * (k / kKQuantValues) * Quarter::kBytes + int64_t(sb) * Quarter::kBytes,
+  Slice w;
+  w.load(qweight + src_row * (k / kKQuantValues) * Slice::kBytes + int64_t(sb) * Slice::kBytes,
          c, qi);
   T* dst = out + int64_t(r) * k + sb * kKQuantValues + kslot_value<QT, kKQuarterValues>(c, qi);
 #pragma unroll
   for (int j = 0; j < kKQuarterValues; ++j) {
-    const float v = float(int(w.u(j)) - Quarter::kOffset);
+    const float v = float(int(w.u(j)) - Slice::kOffset);
     dst[j] = from_float<T>(__fsub_rn(__fmul_rn(w.scale[0], v), w.min[0]));
   }
 }
