@@ -89,6 +89,26 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// The end of a warp-per-rows GEMV: sums each lane's acc[r][i] over the warp and has lane 0 write
+// out[i, row0 + r] (+ bias[row0 + r]) for the rows i < m and row0 + r < n.
+template <typename T, int R, int M>
+__device__ __forceinline__ void write_warp_rows(const float (&acc)[R][M], int lane, int row0, int m,
+                                                int n, const T* __restrict__ bias,
+                                                T* __restrict__ out, int64_t out_stride) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      const float total = warp_sum(acc[r][i]);
+      const int row = row0 + r;
+      if (lane == 0 && i < m && row < n) {
+        const float b = bias != nullptr ? to_float<T>(bias[row]) : 0.f;
+        out[i * out_stride + row] = from_float<T>(total + b);
+      }
+    }
+  }
+}
+
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));

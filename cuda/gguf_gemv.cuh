@@ -178,18 +178,7 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
       for (int i = 0; i < M; ++i) acc[r][i] += w[r].d * dot[r][i] + w[r].m * sx[i];
   }
 
-#pragma unroll
-  for (int r = 0; r < kGgufRowsPerWarp; ++r) {
-#pragma unroll
-    for (int i = 0; i < M; ++i) {
-      const float total = warp_sum(acc[r][i]);
-      const int row = row0 + r;
-      if (lane == 0 && i < m && row < n) {
-        const float b = bias != nullptr ? to_float<T>(bias[row]) : 0.f;
-        out[i * out_stride + row] = from_float<T>(total + b);
-      }
-    }
-  }
+  write_warp_rows<T, kGgufRowsPerWarp, M>(acc, lane, row0, m, n, bias, out, out_stride);
 }
 
 // One thread per block: rows `rows` (null: 0 .. num_rows - 1) of the weight as T [num_rows, k].
@@ -452,18 +441,7 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
     }
   }
 
-#pragma unroll
-  for (int r = 0; r < kGgufRowsPerWarp; ++r) {
-#pragma unroll
-    for (int i = 0; i < M; ++i) {
-      const float total = warp_sum(acc[r][i]);
-      const int row = row0 + r;
-      if (lane == 0 && i < m && row < n) {
-        const float b = bias != nullptr ? to_float<T>(bias[row]) : 0.f;
-        out[i * out_stride + row] = from_float<T>(total + b);
-      }
-    }
-  }
+  write_warp_rows<T, kGgufRowsPerWarp, M>(acc, lane, row0, m, n, bias, out, out_stride);
 }
 
 // One thread per 16-value quarter: rows `rows` (null: 0 .. num_rows - 1) of the weight as T

@@ -130,18 +130,7 @@ __global__ void __launch_bounds__(kQuantGemvWarps * 32)
       for (int i = 0; i < M; ++i) acc[r][i] += scale[r] * (dot[r][i] - zero[r] * sx[i]);
   }
 
-#pragma unroll
-  for (int r = 0; r < kQuantRowsPerWarp; ++r) {
-#pragma unroll
-    for (int i = 0; i < M; ++i) {
-      const float total = warp_sum(acc[r][i]);
-      const int row = row0 + r;
-      if (lane == 0 && i < m && row < n) {
-        const float b = bias != nullptr ? to_float<T>(bias[row]) : 0.f;
-        out[i * out_stride + row] = from_float<T>(total + b);
-      }
-    }
-  }
+  write_warp_rows<T, kQuantRowsPerWarp, M>(acc, lane, row0, m, n, bias, out, out_stride);
 }
 
 constexpr int kQuantMmaWarps = 4;

@@ -34,29 +34,17 @@ def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+SHAPES = [(7, 32), (1001, 576), (576, 1536), (4104, 4096), (33, 14336)]
+K_SHAPES = [(7, 256), (1001, 768), (576, 1536), (4104, 4096), (33, 14336)]
+"""Rows of 3 super-blocks (k = 768) leave every other Q6_K block (210 bytes) 2-byte aligned."""
+CASES = ([(qt, m, n, k) for qt in QTYPES for m in (1, 2, 3, 8, 9, 33) for n, k in SHAPES]
+         + [(qt, m, n, k) for qt in K_QTYPES for m in (1, 2, 3, 8, 9) for n, k in K_SHAPES])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 33])
-@pytest.mark.parametrize("n,k", [(7, 32), (1001, 576), (576, 1536), (4104, 4096), (33, 14336)])
+@pytest.mark.parametrize("qtype,m,n,k", CASES)
 def test_gguf_linear_matches_dequantized_reference(dtype, qtype, m, n, k):
-    qweight = packed(n, k, qtype, seed=m * 31 + n + k)
-    gen = torch.Generator(device="cuda").manual_seed(n + m)
-    x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
-    bias = torch.randn(n, generator=gen, device="cuda").to(dtype) if n % 2 else None
-    out = q.quantized_linear(x, qweight, qtype, k, bias)
-    ref = q.dequantized_linear_ref(x.float(), qweight, qtype, k,
-                                   None if bias is None else bias.float())
-    assert out.shape == (m, n) and out.dtype == dtype
-    assert rel_err(out, ref) < (3e-3 if dtype == torch.float16 else 1e-2)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("qtype", K_QTYPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 8, 9])
-@pytest.mark.parametrize("n,k", [(7, 256), (1001, 768), (576, 1536), (4104, 4096), (33, 14336)])
-def test_kquant_linear_matches_dequantized_reference(dtype, qtype, m, n, k):
-    """Q4_K / Q5_K / Q6_K: the GEMV up to 8 rows, the dequantize kernel and cuBLAS above. Rows of
-    3 super-blocks (k = 768) leave every other Q6_K block (210 bytes) 2-byte aligned."""
+    """The GEMV up to 8 rows, the dequantize kernel and cuBLAS above, every type."""
     qweight = packed(n, k, qtype, seed=m * 31 + n + k)
     gen = torch.Generator(device="cuda").manual_seed(n + m)
     x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
