@@ -253,6 +253,23 @@ template <int V> struct KSlot {
 
 template <int QT, int V> struct KSlice;
 
+// Element j of a slice as an unsigned integer: its nibble, and above it the High bits of h.
+template <uint32_t High, int N>
+__device__ __forceinline__ uint32_t kslice_u(const uint32_t (&q)[N], const uint32_t (&h)[N], int j) {
+  const int b = 8 * (j & 3);
+  return ((q[j >> 2] >> b) & 0xFu) | (((h[j >> 2] >> b) & High) << 4);
+}
+
+// The same element as the float 2^Bits + u, built in the mantissa (no conversion instruction).
+template <int Bits, uint32_t High, int N>
+__device__ __forceinline__ float kslice_magic(const uint32_t (&q)[N], const uint32_t (&h)[N], int j) {
+  constexpr int S = 23 - Bits;
+  const int b = 8 * (j & 3);
+  uint32_t bits = (shift_right(q[j >> 2], b - S) & (0xFu << S)) | ((127u + Bits) << 23);
+  if (High != 0) bits |= shift_right(h[j >> 2], b - (S + 4)) & (High << (S + 4));
+  return __uint_as_float(bits);
+}
+
 template <int V> struct KSlice<kGgufQ4_K, V> {
   static constexpr int kBytes = 144, kBits = 4, kOffset = 0;
   static constexpr int kWords = V / 4, kScales = V / kKQuarterValues;
@@ -283,13 +300,8 @@ template <int V> struct KSlice<kGgufQ4_K, V> {
       h[i] = 0;
     }
   }
-  __device__ __forceinline__ uint32_t u(int j) const { return (q[j >> 2] >> (8 * (j & 3))) & 0xFu; }
-  // Element j as the float 2^kBits + u, built in the mantissa.
-  __device__ __forceinline__ float magic(int j) const {
-    constexpr int S = 23 - kBits;
-    return __uint_as_float((shift_right(q[j >> 2], 8 * (j & 3) - S) & (0xFu << S)) |
-                           ((127u + kBits) << 23));
-  }
+  __device__ __forceinline__ uint32_t u(int j) const { return kslice_u<0>(q, h, j); }
+  __device__ __forceinline__ float magic(int j) const { return kslice_magic<kBits, 0>(q, h, j); }
 };
 
 template <int V> struct KSlice<kGgufQ5_K, V> : KSlice<kGgufQ4_K, V> {
@@ -310,17 +322,8 @@ template <int V> struct KSlice<kGgufQ5_K, V> : KSlice<kGgufQ4_K, V> {
       h[i] >>= 2 * c + s;  // sub-block 2c + s's bit
     }
   }
-  __device__ __forceinline__ uint32_t u(int j) const {
-    const int b = 8 * (j & 3);
-    return ((q[j >> 2] >> b) & 0xFu) | (((h[j >> 2] >> b) & 1u) << 4);
-  }
-  __device__ __forceinline__ float magic(int j) const {
-    constexpr int S = 23 - kBits;
-    const int b = 8 * (j & 3);
-    return __uint_as_float((shift_right(q[j >> 2], b - S) & (0xFu << S)) |
-                           (shift_right(h[j >> 2], b - (S + 4)) & (1u << (S + 4))) |
-                           ((127u + kBits) << 23));
-  }
+  __device__ __forceinline__ uint32_t u(int j) const { return kslice_u<1>(q, h, j); }
+  __device__ __forceinline__ float magic(int j) const { return kslice_magic<kBits, 1>(q, h, j); }
 };
 
 template <int V> struct KSlice<kGgufQ6_K, V> {
@@ -351,17 +354,8 @@ template <int V> struct KSlice<kGgufQ6_K, V> {
       min[i] = 0.f;
     }
   }
-  __device__ __forceinline__ uint32_t u(int j) const {
-    const int b = 8 * (j & 3);
-    return ((q[j >> 2] >> b) & 0xFu) | (((h[j >> 2] >> b) & 3u) << 4);
-  }
-  __device__ __forceinline__ float magic(int j) const {
-    constexpr int S = 23 - kBits;
-    const int b = 8 * (j & 3);
-    return __uint_as_float((shift_right(q[j >> 2], b - S) & (0xFu << S)) |
-                           (shift_right(h[j >> 2], b - (S + 4)) & (3u << (S + 4))) |
-                           ((127u + kBits) << 23));
-  }
+  __device__ __forceinline__ uint32_t u(int j) const { return kslice_u<3>(q, h, j); }
+  __device__ __forceinline__ float magic(int j) const { return kslice_magic<kBits, 3>(q, h, j); }
 };
 
 // Value offset in its super-block of lane slot qi of chunk c.
