@@ -89,6 +89,21 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// Zeroes a warp-per-rows GEMV's per-row sums (acc, dot) or its per-x-row sums (sx).
+template <int R, int M>
+__device__ __forceinline__ void zero_sums(float (&a)[R][M]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int i = 0; i < M; ++i) a[r][i] = 0.f;
+}
+
+template <int M>
+__device__ __forceinline__ void zero_sums(float (&a)[M]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i) a[i] = 0.f;
+}
+
 // The end of a warp-per-rows GEMV: sums each lane's acc[r][i] over the warp and has lane 0 write
 // out[i, row0 + r] (+ bias[row0 + r]) for the rows i < m and row0 + r < n.
 template <typename T, int R, int M>

@@ -128,10 +128,7 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
   const int64_t row_bytes = int64_t(blocks) * Block::kBytes;
 
   float acc[kGgufRowsPerWarp][M];
-#pragma unroll
-  for (int r = 0; r < kGgufRowsPerWarp; ++r)
-#pragma unroll
-    for (int i = 0; i < M; ++i) acc[r][i] = 0.f;
+  zero_sums(acc);
 
   for (int blk = lane; blk < blocks; blk += 32) {
     Block w[kGgufRowsPerWarp];
@@ -141,12 +138,8 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
       w[r].load(qweight + row * row_bytes + int64_t(blk) * Block::kBytes);
     }
     float dot[kGgufRowsPerWarp][M], sx[M];
-#pragma unroll
-    for (int i = 0; i < M; ++i) {
-      sx[i] = 0.f;
-#pragma unroll
-      for (int r = 0; r < kGgufRowsPerWarp; ++r) dot[r][i] = 0.f;
-    }
+    zero_sums(dot);
+    zero_sums(sx);
 #pragma unroll
     for (int p = 0; p < 4; ++p) {  // 8 activations at a time
       float xv[M][8];
@@ -382,10 +375,7 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
   const int64_t row_bytes = int64_t(k / kKQuantValues) * Slice::kBytes;
 
   float acc[kGgufRowsPerWarp][M];
-#pragma unroll
-  for (int r = 0; r < kGgufRowsPerWarp; ++r)
-#pragma unroll
-    for (int i = 0; i < M; ++i) acc[r][i] = 0.f;
+  zero_sums(acc);
 
   for (int ci = lane / Slot::kSlots; ci < chunks; ci += 32 / Slot::kSlots) {
     const int sb = ci / kKChunks, c = ci % kKChunks;
@@ -399,12 +389,8 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
 #pragma unroll
     for (int hq = 0; hq < Slice::kScales; ++hq) {  // 16 values a scale
       float dot[kGgufRowsPerWarp][M], sx[M];
-#pragma unroll
-      for (int i = 0; i < M; ++i) {
-        sx[i] = 0.f;
-#pragma unroll
-        for (int r = 0; r < kGgufRowsPerWarp; ++r) dot[r][i] = 0.f;
-      }
+      zero_sums(dot);
+      zero_sums(sx);
 #pragma unroll
       for (int p = 0; p < 2; ++p) {  // 8 values at a time: the weights', then x's row by row
         const int l0 = kKQuarterValues * hq + 8 * p;

@@ -60,10 +60,7 @@ __global__ void __launch_bounds__(kQuantGemvWarps * 32)
   const int groups = k / group_size;
 
   float acc[kQuantRowsPerWarp][M];
-#pragma unroll
-  for (int r = 0; r < kQuantRowsPerWarp; ++r)
-#pragma unroll
-    for (int i = 0; i < M; ++i) acc[r][i] = 0.f;
+  zero_sums(acc);
 
   // The weight of the lane's next chunk is requested before this one is computed.
   auto load_chunk = [&](int c0, uint4 (&q)[kQuantRowsPerWarp]) {
@@ -91,12 +88,8 @@ __global__ void __launch_bounds__(kQuantGemvWarps * 32)
       zero[r] = to_float<T>(zeros[int64_t(row) * groups + g]);
     }
     float dot[kQuantRowsPerWarp][M], sx[M];
-#pragma unroll
-    for (int i = 0; i < M; ++i) {
-      sx[i] = 0.f;
-#pragma unroll
-      for (int r = 0; r < kQuantRowsPerWarp; ++r) dot[r][i] = 0.f;
-    }
+    zero_sums(dot);
+    zero_sums(sx);
     // The chunk in pieces of 8 activations (one uint4 of x per row).
 #pragma unroll
     for (int p = 0; p < kChunk / 8; ++p) {
