@@ -107,26 +107,22 @@ def _packed_rows(t: Any, arch: LlamaArch, permuted: bool) -> np.ndarray:
     return rows
 
 
-def kernel_types(device: torch.device) -> dict[str, int]:
-    """The GGUF types kept packed on `device` (the CPU or a CUDA GPU: the same), by name -> type
-    code."""
-    del device  # the CPU and CUDA kernels read the same types
-    return {**q.KERNEL_TYPES, **q.KQUANT_TYPES}
+PACKED_TYPES = {**q.KERNEL_TYPES, **q.KQUANT_TYPES}
+"""The GGUF types kept packed, by name -> type code: the CPU and the CUDA kernels read the same."""
 
 
-def _kernel_type(tensors: list[Any], device: torch.device) -> Optional[int]:
+def _kernel_type(tensors: list[Any]) -> Optional[int]:
     """The shared type code when every tensor is of one type the kernels read, else None."""
     names = {t.tensor_type.name for t in tensors}
-    types = kernel_types(device)
-    if len(names) != 1 or next(iter(names)) not in types:
+    if len(names) != 1 or next(iter(names)) not in PACKED_TYPES:
         return None
-    return types[names.pop()]
+    return PACKED_TYPES[names.pop()]
 
 
-def _pack(tensors: list[Any], arch: LlamaArch, permuted: bool,
-          device: torch.device) -> Optional[tuple[torch.Tensor, int, int]]:
+def _pack(tensors: list[Any], arch: LlamaArch,
+          permuted: bool) -> Optional[tuple[torch.Tensor, int, int]]:
     """(qweight [n, row_bytes], type code, k) of the stacked shards, or None when not packable."""
-    qtype = _kernel_type(tensors, device)
+    qtype = _kernel_type(tensors)
     k = int(tensors[0].shape[0])  # ggml order: [k, n]
     if qtype is None or k % q.block_values(qtype):
         return None
@@ -143,10 +139,10 @@ def pack_model(net: LlamaForCausalLM, tensors: dict[str, Any], arch: LlamaArch,
     fallback: dict[str, list[str]] = {}
     for path, stems in _projections(arch).items():
         weights = [tensors[f"{s}.weight"] for s in stems]
-        got = _pack(weights, arch, permuted, device)
+        got = _pack(weights, arch, permuted)
         # A stack whose shards differ in type: each shard packed on its own, if each can be.
         shards = ([] if got is not None or len(weights) == 1
-                  else [_pack([w], arch, permuted, device) for w in weights])
+                  else [_pack([w], arch, permuted) for w in weights])
         if got is None and (not shards or None in shards):
             fallback.setdefault("/".join(sorted({w.tensor_type.name for w in weights})),
                                 []).append(path)
@@ -165,7 +161,7 @@ def pack_model(net: LlamaForCausalLM, tensors: dict[str, Any], arch: LlamaArch,
     packed |= _pack_embedding_and_head(net, tensors, arch, fallback, device, dtype)
     for types, paths in fallback.items():
         logger.info("%s kernels read %s; %d projection(s) of type %s run on the torch path, "
-                    "dequantized (e.g. %s)", device.type.upper(), ", ".join(kernel_types(device)),
+                    "dequantized (e.g. %s)", device.type.upper(), ", ".join(PACKED_TYPES),
                     len(paths), types, paths[0])
     return packed
 
@@ -177,7 +173,7 @@ def _pack_embedding_and_head(net: LlamaForCausalLM, tensors: dict[str, Any], arc
     embedding itself when tied, as in SmolLM2) a PackedLinear over the same bytes."""
     packed: set[str] = set()
     embd = tensors["token_embd.weight"]
-    embedding = _pack([embd], arch, False, device)
+    embedding = _pack([embd], arch, False)
     if embedding is not None:
         embedding = (embedding[0].to(device),) + embedding[1:]
         net.model.embed_tokens = PackedEmbedding(embedding[0], embedding[1], arch.hidden_size,
@@ -186,7 +182,7 @@ def _pack_embedding_and_head(net: LlamaForCausalLM, tensors: dict[str, Any], arc
     head_tensor = tensors.get("output.weight")
     if head_tensor is None and not arch.tie_word_embeddings:
         return packed  # the loader reports the missing weight
-    head = embedding if head_tensor is None else _pack([head_tensor], arch, False, device)
+    head = embedding if head_tensor is None else _pack([head_tensor], arch, False)
     if head is not None:
         head = (head[0].to(device),) + head[1:]
     if head is None:
