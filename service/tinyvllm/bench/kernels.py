@@ -436,15 +436,12 @@ def bench_tile_fused(m, name, n, k, prologue, epilogue, copy_gbps, gen) -> Row:
     return Row("w4a16 g128 fused", f"m{m} {name} {n}x{k}", us, gbps, frac_copy_bw=gbps / copy_gbps)
 
 
-GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-
-
 def bench_gguf_linear(m, name, n, k, qtype_name, copy_gbps, gen) -> Row:
     """ops.quantized over GGUF blocks on the GPU (the GEMV up to 8 rows) against cuBLAS over the
     bf16 weight; random block bytes (timing only), weight copies L2 cannot hold."""
     from tinyvllm.ops import quantized as q
     cuda_ops_or_exit()
-    qtype = GGUF_TYPES[qtype_name]
+    qtype = q.PACKED_TYPES[qtype_name]
     row_bytes = q.row_bytes(qtype, k)
     packed_bytes = n * row_bytes
     copies = max(1, -(-ROTATE_BYTES // packed_bytes))
@@ -538,7 +535,7 @@ def bench_cpu_linear(type_name: str, m: int, name: str, n: int, k: int, isa: str
     import gguf
 
     from tinyvllm.ops import quantized as q
-    qtype = {**q.KERNEL_TYPES, **q.KQUANT_TYPES}[type_name]
+    qtype = q.PACKED_TYPES[type_name]
     gen = torch.Generator().manual_seed(n + k)
     if qtype in q.KQUANT_TYPES.values():
         qweight = q.random_kquant_rows(n, k, qtype, seed=n + k)
@@ -569,7 +566,7 @@ def cpu_rows(quick: bool) -> list[Row]:
     """Every GGUF type the CPU kernels read, on each ISA this CPU has, one thread each."""
     from tinyvllm.ops import quantized as q
     isas = [isa for isa in ("avx512vnni", "avx2", "scalar") if q.isa_available(isa)]
-    types = [*q.KERNEL_TYPES, *q.KQUANT_TYPES]
+    types = list(q.PACKED_TYPES)
     torch_threads = torch.get_num_threads()
     q.set_num_threads(1)
     torch.set_num_threads(1)
@@ -666,7 +663,8 @@ def quant_rows(quick: bool, copy_gbps: float, gen) -> list[Row]:
         for m in ([2048] if quick else [16, 256, 2048, 8192, 16384]):
             for name, n, k in QUANT_SHAPES:
                 rows.append(bench_w8a8_gemm(m, name, n, k, qdtype, gen))
-    for qtype_name in GGUF_TYPES:
+    from tinyvllm.ops.quantized import PACKED_TYPES
+    for qtype_name in PACKED_TYPES:
         for m in ([1] if quick else [1, 4, 8]):
             for name, n, k in QUANT_SHAPES:
                 rows.append(bench_gguf_linear(m, name, n, k, qtype_name, copy_gbps, gen))

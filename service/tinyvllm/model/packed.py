@@ -2,9 +2,9 @@
 and a GPU with `--no-dequantize`).
 
 `load_gguf_packed` builds the Llama model with every projection (qkv, o, gate_up, down, lm_head)
-whose GGUF tensors the kernels read (`ops.quantized.KERNEL_TYPES` and `KQUANT_TYPES`) as a
-`PackedLinear` over the file's bytes, and a quantized token embedding as a
-`PackedEmbedding` (sharing its bytes with a tied lm_head). Everything else (norms, biases, any
+whose GGUF tensors the kernels read (`ops.quantized.PACKED_TYPES`) as a `PackedLinear` over the
+file's bytes, and a quantized token embedding as a `PackedEmbedding` (sharing its bytes with a
+tied lm_head). Everything else (norms, biases, any
 other quantization type) is dequantized and loaded as today, and each such projection is named in
 one log line.
 """
@@ -107,16 +107,12 @@ def _packed_rows(t: Any, arch: LlamaArch, permuted: bool) -> np.ndarray:
     return rows
 
 
-PACKED_TYPES = {**q.KERNEL_TYPES, **q.KQUANT_TYPES}
-"""The GGUF types kept packed, by name -> type code: the CPU and the CUDA kernels read the same."""
-
-
 def _kernel_type(tensors: list[Any]) -> Optional[int]:
     """The shared type code when every tensor is of one type the kernels read, else None."""
     names = {t.tensor_type.name for t in tensors}
-    if len(names) != 1 or next(iter(names)) not in PACKED_TYPES:
+    if len(names) != 1 or next(iter(names)) not in q.PACKED_TYPES:
         return None
-    return PACKED_TYPES[names.pop()]
+    return q.PACKED_TYPES[names.pop()]
 
 
 def _pack(tensors: list[Any], arch: LlamaArch,
@@ -161,7 +157,7 @@ def pack_model(net: LlamaForCausalLM, tensors: dict[str, Any], arch: LlamaArch,
     packed |= _pack_embedding_and_head(net, tensors, arch, fallback, device, dtype)
     for types, paths in fallback.items():
         logger.info("%s kernels read %s; %d projection(s) of type %s run on the torch path, "
-                    "dequantized (e.g. %s)", device.type.upper(), ", ".join(PACKED_TYPES),
+                    "dequantized (e.g. %s)", device.type.upper(), ", ".join(q.PACKED_TYPES),
                     len(paths), types, paths[0])
     return packed
 

@@ -47,7 +47,10 @@ KQUANT_TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 12: 144, 13: 176, 14: 210}
 """Bytes per block (32 values; K-quants 256), by type code (ggml-common.h)."""
 
-_TYPE_NAMES = {code: name for name, code in {**KERNEL_TYPES, **KQUANT_TYPES}.items()}
+PACKED_TYPES = {**KERNEL_TYPES, **KQUANT_TYPES}
+"""Every GGUF type kept packed (the CPU and the CUDA kernels read the same), by name -> code."""
+
+_TYPE_NAMES = {code: name for name, code in PACKED_TYPES.items()}
 
 
 def block_values(qtype: int) -> int:
