@@ -69,9 +69,26 @@ template <typename T> __device__ __forceinline__ float round_to(float x) {
 // Eight 16-bit elements live in one 16-byte vector (uint4): unpack / pack to floats.
 template <typename T>
 __device__ __forceinline__ void unpack8(const uint4& v, float (&out)[8]) {
-  const T* e = reinterpret_cast<const T*>(&v);
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    // A bf16 is the top half of its float: one instruction per element (a shift or a mask).
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-  for (int i = 0; i < 8; ++i) out[i] = to_float<T>(e[i]);
+    for (int i = 0; i < 4; ++i) {
+      out[2 * i] = __uint_as_float(w[i] << 16);
+      out[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+  } else {
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = to_float<T>(e[i]);
+  }
+}
+
+// (a & mask) | bits in one lop3 (written as two operations, the compiler emits two).
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t bits) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(a), "r"(mask), "r"(bits));
+  return r;
 }
 
 template <typename T>

@@ -11,19 +11,32 @@ namespace {
 
 constexpr int kGgufGemvMaxM = 8;
 
-template <typename T, int M, int QT>
-void launch_gemv(T* out, const T* x, const uint8_t* qweight, const T* bias, int m, int n, int k,
+template <typename T, int M, int QT, int R>
+void launch_rows(T* out, const T* x, const uint8_t* qweight, const T* bias, int m, int n, int k,
                  int64_t x_stride, int64_t out_stride, cudaStream_t stream) {
-  constexpr int kRowsPerCta = kGgufGemvWarps * kGgufRowsPerWarp;
-  const unsigned grid = unsigned((n + kRowsPerCta - 1) / kRowsPerCta);
+  const unsigned grid = unsigned((n + kGgufGemvWarps * R - 1) / (kGgufGemvWarps * R));
   if constexpr (gguf_is_kquant(QT)) {
-    gguf_kquant_gemv_kernel<T, M, QT><<<grid, kGgufGemvWarps * 32, 0, stream>>>(
+    gguf_kquant_gemv_kernel<T, M, QT, R><<<grid, kGgufGemvWarps * 32, 0, stream>>>(
         out, x, qweight, bias, m, n, k, x_stride, out_stride);
   } else {
-    gguf_gemv_kernel<T, M, QT><<<grid, kGgufGemvWarps * 32, 0, stream>>>(
+    gguf_gemv_kernel<T, M, QT, R><<<grid, kGgufGemvWarps * 32, 0, stream>>>(
         out, x, qweight, bias, m, n, k, x_stride, out_stride);
   }
   check_launch("gguf_gemv");
+}
+
+template <typename T, int M, int QT>
+void launch_gemv(T* out, const T* x, const uint8_t* qweight, const T* bias, int m, int n, int k,
+                 int64_t x_stride, int64_t out_stride, cudaStream_t s) {
+  if constexpr (gguf_is_kquant(QT)) {
+    launch_rows<T, M, QT, 2>(out, x, qweight, bias, m, n, k, x_stride, out_stride, s);
+  } else if constexpr (M > 1) {
+    launch_rows<T, M, QT, 4>(out, x, qweight, bias, m, n, k, x_stride, out_stride, s);
+  } else if (n >= kGgufWideRows) {
+    launch_rows<T, M, QT, 4>(out, x, qweight, bias, m, n, k, x_stride, out_stride, s);
+  } else {
+    launch_rows<T, M, QT, 2>(out, x, qweight, bias, m, n, k, x_stride, out_stride, s);
+  }
 }
 
 template <typename T, int QT>

@@ -18,14 +18,17 @@
 // in qh[32h + l] at bits 2g and 2g + 4.
 //
 // gguf_gemv_kernel (32-value types): out[m, n] = x[m, k] . w^T (+ bias) for decode-sized m (at most
-// M rows). Each warp owns kGgufRowsPerWarp rows and each lane one block of each per step, so a
-// warp reads 32 consecutive blocks of a row (576 / 640 / 1088 contiguous bytes) per step; blocks
-// are only 2- or 4-byte aligned, so a lane reads its block in 16- or 32-bit words. Per block the
-// lane forms dot = sum x * q and sx = sum x and adds d * (dot - 8 sx) (Q4_0), d * dot + m * sx
-// (Q4_1) or d * dot (Q8_0). The activations are not quantized (unlike the CPU kernels): the result
-// is the float product with the dequantized weight, up to summation order.
+// M rows). Each warp owns R rows (kGgufWideRows) and each lane one block of each per step, so a
+// warp reads 32 consecutive blocks of a row (576 / 640 / 1088 contiguous bytes) per step, the next
+// step's requested before this one's are used. Blocks are only 2- or 4-byte aligned: a lane reads
+// the aligned 32-bit words that cover its block and realigns them by a funnel shift (Q4_0 / Q8_0
+// blocks in 16-bit loads took twice the load instructions). Elements become floats in the mantissa
+// as the K-quants' do (below; Q8_0's int8 with its sign bit flipped, q + 128), so per block the lane
+// forms dot = sum x (2^B + u) and sx = sum x and adds d dot + (m - (2^B + offset) d) sx. The
+// activations are not quantized (unlike the CPU kernels): the result is the float product with the
+// dequantized weight, up to summation order.
 //
-// gguf_kquant_gemv_kernel (K-quants): the same warp and row split; two lanes share a 64-value chunk
+// gguf_kquant_gemv_kernel (K-quants): warps of 2 rows; two lanes share a 64-value chunk
 // (the two spans of one 32 bytes above), each taking the 32 values of one span: the 32 bytes of
 // nibbles (both lanes read them, one using the low nibbles and one the high), and the span's scale
 // and min (Q6_K: one scale per 16 values). A warp reads 4 consecutive super-blocks of a row per
@@ -49,7 +52,12 @@
 namespace tinyvllm {
 
 constexpr int kGgufGemvWarps = 4;
-constexpr int kGgufRowsPerWarp = 2;
+
+// Rows of the weight per warp (R) of gguf_gemv_kernel: 4 from two rows of x (each value of x
+// loaded and converted once for 4 rows of the weight), and at one row where the weight has at
+// least kGgufWideRows rows (a full wave of warps either way); 2 otherwise, for more warps on the
+// smaller projections. The K-quant kernel keeps 2 (cuda/NOTES.md has both measured).
+constexpr int kGgufWideRows = 16384;
 
 enum GgufType : int {
   kGgufQ4_0 = 2, kGgufQ4_1 = 3, kGgufQ8_0 = 8, kGgufQ4_K = 12, kGgufQ5_K = 13, kGgufQ6_K = 14
@@ -57,64 +65,101 @@ enum GgufType : int {
 
 constexpr bool gguf_is_kquant(int qtype) { return qtype >= kGgufQ4_K && qtype <= kGgufQ6_K; }
 
-template <int QT> struct GgufBlock;
+// (a >> n) for n >= 0, (a << -n) otherwise; n known at compile time.
+__device__ __forceinline__ uint32_t shift_right(uint32_t a, int n) { return n >= 0 ? a >> n : a << -n; }
 
-template <> struct GgufBlock<kGgufQ4_0> {
-  static constexpr int kBytes = 18;
-  uint32_t qs[4];
-  float d, m;
-  __device__ __forceinline__ void load(const uint8_t* p) {
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
-    d = __half2float(__ushort_as_half(__ldg(h)));
-    m = -8.f * d;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) qs[i] = uint32_t(__ldg(h + 1 + 2 * i)) | (uint32_t(__ldg(h + 2 + 2 * i)) << 16);
-  }
-  __device__ __forceinline__ float q(int j) const {  // element j of 32, as a float
-    const uint32_t byte = (qs[(j & 15) >> 2] >> (8 * (j & 3))) & 0xFFu;
-    return float(j < 16 ? byte & 0xFu : byte >> 4);
-  }
-  // Element j dequantized with gguf-py's arithmetic (d * (q - 8)), for the exact dequantize.
-  __device__ __forceinline__ float value(int j) const { return d * (q(j) - 8.f); }
+// The Bits-bit field of `word` at bit b as the float 2^Bits + u, built in the mantissa of 2^Bits
+// (a shift and a lop3, no conversion instruction): u sits in its top Bits bits.
+template <int Bits>
+__device__ __forceinline__ float magic_float(uint32_t word, int b) {
+  constexpr int S = 23 - Bits;
+  return __uint_as_float(and_or(shift_right(word, b - S), ((1u << Bits) - 1u) << S, (127u + Bits) << 23));
+}
+
+// The 32-value types: bytes per block, the alignment of a block in a row of whole blocks, the
+// bits of a stored code u and how a weight comes from it, w = d (u - kOffset) + m (m only where
+// kMin; Q8_0's int8 q is stored as u = q + 128 once its sign bit is flipped).
+template <int QT> struct GgufFormat;
+template <> struct GgufFormat<kGgufQ4_0> {
+  static constexpr int kBytes = 18, kAlign = 2, kBits = 4, kOffset = 8;
+  static constexpr bool kMin = false;
+};
+template <> struct GgufFormat<kGgufQ4_1> {
+  static constexpr int kBytes = 20, kAlign = 4, kBits = 4, kOffset = 0;
+  static constexpr bool kMin = true;
+};
+template <> struct GgufFormat<kGgufQ8_0> {
+  static constexpr int kBytes = 34, kAlign = 2, kBits = 8, kOffset = 128;
+  static constexpr bool kMin = false;
 };
 
-template <> struct GgufBlock<kGgufQ4_1> {
-  static constexpr int kBytes = 20;
-  uint32_t qs[4];
-  float d, m;
+// A block's bytes as loaded: the aligned 32-bit words from the one holding its first byte (one
+// load each, where 16-bit loads of a 2-byte aligned block took twice as many), and the bit offset
+// of the block in the first word. The last word may hold bytes past the block, never past the
+// aligned word of its last byte.
+template <int QT> struct GgufWords {
+  using F = GgufFormat<QT>;
+  static constexpr int kWords = (F::kBytes + (4 - F::kAlign) + 3) / 4;
+  uint32_t w[kWords];
+  uint32_t shift;
   __device__ __forceinline__ void load(const uint8_t* p) {
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(p);
-    const uint32_t dm = __ldg(w);
-    d = __half2float(__ushort_as_half(uint16_t(dm & 0xFFFFu)));
-    m = __half2float(__ushort_as_half(uint16_t(dm >> 16)));
+    const uint32_t* base;
+    if constexpr (F::kAlign == 4) {
+      base = reinterpret_cast<const uint32_t*>(p);
+      shift = 0;
+    } else {
+      const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+      base = reinterpret_cast<const uint32_t*>(a & ~uintptr_t(3));
+      shift = uint32_t(a & 3) * 8;
+    }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) qs[i] = __ldg(w + 1 + i);
+    for (int i = 0; i < kWords; ++i) w[i] = __ldg(base + i);
   }
-  __device__ __forceinline__ float q(int j) const {
-    const uint32_t byte = (qs[(j & 15) >> 2] >> (8 * (j & 3))) & 0xFFu;
-    return float(j < 16 ? byte & 0xFu : byte >> 4);
-  }
-  __device__ __forceinline__ float value(int j) const { return __fadd_rn(__fmul_rn(d, q(j)), m); }
 };
 
-template <> struct GgufBlock<kGgufQ8_0> {
-  static constexpr int kBytes = 34;
-  uint32_t qs[8];
+// A block decoded from its words: d, m and the codes, kBits words of them (Q8_0's sign bits
+// flipped). Element j of a 4-bit block is the low nibble of byte j (j < 16) or the high nibble of
+// byte j - 16; of Q8_0, byte j.
+template <int QT> struct GgufBlock {
+  using F = GgufFormat<QT>;
+  static constexpr int kBytes = F::kBytes, kQWords = F::kBits;
+  // sum x w = d sum x (2^kBits + u) + (m - kBase d) sum x
+  static constexpr float kBase = float((1 << F::kBits) + F::kOffset);
+  uint32_t qs[kQWords];
   float d, m;
-  __device__ __forceinline__ void load(const uint8_t* p) {
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
-    d = __half2float(__ushort_as_half(__ldg(h)));
-    m = 0.f;
+  __device__ __forceinline__ void decode(const GgufWords<QT>& r) {
+    // The codes start 2 bytes into the block: words realigned by shift + 16 (32 takes the next
+    // word whole).
+    const uint32_t head = F::kAlign == 4 ? r.w[0] : __funnelshift_r(r.w[0], r.w[1], r.shift);
+    d = __half2float(__ushort_as_half(uint16_t(head & 0xFFFFu)));
+    m = F::kMin ? __half2float(__ushort_as_half(uint16_t(head >> 16))) : 0.f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) qs[i] = uint32_t(__ldg(h + 1 + 2 * i)) | (uint32_t(__ldg(h + 2 + 2 * i)) << 16);
+    for (int i = 0; i < kQWords; ++i) {
+      qs[i] = F::kAlign == 4 ? r.w[1 + i] : __funnelshift_rc(r.w[i], r.w[i + 1], r.shift + 16);
+      if (F::kBits == 8) qs[i] ^= 0x80808080u;
+    }
   }
-  __device__ __forceinline__ float q(int j) const {
-    return float(int8_t((qs[j >> 2] >> (8 * (j & 3))) & 0xFFu));
+  __device__ __forceinline__ void load(const uint8_t* p) {
+    GgufWords<QT> r;
+    r.load(p);
+    decode(r);
   }
-  __device__ __forceinline__ float value(int j) const { return d * q(j); }
+  static __device__ __forceinline__ int word(int j) { return F::kBits == 8 ? j >> 2 : (j & 15) >> 2; }
+  static __device__ __forceinline__ int bit(int j) {
+    return F::kBits == 8 ? 8 * (j & 3) : 8 * (j & 3) + 4 * (j >> 4);
+  }
+  __device__ __forceinline__ uint32_t u(int j) const {
+    return (qs[word(j)] >> bit(j)) & ((1u << F::kBits) - 1u);
+  }
+  __device__ __forceinline__ float magic(int j) const { return magic_float<F::kBits>(qs[word(j)], bit(j)); }
+  // Element j dequantized with gguf-py's arithmetic: d (q - 8), d q + m (each rounded), d q.
+  __device__ __forceinline__ float value(int j) const {
+    const float q = float(int(u(j)) - F::kOffset);
+    return F::kMin ? __fadd_rn(__fmul_rn(d, q), m) : __fmul_rn(d, q);
+  }
 };
 
-template <typename T, int M, int QT>
+template <typename T, int M, int QT, int R>
 __global__ void __launch_bounds__(kGgufGemvWarps * 32)
     gguf_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                      const uint8_t* __restrict__ qweight, const T* __restrict__ bias, int m, int n,
@@ -122,22 +167,32 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
   using Block = GgufBlock<QT>;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int row0 = (blockIdx.x * kGgufGemvWarps + warp) * kGgufRowsPerWarp;
+  const int row0 = (blockIdx.x * kGgufGemvWarps + warp) * R;
   if (row0 >= n) return;
   const int blocks = k / 32;
   const int64_t row_bytes = int64_t(blocks) * Block::kBytes;
-
-  float acc[kGgufRowsPerWarp][M];
-  zero_sums(acc);
-
-  for (int blk = lane; blk < blocks; blk += 32) {
-    Block w[kGgufRowsPerWarp];
+  const uint8_t* rows[R];
 #pragma unroll
-    for (int r = 0; r < kGgufRowsPerWarp; ++r) {
-      const int row = min(row0 + r, n - 1);
-      w[r].load(qweight + row * row_bytes + int64_t(blk) * Block::kBytes);
+  for (int r = 0; r < R; ++r) rows[r] = qweight + min(row0 + r, n - 1) * row_bytes;
+
+  // One step ahead: a step's blocks are requested before the previous step's are used.
+  GgufWords<QT> next[R];
+  auto request = [&](int blk) {
+    if (blk < blocks) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) next[r].load(rows[r] + int64_t(blk) * Block::kBytes);
     }
-    float dot[kGgufRowsPerWarp][M], sx[M];
+  };
+  request(lane);
+
+  float acc[R][M];
+  zero_sums(acc);
+  for (int blk = lane; blk < blocks; blk += 32) {
+    Block w[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) w[r].decode(next[r]);
+    request(blk + 32);
+    float dot[R][M], sx[M];
     zero_sums(dot);
     zero_sums(sx);
 #pragma unroll
@@ -145,7 +200,7 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
       float xv[M][8];
 #pragma unroll
       for (int i = 0; i < M; ++i) {
-        if (i < m) {
+        if (M == 1 || i < m) {  // a launch has at least one row
           unpack8<T>(__ldg(reinterpret_cast<const uint4*>(x + i * x_stride + blk * 32 + p * 8)),
                      xv[i]);
         } else {
@@ -156,22 +211,24 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
         for (int j = 0; j < 8; ++j) sx[i] += xv[i][j];
       }
 #pragma unroll
-      for (int r = 0; r < kGgufRowsPerWarp; ++r) {
+      for (int r = 0; r < R; ++r) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float q = w[r].q(p * 8 + j);
+          const float q = w[r].magic(p * 8 + j);
 #pragma unroll
           for (int i = 0; i < M; ++i) dot[r][i] = fmaf(xv[i][j], q, dot[r][i]);
         }
       }
     }
 #pragma unroll
-    for (int r = 0; r < kGgufRowsPerWarp; ++r)
+    for (int r = 0; r < R; ++r) {
+      const float mb = fmaf(-Block::kBase, w[r].d, w[r].m);
 #pragma unroll
-      for (int i = 0; i < M; ++i) acc[r][i] += w[r].d * dot[r][i] + w[r].m * sx[i];
+      for (int i = 0; i < M; ++i) acc[r][i] += fmaf(w[r].d, dot[r][i], mb * sx[i]);
+    }
   }
 
-  write_warp_rows<T, kGgufRowsPerWarp, M>(acc, lane, row0, m, n, bias, out, out_stride);
+  write_warp_rows<T, R, M>(acc, lane, row0, m, n, bias, out, out_stride);
 }
 
 // One thread per block: rows `rows` (null: 0 .. num_rows - 1) of the weight as T [num_rows, k].
@@ -198,9 +255,6 @@ constexpr int kKChunkValues = 64;   // values of one 32-byte group of nibbles: t
 constexpr int kKChunks = kKQuantValues / kKChunkValues;
 constexpr int kKQuarterValues = 16;  // values per scale (Q6_K) and per activation load pair
 constexpr int kKLaneValues = 32;     // values per lane and step: 16 (a quarter) or 32 (a span)
-
-// (a >> n) for n >= 0, (a << -n) otherwise; n known at compile time.
-__device__ __forceinline__ uint32_t shift_right(uint32_t a, int n) { return n >= 0 ? a >> n : a << -n; }
 
 // 4 32-bit words from a 2-byte aligned address: 5 aligned loads, realigned by a funnel shift.
 // Reads up to 4 bytes past the 16 (the callers' spans are followed by more of their super-block).
@@ -258,8 +312,8 @@ template <int Bits, uint32_t High, int N>
 __device__ __forceinline__ float kslice_magic(const uint32_t (&q)[N], const uint32_t (&h)[N], int j) {
   constexpr int S = 23 - Bits;
   const int b = 8 * (j & 3);
-  uint32_t bits = (shift_right(q[j >> 2], b - S) & (0xFu << S)) | ((127u + Bits) << 23);
-  if (High != 0) bits |= shift_right(h[j >> 2], b - (S + 4)) & (High << (S + 4));
+  uint32_t bits = and_or(shift_right(q[j >> 2], b - S), 0xFu << S, (127u + Bits) << 23);
+  if (High != 0) bits = and_or(shift_right(h[j >> 2], b - (S + 4)), High << (S + 4), bits);
   return __uint_as_float(bits);
 }
 
@@ -357,7 +411,7 @@ __device__ __forceinline__ int kslot_value(int c, int qi) {
   return KSlice<QT, V>::span_value(c, KSlot<V>::span(qi)) + KSlot<V>::first(qi);
 }
 
-template <typename T, int M, int QT>
+template <typename T, int M, int QT, int R>
 __global__ void __launch_bounds__(kGgufGemvWarps * 32)
     gguf_kquant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                             const uint8_t* __restrict__ qweight, const T* __restrict__ bias,
@@ -368,52 +422,52 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
   constexpr float kBase = float(1 << Slice::kBits) + float(Slice::kOffset);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int row0 = (blockIdx.x * kGgufGemvWarps + warp) * kGgufRowsPerWarp;
+  const int row0 = (blockIdx.x * kGgufGemvWarps + warp) * R;
   if (row0 >= n) return;
   const int chunks = k / kKChunkValues;
   const int qi = lane % Slot::kSlots;
   const int64_t row_bytes = int64_t(k / kKQuantValues) * Slice::kBytes;
 
-  float acc[kGgufRowsPerWarp][M];
+  float acc[R][M];
   zero_sums(acc);
 
   for (int ci = lane / Slot::kSlots; ci < chunks; ci += 32 / Slot::kSlots) {
     const int sb = ci / kKChunks, c = ci % kKChunks;
-    Slice w[kGgufRowsPerWarp];
+    Slice w[R];
 #pragma unroll
-    for (int r = 0; r < kGgufRowsPerWarp; ++r) {
+    for (int r = 0; r < R; ++r) {
       const int row = min(row0 + r, n - 1);
       w[r].load(qweight + row * row_bytes + int64_t(sb) * Slice::kBytes, c, qi);
     }
     const int x0 = sb * kKQuantValues + kslot_value<QT, V>(c, qi);
 #pragma unroll
     for (int hq = 0; hq < Slice::kScales; ++hq) {  // 16 values a scale
-      float dot[kGgufRowsPerWarp][M], sx[M];
+      float dot[R][M], sx[M];
       zero_sums(dot);
       zero_sums(sx);
 #pragma unroll
       for (int p = 0; p < 2; ++p) {  // 8 values at a time: the weights', then x's row by row
         const int l0 = kKQuarterValues * hq + 8 * p;
-        float v[kGgufRowsPerWarp][8];
+        float v[R][8];
 #pragma unroll
-        for (int r = 0; r < kGgufRowsPerWarp; ++r)
+        for (int r = 0; r < R; ++r)
 #pragma unroll
           for (int j = 0; j < 8; ++j) v[r][j] = w[r].magic(l0 + j);
 #pragma unroll
         for (int i = 0; i < M; ++i) {
-          if (i >= m) break;
+          if (M > 1 && i >= m) break;  // a launch has at least one row
           float xv[8];
           unpack8<T>(__ldg(reinterpret_cast<const uint4*>(x + i * x_stride + x0 + l0)), xv);
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
             sx[i] += xv[j];
 #pragma unroll
-            for (int r = 0; r < kGgufRowsPerWarp; ++r) dot[r][i] = fmaf(xv[j], v[r][j], dot[r][i]);
+            for (int r = 0; r < R; ++r) dot[r][i] = fmaf(xv[j], v[r][j], dot[r][i]);
           }
         }
       }
 #pragma unroll
-      for (int r = 0; r < kGgufRowsPerWarp; ++r) {
+      for (int r = 0; r < R; ++r) {
         const float off = fmaf(w[r].scale[hq], kBase, w[r].min[hq]);
 #pragma unroll
         for (int i = 0; i < M; ++i) acc[r][i] += fmaf(w[r].scale[hq], dot[r][i], -off * sx[i]);
@@ -421,7 +475,7 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
     }
   }
 
-  write_warp_rows<T, kGgufRowsPerWarp, M>(acc, lane, row0, m, n, bias, out, out_stride);
+  write_warp_rows<T, R, M>(acc, lane, row0, m, n, bias, out, out_stride);
 }
 
 // One thread per 16-value quarter: rows `rows` (null: 0 .. num_rows - 1) of the weight as T

@@ -78,9 +78,7 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
 
 // (a & 0x000F000F) | magic in one lop3.
 __device__ __forceinline__ uint32_t nibble_pair(uint32_t a, uint32_t magic) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(a), "r"(0x000F000Fu), "r"(magic));
-  return r;
+  return and_or(a, 0x000F000Fu, magic);
 }
 
 // Logical weight row of row r (0..15) of band b.

@@ -34,7 +34,9 @@ def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-SHAPES = [(7, 32), (1001, 576), (576, 1536), (4104, 4096), (33, 14336)]
+SHAPES = [(7, 32), (1001, 576), (576, 1536), (4104, 4096), (33, 14336), (16390, 96)]
+"""16,390 rows: the 32-value GEMV's 4 rows a warp at one row of x (cuda/gguf_gemv.cuh's
+kGgufWideRows), its last warp partial."""
 K_SHAPES = [(7, 256), (1001, 768), (576, 1536), (4104, 4096), (33, 14336)]
 """Rows of 3 super-blocks (k = 768) leave every other Q6_K block (210 bytes) 2-byte aligned."""
 CASES = ([(qt, m, n, k) for qt in QTYPES for m in (1, 2, 3, 8, 9, 33) for n, k in SHAPES]
