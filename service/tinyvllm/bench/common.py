@@ -169,7 +169,8 @@ def _weight_format(engine) -> str:
         return "unknown (worker processes)"
     name = Path(str(runner.loaded.path)).name
     if name.endswith(".gguf") and is_packed(engine):
-        return f"GGUF {name.rsplit('.', 2)[-2]} blocks kept packed (CPU kernels)"
+        kernels = "GPU" if runner.device.type == "cuda" else "CPU"
+        return f"GGUF {name.rsplit('.', 2)[-2]} blocks kept packed ({kernels} kernels)"
     if name.endswith(".gguf"):
         return f"none (GGUF {name.rsplit('.', 2)[-2]} dequantized at load)"
     return "none"

@@ -169,7 +169,7 @@ def kv_bytes_per_token(engine: EngineCore) -> int:
 
 
 def is_packed(engine: EngineCore) -> bool:
-    """Whether the engine's model serves packed GGUF weights (the CPU kernels)."""
+    """Whether the engine's model serves packed GGUF weights (the CPU or the GPU kernels)."""
     from tinyvllm.model.packed import PackedLinear
 
     runner = local_runner(engine)
