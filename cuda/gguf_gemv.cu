@@ -30,9 +30,7 @@ void launch_gemv(T* out, const T* x, const uint8_t* qweight, const T* bias, int 
                  int64_t x_stride, int64_t out_stride, cudaStream_t s) {
   if constexpr (gguf_is_kquant(QT)) {
     launch_rows<T, M, QT, 2>(out, x, qweight, bias, m, n, k, x_stride, out_stride, s);
-  } else if constexpr (M > 1) {
-    launch_rows<T, M, QT, 4>(out, x, qweight, bias, m, n, k, x_stride, out_stride, s);
-  } else if (n >= kGgufWideRows) {
+  } else if (n >= gguf_wide_rows(M)) {
     launch_rows<T, M, QT, 4>(out, x, qweight, bias, m, n, k, x_stride, out_stride, s);
   } else {
     launch_rows<T, M, QT, 2>(out, x, qweight, bias, m, n, k, x_stride, out_stride, s);

@@ -18,7 +18,7 @@
 // in qh[32h + l] at bits 2g and 2g + 4.
 //
 // gguf_gemv_kernel (32-value types): out[m, n] = x[m, k] . w^T (+ bias) for decode-sized m (at most
-// M rows). Each warp owns R rows (kGgufWideRows) and each lane one block of each per step, so a
+// M rows). Each warp owns R rows (gguf_wide_rows) and each lane one block of each per step, so a
 // warp reads 32 consecutive blocks of a row (576 / 640 / 1088 contiguous bytes) per step, the next
 // step's requested before this one's are used. Blocks are only 2- or 4-byte aligned: a lane reads
 // the aligned 32-bit words that cover its block and realigns them by a funnel shift (Q4_0 / Q8_0
@@ -53,11 +53,12 @@ namespace tinyvllm {
 
 constexpr int kGgufGemvWarps = 4;
 
-// Rows of the weight per warp (R) of gguf_gemv_kernel: 4 from two rows of x (each value of x
-// loaded and converted once for 4 rows of the weight), and at one row where the weight has at
-// least kGgufWideRows rows (a full wave of warps either way); 2 otherwise, for more warps on the
-// smaller projections. The K-quant kernel keeps 2 (cuda/NOTES.md has both measured).
-constexpr int kGgufWideRows = 16384;
+// Rows of the weight per warp (R) of gguf_gemv_kernel: 4 where the weight has at least
+// gguf_wide_rows(m) rows (each value of x loaded and converted once for 4 rows of the weight),
+// 2 below, where the grid would otherwise leave SMs idle (SmolLM2's 576-row projections at 4 rows
+// a warp are 36 CTAs). One row of x needs more warps to keep the loads in flight: a full wave at
+// 4 rows a warp from 16,384 rows. The K-quant kernel keeps 2 (cuda/NOTES.md has both measured).
+constexpr int gguf_wide_rows(int m) { return m == 1 ? 16384 : 4096; }
 
 enum GgufType : int {
   kGgufQ4_0 = 2, kGgufQ4_1 = 3, kGgufQ8_0 = 8, kGgufQ4_K = 12, kGgufQ5_K = 13, kGgufQ6_K = 14

@@ -35,8 +35,8 @@ def rel_err(out, ref):
 
 
 SHAPES = [(7, 32), (1001, 576), (576, 1536), (4104, 4096), (33, 14336), (16390, 96)]
-"""16,390 rows: the 32-value GEMV's 4 rows a warp at one row of x (cuda/gguf_gemv.cuh's
-kGgufWideRows), its last warp partial."""
+"""4,104 and 16,390 rows: the 32-value GEMV's 4 rows a warp (from two rows of x, and at one row
+from 16,384: cuda/gguf_gemv.cuh's gguf_wide_rows), the last warp partial; fewer rows take 2."""
 K_SHAPES = [(7, 256), (1001, 768), (576, 1536), (4104, 4096), (33, 14336)]
 """Rows of 3 super-blocks (k = 768) leave every other Q6_K block (210 bytes) 2-byte aligned."""
 CASES = ([(qt, m, n, k) for qt in QTYPES for m in (1, 2, 3, 8, 9, 33) for n, k in SHAPES]
