@@ -69,12 +69,29 @@ constexpr bool gguf_is_kquant(int qtype) { return qtype >= kGgufQ4_K && qtype <=
 // (a >> n) for n >= 0, (a << -n) otherwise; n known at compile time.
 __device__ __forceinline__ uint32_t shift_right(uint32_t a, int n) { return n >= 0 ? a >> n : a << -n; }
 
-// The Bits-bit field of `word` at bit b as the float 2^Bits + u, built in the mantissa of 2^Bits
-// (a shift and a lop3, no conversion instruction): u sits in its top Bits bits.
+// The Field-bit field of `word` at bit b moved to the top of the mantissa of 2^Bits, under that
+// exponent (a shift and a lop3, no conversion instruction): with Field = Bits, the bits of the
+// float 2^Bits + u; with fewer, its low bits, the rest to be or-ed in.
+template <int Bits, int Field = Bits>
+__device__ __forceinline__ uint32_t magic_bits(uint32_t word, int b) {
+  constexpr int S = 23 - Bits;
+  return and_or(shift_right(word, b - S), ((1u << Field) - 1u) << S, (127u + Bits) << 23);
+}
+
 template <int Bits>
 __device__ __forceinline__ float magic_float(uint32_t word, int b) {
-  constexpr int S = 23 - Bits;
-  return __uint_as_float(and_or(shift_right(word, b - S), ((1u << Bits) - 1u) << S, (127u + Bits) << 23));
+  return __uint_as_float(magic_bits<Bits>(word, b));
+}
+
+// N 32-bit words from the aligned word holding p's byte on, and in `shift` the bit offset of p in
+// the first (0, 8, 16 or 24) for a funnel shift to realign them.
+template <int N>
+__device__ __forceinline__ void load_aligned_words(const uint8_t* p, uint32_t (&w)[N], uint32_t& shift) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  const uint32_t* base = reinterpret_cast<const uint32_t*>(a & ~uintptr_t(3));
+  shift = uint32_t(a & 3) * 8;
+#pragma unroll
+  for (int i = 0; i < N; ++i) w[i] = __ldg(base + i);
 }
 
 // The 32-value types: bytes per block, the alignment of a block in a row of whole blocks, the
@@ -104,17 +121,14 @@ template <int QT> struct GgufWords {
   uint32_t w[kWords];
   uint32_t shift;
   __device__ __forceinline__ void load(const uint8_t* p) {
-    const uint32_t* base;
     if constexpr (F::kAlign == 4) {
-      base = reinterpret_cast<const uint32_t*>(p);
+      const uint32_t* base = reinterpret_cast<const uint32_t*>(p);
+#pragma unroll
+      for (int i = 0; i < kWords; ++i) w[i] = __ldg(base + i);
       shift = 0;
     } else {
-      const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-      base = reinterpret_cast<const uint32_t*>(a & ~uintptr_t(3));
-      shift = uint32_t(a & 3) * 8;
+      load_aligned_words(p, w, shift);
     }
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) w[i] = __ldg(base + i);
   }
 };
 
@@ -260,11 +274,8 @@ constexpr int kKLaneValues = 32;     // values per lane and step: 16 (a quarter)
 // 4 32-bit words from a 2-byte aligned address: 5 aligned loads, realigned by a funnel shift.
 // Reads up to 4 bytes past the 16 (the callers' spans are followed by more of their super-block).
 __device__ __forceinline__ void load16_u16_aligned(const uint8_t* p, uint32_t (&w)[4]) {
-  const uint32_t* base = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t(3));
-  const uint32_t shift = uint32_t(reinterpret_cast<uintptr_t>(p) & 3) * 8;
-  uint32_t a[5];
-#pragma unroll
-  for (int i = 0; i < 5; ++i) a[i] = __ldg(base + i);
+  uint32_t a[5], shift;
+  load_aligned_words(p, a, shift);
 #pragma unroll
   for (int i = 0; i < 4; ++i) w[i] = __funnelshift_r(a[i], a[i + 1], shift);
 }
@@ -313,7 +324,7 @@ template <int Bits, uint32_t High, int N>
 __device__ __forceinline__ float kslice_magic(const uint32_t (&q)[N], const uint32_t (&h)[N], int j) {
   constexpr int S = 23 - Bits;
   const int b = 8 * (j & 3);
-  uint32_t bits = and_or(shift_right(q[j >> 2], b - S), 0xFu << S, (127u + Bits) << 23);
+  uint32_t bits = magic_bits<Bits, 4>(q[j >> 2], b);
   if (High != 0) bits = and_or(shift_right(h[j >> 2], b - (S + 4)), High << (S + 4), bits);
   return __uint_as_float(bits);
 }
