@@ -43,6 +43,7 @@ def test_latency_writes_a_record(tmp_path, smollm2_path, capsys):
     assert "baseline" not in record
     # On the CPU: packed weights, the --dequantize path beside them, a bandwidth floor.
     assert record["quantization"].startswith("GGUF Q4_1 blocks kept packed")
+    assert record["quantization"].endswith("(CPU kernels)")
     deq = record["results"]["tinyvllm --dequantize"]
     assert deq["tpot"]["count"] == 2 * 3 and record["ratios_to"]["tinyvllm --dequantize"]
     bw = ours["bandwidth"]
@@ -177,6 +178,23 @@ def test_spec_runs_start_with_an_empty_prefix_cache():
     assert engine.resets == 1
     with pytest.raises(RuntimeError, match="prefix cache could not be reset"):
         spec.run_once(Engine(False), [], 4, lambda: None)
+
+
+def test_weights_format_names_the_kernels_that_read_packed_gguf(monkeypatch):
+    """Packed GGUF blocks are read by the CPU kernels or, on a GPU, by the CUDA ones: the record
+    names which."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tinyvllm.bench import common, engine_runs
+
+    monkeypatch.setattr(engine_runs, "is_packed", lambda engine: True)
+    for device, kernels in (("cpu", "CPU"), ("cuda", "GPU")):
+        runner = SimpleNamespace(loaded=SimpleNamespace(path="models/smollm2.Q4_1.gguf"),
+                                 device=torch.device(device))
+        engine = SimpleNamespace(executor=SimpleNamespace(runner=runner))
+        assert common._weight_format(engine) == f"GGUF Q4_1 blocks kept packed ({kernels} kernels)"
 
 
 def test_table_titles_name_the_weights_format():
