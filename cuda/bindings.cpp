@@ -106,8 +106,9 @@ PYBIND11_MODULE(_cuda, m) {
   def_launcher(m, "quant_tile_rows", &tinyvllm::quant_tile_rows, "k");
   def_launcher(m, "quant_tile_dequantize", &tinyvllm::quant_tile_dequantize, "out", "tiles",
                "tile_scales", "n", "k", "group_size", "interleaved", "dtype", "stream");
-  def_launcher(m, "gguf_gemv", &tinyvllm::gguf_gemv, "out", "x", "qweight", "bias", "m", "n", "k",
-               "x_stride", "out_stride", "qtype", "dtype", "stream");
+  def_launcher(m, "gguf_gemv", &tinyvllm::gguf_gemv, "out", "x", "qweight", "bias", "residual",
+               "norm_weight", "m", "n", "k", "x_stride", "out_stride", "residual_stride", "eps",
+               "prologue", "silu_mul_out", "qtype", "dtype", "stream");
   def_launcher(m, "gguf_dequantize", &tinyvllm::gguf_dequantize, "out", "qweight", "rows",
                "num_rows", "k", "qtype", "dtype", "stream");
   def_launcher(m, "gemv_merge", &tinyvllm::gemv_merge, "out", "split_out", "split_max", "split_sum",

@@ -75,10 +75,18 @@ __device__ __forceinline__ uint4 rms_scaled8(const uint4& x, const uint4& w, flo
 
 constexpr int kStageBatch = 4;  // vectors a thread loads before using any (latency hiding)
 
+// Where vector v of staged row i lies: rows of k8 + row_pad vectors, and with BP > 0 one more
+// (unwritten, counted in row_pad) after every BP of them, for readers whose lanes are BP vectors
+// apart (the GGUF GEMV's 32-value blocks: 5 vectors a block put 8 lanes on distinct banks).
+template <int BP>
+__device__ __forceinline__ int staged_at(int i, int v, int k8, int row_pad) {
+  return i * (k8 + row_pad) + v + (BP > 0 ? v / BP : 0);
+}
+
 // Writes act(x) of the M staged rows into act ([M][k8 + row_pad] vectors: row_pad vectors
-// after each row, unwritten); rows at or past m are zero. kRmsNorm: inv_rms must hold each row's
-// 1 / rms (see gemv_row_scale).
-template <typename T, int M, int P>
+// after each row, unwritten; BP: staged_at); rows at or past m are zero. kRmsNorm: inv_rms must
+// hold each row's 1 / rms (see gemv_row_scale).
+template <typename T, int M, int P, int BP = 0>
 __device__ __forceinline__ void gemv_stage(uint4* act, int k8, const T* x, int64_t x_stride,
                                            const T* norm_weight, const float* inv_rms, int m,
                                            int row_pad = 0) {
@@ -101,18 +109,18 @@ __device__ __forceinline__ void gemv_stage(uint4* act, int k8, const T* x, int64
     for (int j = 0; j < kStageBatch; ++j) {
       const int idx = base + j * blockDim.x;
       if (idx >= total) break;
-      const int row = idx / k8;
+      const int row = idx / k8, at = staged_at<BP>(row, idx - row * k8, k8, row_pad);
       if constexpr (P == kGemvNone) {
-        act[idx + row * row_pad] = a[j];
+        act[at] = a[j];
       } else if constexpr (P == kGemvRmsNorm) {
-        act[idx + row * row_pad] = rms_scaled8<T>(a[j], b[j], row < m ? inv_rms[row] : 0.f);
+        act[at] = rms_scaled8<T>(a[j], b[j], row < m ? inv_rms[row] : 0.f);
       } else {
         float gf[8], uf[8], of[8];
         unpack8<T>(a[j], gf);
         unpack8<T>(b[j], uf);
 #pragma unroll
         for (int e = 0; e < 8; ++e) of[e] = round_to<T>(gf[e] / (1.f + __expf(-gf[e]))) * uf[e];
-        act[idx + row * row_pad] = pack8<T>(of);
+        act[at] = pack8<T>(of);
       }
     }
   }
@@ -132,7 +140,8 @@ __device__ __forceinline__ void gemv_stage_merged(uint4* act, int k8, const Deco
   }
 }
 
-// inv_rms[i] = 1 / sqrt(sum over the CTA of sum_sq[i] / k + eps) for the M rows (block-wide).
+// inv_rms[i] = 1 / sqrt(sum over the CTA of sum_sq[i] / k + eps) for the M rows (block-wide; at
+// most kGemvWarps warps).
 template <int M>
 __device__ __forceinline__ void gemv_inv_rms(const float (&sum_sq)[M], float* inv_rms, int k,
                                              float eps) {
@@ -146,8 +155,7 @@ __device__ __forceinline__ void gemv_inv_rms(const float (&sum_sq)[M], float* in
   __syncthreads();
   if (threadIdx.x < M) {
     float s = 0.f;
-#pragma unroll
-    for (int w = 0; w < kGemvWarps; ++w) s += partial[w][threadIdx.x];
+    for (int w = 0; w < int(blockDim.x) / 32; ++w) s += partial[w][threadIdx.x];
     inv_rms[threadIdx.x] = rsqrtf(s / k + eps);
   }
   __syncthreads();
@@ -187,7 +195,7 @@ __device__ __forceinline__ void gemv_row_scale(float* inv_rms, const T* x, int64
 // reduced across the CTA, and each thread normalises the vectors it holds in registers. Thread t
 // holds vectors t, t + blockDim, ... of every row, so that a row's sum is taken in the same order
 // whatever its position among the m rows (a row of x gives the same bits in any batch).
-template <typename T, int M, int J>
+template <typename T, int M, int J, int BP = 0>
 __device__ __forceinline__ void gemv_stage_rmsnorm_one_pass(uint4* act, int k8, const T* x,
                                                             int64_t x_stride,
                                                             const T* norm_weight, float* inv_rms,
@@ -223,7 +231,8 @@ __device__ __forceinline__ void gemv_stage_rmsnorm_one_pass(uint4* act, int k8, 
     if (v >= k8) break;
 #pragma unroll
     for (int i = 0; i < M; ++i) {
-      act[i * (k8 + row_pad) + v] = rms_scaled8<T>(a[i][j], w[j], i < m ? inv_rms[i] : 0.f);
+      act[staged_at<BP>(i, v, k8, row_pad)] =
+          rms_scaled8<T>(a[i][j], w[j], i < m ? inv_rms[i] : 0.f);
     }
   }
 }
@@ -231,7 +240,7 @@ __device__ __forceinline__ void gemv_stage_rmsnorm_one_pass(uint4* act, int k8, 
 // x's first m rows into act with prologue P (none, SiLU-and-mul, RMSNorm: in one pass where the
 // rows fit the threads' registers, else the row scales first; either way a row's scale does not
 // depend on its position among the rows); kMergeSplits stages elsewhere (gemv_stage_merged).
-template <typename T, int M, int P>
+template <typename T, int M, int P, int BP = 0>
 __device__ __forceinline__ void gemv_stage_x(uint4* act, int k8, const T* x, int64_t x_stride,
                                              const T* norm_weight, float* inv_rms, int m,
                                              float eps, int row_pad = 0) {
@@ -240,17 +249,17 @@ __device__ __forceinline__ void gemv_stage_x(uint4* act, int k8, const T* x, int
     // M <= 2 (decode at Llama-3-8B's k = 4096).
     constexpr int kJ = M <= 2 ? 4 : 1;
     if (k8 <= int(blockDim.x)) {
-      gemv_stage_rmsnorm_one_pass<T, M, 1>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps,
-                                           row_pad);
+      gemv_stage_rmsnorm_one_pass<T, M, 1, BP>(act, k8, x, x_stride, norm_weight, inv_rms, m,
+                                               eps, row_pad);
     } else if (kJ > 1 && k8 <= kJ * int(blockDim.x)) {
-      gemv_stage_rmsnorm_one_pass<T, M, kJ>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps,
-                                            row_pad);
+      gemv_stage_rmsnorm_one_pass<T, M, kJ, BP>(act, k8, x, x_stride, norm_weight, inv_rms, m,
+                                                eps, row_pad);
     } else {
       gemv_row_scale<T, M>(inv_rms, x, x_stride, k8, m, eps);
-      gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m, row_pad);
+      gemv_stage<T, M, P, BP>(act, k8, x, x_stride, norm_weight, inv_rms, m, row_pad);
     }
   } else {
-    gemv_stage<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m, row_pad);
+    gemv_stage<T, M, P, BP>(act, k8, x, x_stride, norm_weight, inv_rms, m, row_pad);
   }
 }
 

@@ -1,55 +1,20 @@
 // Launchers of the GGUF block GEMV and dequantize (gguf_gemv.cuh): size checks and the choice of
-// instantiation, {float16, bfloat16} x {Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K} x M {1, 2, 4, 8}.
+// instantiation (gguf_gemv_launch.cuh; the RMSNorm prologue's are in gguf_gemv_rmsnorm.cu).
 #include <string>
 #include <type_traits>
 
-#include "gguf_gemv.cuh"
-#include "launchers.h"
+#include "gguf_gemv_launch.cuh"
 
 namespace tinyvllm {
+
+extern template void gguf_gemv_prologue<__half, kGemvRmsNorm>(const GgufGemvArgs<__half>&, int,
+                                                              cudaStream_t);
+extern template void gguf_gemv_prologue<__nv_bfloat16, kGemvRmsNorm>(
+    const GgufGemvArgs<__nv_bfloat16>&, int, cudaStream_t);
+
 namespace {
 
 constexpr int kGgufGemvMaxM = 8;
-
-template <typename T, int M, int QT, int R>
-void launch_rows(T* out, const T* x, const uint8_t* qweight, const T* bias, int m, int n, int k,
-                 int64_t x_stride, int64_t out_stride, cudaStream_t stream) {
-  const unsigned grid = unsigned((n + kGgufGemvWarps * R - 1) / (kGgufGemvWarps * R));
-  if constexpr (gguf_is_kquant(QT)) {
-    gguf_kquant_gemv_kernel<T, M, QT, R><<<grid, kGgufGemvWarps * 32, 0, stream>>>(
-        out, x, qweight, bias, m, n, k, x_stride, out_stride);
-  } else {
-    gguf_gemv_kernel<T, M, QT, R><<<grid, kGgufGemvWarps * 32, 0, stream>>>(
-        out, x, qweight, bias, m, n, k, x_stride, out_stride);
-  }
-  check_launch("gguf_gemv");
-}
-
-template <typename T, int M, int QT>
-void launch_gemv(T* out, const T* x, const uint8_t* qweight, const T* bias, int m, int n, int k,
-                 int64_t x_stride, int64_t out_stride, cudaStream_t s) {
-  if constexpr (gguf_is_kquant(QT)) {
-    launch_rows<T, M, QT, 2>(out, x, qweight, bias, m, n, k, x_stride, out_stride, s);
-  } else if (n >= gguf_wide_rows(M)) {
-    launch_rows<T, M, QT, 4>(out, x, qweight, bias, m, n, k, x_stride, out_stride, s);
-  } else {
-    launch_rows<T, M, QT, 2>(out, x, qweight, bias, m, n, k, x_stride, out_stride, s);
-  }
-}
-
-template <typename T, int QT>
-void launch_gemv_m(T* out, const T* x, const uint8_t* qweight, const T* bias, int m, int n, int k,
-                   int64_t x_stride, int64_t out_stride, cudaStream_t s) {
-  if (m == 1) {
-    launch_gemv<T, 1, QT>(out, x, qweight, bias, m, n, k, x_stride, out_stride, s);
-  } else if (m == 2) {
-    launch_gemv<T, 2, QT>(out, x, qweight, bias, m, n, k, x_stride, out_stride, s);
-  } else if (m <= 4) {
-    launch_gemv<T, 4, QT>(out, x, qweight, bias, m, n, k, x_stride, out_stride, s);
-  } else {
-    launch_gemv<T, 8, QT>(out, x, qweight, bias, m, n, k, x_stride, out_stride, s);
-  }
-}
 
 void check_layout(const std::string& where, int qtype, int64_t n, int64_t k, ptr_t qweight) {
   require(qtype == kGgufQ4_0 || qtype == kGgufQ4_1 || qtype == kGgufQ8_0 || gguf_is_kquant(qtype),
@@ -67,23 +32,12 @@ void check_layout(const std::string& where, int qtype, int64_t n, int64_t k, ptr
   }
 }
 
-// F(std::integral_constant<int, QT>) for the runtime qtype (checked by check_layout).
-template <typename F>
-void dispatch_qtype(int qtype, F&& f) {
-  switch (qtype) {
-    case kGgufQ4_0: f(std::integral_constant<int, kGgufQ4_0>()); break;
-    case kGgufQ4_1: f(std::integral_constant<int, kGgufQ4_1>()); break;
-    case kGgufQ8_0: f(std::integral_constant<int, kGgufQ8_0>()); break;
-    case kGgufQ4_K: f(std::integral_constant<int, kGgufQ4_K>()); break;
-    case kGgufQ5_K: f(std::integral_constant<int, kGgufQ5_K>()); break;
-    default: f(std::integral_constant<int, kGgufQ6_K>()); break;
-  }
-}
-
 }  // namespace
 
-void gguf_gemv(ptr_t out, ptr_t x, ptr_t qweight, ptr_t bias, int64_t m, int64_t n, int64_t k,
-               int64_t x_stride, int64_t out_stride, int qtype, int dtype, stream_t stream) {
+void gguf_gemv(ptr_t out, ptr_t x, ptr_t qweight, ptr_t bias, ptr_t residual, ptr_t norm_weight,
+               int64_t m, int64_t n, int64_t k, int64_t x_stride, int64_t out_stride,
+               int64_t residual_stride, float eps, int prologue, int silu_mul_out, int qtype,
+               int dtype, stream_t stream) {
   const std::string where = "gguf_gemv: ";
   check_layout(where, qtype, n, k, qweight);
   require(m >= 0 && m <= kGgufGemvMaxM, where + "m=" + std::to_string(m) + " rows; at most " +
@@ -91,17 +45,30 @@ void gguf_gemv(ptr_t out, ptr_t x, ptr_t qweight, ptr_t bias, int64_t m, int64_t
   require(x_stride % 8 == 0 && aligned16(reinterpret_cast<void*>(x)),
           where + "x must be 16-byte aligned with x_stride a multiple of 8 (got " +
               std::to_string(x_stride) + ")");
+  require(prologue == kGemvNone || prologue == kGemvRmsNorm,
+          where + "prologue=" + std::to_string(prologue) +
+              "; none (0) and rms_norm (1) are served");
+  require(prologue != kGemvRmsNorm || (norm_weight != 0 && aligned16(reinterpret_cast<void*>(
+                                                               norm_weight))),
+          where + "rms_norm needs a 16-byte aligned norm_weight");
+  require(!silu_mul_out || n % 2 == 0,
+          where + "silu_mul_out needs an even n (gate rows then up rows), got n=" +
+              std::to_string(n));
+  require(!(silu_mul_out && residual), where + "silu_mul_out takes no residual");
   if (m == 0) return;
   const cudaStream_t s = as_stream(stream);
   TINYVLLM_DISPATCH_HALF(dtype, "gguf_gemv", {
-    auto* o = reinterpret_cast<scalar_t*>(out);
-    auto* xi = reinterpret_cast<const scalar_t*>(x);
-    auto* q = reinterpret_cast<const uint8_t*>(qweight);
-    auto* b = reinterpret_cast<const scalar_t*>(bias);
-    const int mi = int(m), ni = int(n), ki = int(k);
-    dispatch_qtype(qtype, [&](auto qt) {
-      launch_gemv_m<scalar_t, decltype(qt)::value>(o, xi, q, b, mi, ni, ki, x_stride, out_stride, s);
-    });
+    using T = scalar_t;
+    const GgufGemvArgs<T> a{reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x),
+                            reinterpret_cast<const uint8_t*>(qweight),
+                            reinterpret_cast<const T*>(bias), reinterpret_cast<const T*>(residual),
+                            reinterpret_cast<const T*>(norm_weight), int(m), int(n), int(k),
+                            x_stride, out_stride, residual_stride, eps, silu_mul_out != 0};
+    if (prologue == kGemvRmsNorm) {
+      gguf_gemv_prologue<T, kGemvRmsNorm>(a, qtype, s);
+    } else {
+      gguf_gemv_prologue<T, kGemvNone>(a, qtype, s);
+    }
   });
 }
 
@@ -118,7 +85,7 @@ void gguf_dequantize(ptr_t out, ptr_t qweight, ptr_t rows, int64_t num_rows, int
   TINYVLLM_DISPATCH_HALF(dtype, "gguf_dequantize", {
     auto* o = reinterpret_cast<scalar_t*>(out);
     auto* q = reinterpret_cast<const uint8_t*>(qweight);
-    dispatch_qtype(qtype, [&](auto qt) {
+    gguf_launch::dispatch_qtype(qtype, [&](auto qt) {
       constexpr int QT = decltype(qt)::value;
       if constexpr (gguf_is_kquant(QT)) {
         gguf_kquant_dequantize_kernel<scalar_t, QT><<<grid, threads, 0, s>>>(o, q, r, int(num_rows), int(k));

@@ -43,11 +43,21 @@
 // per 16 values through sum x: sum x w = scale * sum x (2^B + q) - (scale (2^B + offset) + min) *
 // sum x.
 //
+// Both GEMVs take the decoder layer's fusions (gemv.cuh's, for LlamaDecoderLayer.forward_fused):
+//   P = kGemvRmsNorm  each CTA stages rmsnorm(x) * norm_weight in shared memory (gemv_stage_x,
+//                     one unused vector after every 4 so that lanes 64 bytes apart read distinct
+//                     banks) and the warps read it there; kGemvNone reads x from global memory
+//   residual          out = residual + y, in place (o_proj, down_proj)
+//   silu_out          a warp's R rows are R / 2 gate rows and their up rows n / 2 further on;
+//                     out[:, j] = silu(gate_j) * up_j (gate_up_proj writing the SwiGLU product)
+// rounded where the unfused ops round (the normalised x, y, silu(gate) and the product to T).
+//
 // gguf_dequantize_kernel / gguf_kquant_dequantize_kernel: rows of the weight as T with gguf-py's
 // arithmetic (prefill-sized batches, embedding lookups).
 #pragma once
 
 #include "common.cuh"
+#include "gemv.cuh"
 
 namespace tinyvllm {
 
@@ -174,23 +184,129 @@ template <int QT> struct GgufBlock {
   }
 };
 
-template <typename T, int M, int QT, int R>
-__global__ void __launch_bounds__(kGgufGemvWarps * 32)
-    gguf_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
-                     const uint8_t* __restrict__ qweight, const T* __restrict__ bias, int m, int n,
-                     int k, int64_t x_stride, int64_t out_stride) {
+// A GEMV launch's operands (cuda/gguf_gemv.cu fills it; the fusions as in the header).
+template <typename T> struct GgufGemvArgs {
+  T* out;                  // [m, out_stride]: n columns (silu_out: n / 2)
+  const T* x;              // [m, x_stride]: k columns
+  const uint8_t* qweight;  // [n, row bytes]
+  const T* bias;           // [n] or null
+  const T* residual;       // [m, residual_stride] or null; may be out itself
+  const T* norm_weight;    // [k] (kGemvRmsNorm)
+  int m, n, k;
+  int64_t x_stride, out_stride, residual_stride;
+  float eps;
+  bool silu_out;
+};
+
+// The R weight rows warp `g` of the grid streams and the outputs they make from o0 on: rows
+// o0 .. o0 + R - 1, or with silu_out gate rows o0 .. o0 + R / 2 - 1 and their up rows (rows past
+// the end repeat the last one; their outputs are not written).
+template <int R> struct GgufWarpRows {
+  int o0, n_out;
+  bool active;
+  int row[R];
+  __device__ __forceinline__ GgufWarpRows(int64_t g, int n, bool silu_out) {
+    static_assert(R % 2 == 0, "silu_out pairs gate and up rows");
+    n_out = silu_out ? n / 2 : n;
+    o0 = int(g * (silu_out ? R / 2 : R));
+    active = o0 < n_out;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      row[r] = silu_out ? (r < R / 2 ? 0 : n_out) + min(o0 + r % (R / 2), n_out - 1)
+                        : min(o0 + r, n - 1);
+    }
+  }
+};
+
+// Where a GEMV reads x: global memory (kGemvNone), or the CTA's staging of act(x) (gemv_stage_x
+// with a padding vector after every 4; vec(i, v) is vector v, values 8v .. 8v + 7, of row i).
+template <typename T, int M, int P> struct GgufX {
+  const T* x;
+  int64_t x_stride;
+  const uint4* act;
+  int k8;
+  __device__ __forceinline__ uint4 vec(int i, int v) const {
+    if constexpr (P == kGemvNone) {
+      return __ldg(reinterpret_cast<const uint4*>(x + i * x_stride) + v);
+    } else {
+      return act[staged_at<4>(i, v, k8, k8 / 4)];
+    }
+  }
+};
+
+// Bytes of shared memory a CTA stages for M rows of k values (0 for kGemvNone).
+constexpr int gguf_stage_bytes(int P, int M, int k) {
+  return P == kGemvNone ? 0 : M * (k / 8 + k / 32) * 16;
+}
+
+// Stages act(x) for the CTA (every thread must call it); returns where the warps read x.
+template <typename T, int M, int P>
+__device__ __forceinline__ GgufX<T, M, P> gguf_stage_x(const GgufGemvArgs<T>& a) {
+  GgufX<T, M, P> gx{a.x, a.x_stride, nullptr, a.k / 8};
+  if constexpr (P != kGemvNone) {
+    extern __shared__ uint4 gguf_act[];
+    __shared__ float inv_rms[M];
+    gemv_stage_x<T, M, P, 4>(gguf_act, gx.k8, a.x, a.x_stride, a.norm_weight, inv_rms, a.m, a.eps,
+                             gx.k8 / 4);
+    __syncthreads();
+    gx.act = gguf_act;
+  }
+  return gx;
+}
+
+// The end of a GEMV: sums each lane's acc[r][i] over the warp and writes the outputs (lanes take
+// turns): y + bias, + the residual, or silu(gate) * up.
+template <typename T, int R, int M>
+__device__ __forceinline__ void gguf_write_rows(const float (&acc)[R][M], int lane,
+                                                const GgufWarpRows<R>& w,
+                                                const GgufGemvArgs<T>& a) {
+  if (a.silu_out) {
+#pragma unroll
+    for (int c = 0; c < R / 2; ++c) {
+#pragma unroll
+      for (int i = 0; i < M; ++i) {
+        const float g = warp_sum(acc[c][i]), u = warp_sum(acc[c + R / 2][i]);
+        const int o = w.o0 + c;
+        if (lane == (c * M + i) % 32 && i < a.m && o < w.n_out) {
+          const float gate = round_to<T>(g + (a.bias ? to_float(a.bias[o]) : 0.f));
+          const float up = round_to<T>(u + (a.bias ? to_float(a.bias[w.n_out + o]) : 0.f));
+          a.out[i * a.out_stride + o] =
+              from_float<T>(round_to<T>(gate / (1.f + __expf(-gate))) * up);
+        }
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      const float s = warp_sum(acc[r][i]);
+      const int o = w.o0 + r;
+      if (lane == (r * M + i) % 32 && i < a.m && o < w.n_out) {
+        float y = s + (a.bias ? to_float(a.bias[o]) : 0.f);
+        if (a.residual) y = to_float(a.residual[i * a.residual_stride + o]) + round_to<T>(y);
+        a.out[i * a.out_stride + o] = from_float<T>(y);
+      }
+    }
+  }
+}
+
+template <typename T, int M, int QT, int R, int P>
+__global__ void __launch_bounds__(kGgufGemvWarps * 32) gguf_gemv_kernel(const GgufGemvArgs<T> a) {
   using Block = GgufBlock<QT>;
   const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int row0 = (blockIdx.x * kGgufGemvWarps + warp) * R;
-  if (row0 >= n) return;
-  const int blocks = k / 32;
+  const GgufWarpRows<R> wr(int64_t(blockIdx.x) * kGgufGemvWarps + (threadIdx.x >> 5), a.n,
+                           a.silu_out);
+  if (P == kGemvNone && !wr.active) return;  // staging needs every thread
+  const int blocks = a.k / 32;
   const int64_t row_bytes = int64_t(blocks) * Block::kBytes;
   const uint8_t* rows[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) rows[r] = qweight + min(row0 + r, n - 1) * row_bytes;
+  for (int r = 0; r < R; ++r) rows[r] = a.qweight + wr.row[r] * row_bytes;
 
-  // One step ahead: a step's blocks are requested before the previous step's are used.
+  // One step ahead: a step's blocks are requested before the previous step's are used (the
+  // first before x is staged).
   GgufWords<QT> next[R];
   auto request = [&](int blk) {
     if (blk < blocks) {
@@ -198,7 +314,9 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
       for (int r = 0; r < R; ++r) next[r].load(rows[r] + int64_t(blk) * Block::kBytes);
     }
   };
-  request(lane);
+  if (wr.active) request(lane);
+  const GgufX<T, M, P> gx = gguf_stage_x<T, M, P>(a);
+  if (!wr.active) return;
 
   float acc[R][M];
   zero_sums(acc);
@@ -215,9 +333,8 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
       float xv[M][8];
 #pragma unroll
       for (int i = 0; i < M; ++i) {
-        if (M == 1 || i < m) {  // a launch has at least one row
-          unpack8<T>(__ldg(reinterpret_cast<const uint4*>(x + i * x_stride + blk * 32 + p * 8)),
-                     xv[i]);
+        if (M == 1 || i < a.m) {  // a launch has at least one row
+          unpack8<T>(gx.vec(i, blk * 4 + p), xv[i]);
         } else {
 #pragma unroll
           for (int j = 0; j < 8; ++j) xv[i][j] = 0.f;
@@ -243,7 +360,7 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
     }
   }
 
-  write_warp_rows<T, R, M>(acc, lane, row0, m, n, bias, out, out_stride);
+  gguf_write_rows<T, R, M>(acc, lane, wr, a);
 }
 
 // One thread per block: rows `rows` (null: 0 .. num_rows - 1) of the weight as T [num_rows, k].
@@ -423,22 +540,25 @@ __device__ __forceinline__ int kslot_value(int c, int qi) {
   return KSlice<QT, V>::span_value(c, KSlot<V>::span(qi)) + KSlot<V>::first(qi);
 }
 
-template <typename T, int M, int QT, int R>
+template <typename T, int M, int QT, int R, int P>
 __global__ void __launch_bounds__(kGgufGemvWarps * 32)
-    gguf_kquant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
-                            const uint8_t* __restrict__ qweight, const T* __restrict__ bias,
-                            int m, int n, int k, int64_t x_stride, int64_t out_stride) {
+    gguf_kquant_gemv_kernel(const GgufGemvArgs<T> a) {
   constexpr int V = kKLaneValues;
   using Slice = KSlice<QT, V>;
   using Slot = KSlot<V>;
   constexpr float kBase = float(1 << Slice::kBits) + float(Slice::kOffset);
   const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int row0 = (blockIdx.x * kGgufGemvWarps + warp) * R;
-  if (row0 >= n) return;
-  const int chunks = k / kKChunkValues;
+  const GgufWarpRows<R> wr(int64_t(blockIdx.x) * kGgufGemvWarps + (threadIdx.x >> 5), a.n,
+                           a.silu_out);
+  if (P == kGemvNone && !wr.active) return;  // staging needs every thread
+  const GgufX<T, M, P> gx = gguf_stage_x<T, M, P>(a);
+  if (!wr.active) return;
+  const int chunks = a.k / kKChunkValues;
   const int qi = lane % Slot::kSlots;
-  const int64_t row_bytes = int64_t(k / kKQuantValues) * Slice::kBytes;
+  const int64_t row_bytes = int64_t(a.k / kKQuantValues) * Slice::kBytes;
+  const uint8_t* rows[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) rows[r] = a.qweight + wr.row[r] * row_bytes;
 
   float acc[R][M];
   zero_sums(acc);
@@ -447,10 +567,7 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
     const int sb = ci / kKChunks, c = ci % kKChunks;
     Slice w[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int row = min(row0 + r, n - 1);
-      w[r].load(qweight + row * row_bytes + int64_t(sb) * Slice::kBytes, c, qi);
-    }
+    for (int r = 0; r < R; ++r) w[r].load(rows[r] + int64_t(sb) * Slice::kBytes, c, qi);
     const int x0 = sb * kKQuantValues + kslot_value<QT, V>(c, qi);
 #pragma unroll
     for (int hq = 0; hq < Slice::kScales; ++hq) {  // 16 values a scale
@@ -467,9 +584,9 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
           for (int j = 0; j < 8; ++j) v[r][j] = w[r].magic(l0 + j);
 #pragma unroll
         for (int i = 0; i < M; ++i) {
-          if (M > 1 && i >= m) break;  // a launch has at least one row
+          if (M > 1 && i >= a.m) break;  // a launch has at least one row
           float xv[8];
-          unpack8<T>(__ldg(reinterpret_cast<const uint4*>(x + i * x_stride + x0 + l0)), xv);
+          unpack8<T>(gx.vec(i, (x0 + l0) / 8), xv);
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
             sx[i] += xv[j];
@@ -487,7 +604,7 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32)
     }
   }
 
-  write_warp_rows<T, R, M>(acc, lane, row0, m, n, bias, out, out_stride);
+  gguf_write_rows<T, R, M>(acc, lane, wr, a);
 }
 
 // One thread per 16-value quarter: rows `rows` (null: 0 .. num_rows - 1) of the weight as T

@@ -12,7 +12,7 @@ namespace tinyvllm {
 // The interface version of these launchers. bindings.cpp exports it as `abi_version` and
 // ops/_dispatch.py refuses a module whose version is not its CUDA_ABI_VERSION: bump both when a
 // launcher's arguments change or a function is added, removed or renamed.
-constexpr int kAbiVersion = 10;
+constexpr int kAbiVersion = 11;
 
 using ptr_t = std::uintptr_t;  // a device pointer, as torch's data_ptr() gives it
 using stream_t = std::uintptr_t;  // a cudaStream_t, as torch's cuda_stream gives it
@@ -152,9 +152,13 @@ void quant_tile_dequantize(ptr_t out, ptr_t tiles, ptr_t tile_scales, int64_t n,
 
 // gguf_gemv.cu: GGUF Q4_0 / Q4_1 / Q8_0 rows read as stored (qweight uint8 [n, k / 32 * block
 // bytes], 4-byte aligned), and Q4_K / Q5_K / Q6_K ones ([n, k / 256 * block bytes], 16-byte
-// aligned). gguf_gemv: out[m, n] = x . w^T (+ bias) for m <= 8.
-void gguf_gemv(ptr_t out, ptr_t x, ptr_t qweight, ptr_t bias, int64_t m, int64_t n, int64_t k,
-               int64_t x_stride, int64_t out_stride, int qtype, int dtype, stream_t stream);
+// aligned). gguf_gemv: out[m, n] = act(x) . w^T (+ bias) for m <= 8, with gemv's fusions:
+// prologue none (0) or rms_norm (1, norm_weight [k]); residual: out = residual + y in place (0:
+// none); silu_mul_out: out[m, n / 2] = silu(gate) * up of gate rows [0, n / 2) and up rows after.
+void gguf_gemv(ptr_t out, ptr_t x, ptr_t qweight, ptr_t bias, ptr_t residual, ptr_t norm_weight,
+               int64_t m, int64_t n, int64_t k, int64_t x_stride, int64_t out_stride,
+               int64_t residual_stride, float eps, int prologue, int silu_mul_out, int qtype,
+               int dtype, stream_t stream);
 // gguf_dequantize: rows `rows` (int64 [num_rows]; 0: rows 0 .. num_rows - 1) as dtype
 // [num_rows, k], with gguf-py's arithmetic (prefill-sized batches, embedding lookups).
 void gguf_dequantize(ptr_t out, ptr_t qweight, ptr_t rows, int64_t num_rows, int64_t k, int qtype,

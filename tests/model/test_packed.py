@@ -229,3 +229,38 @@ def test_a_stack_of_mixed_types_stays_packed_shard_by_shard(mixed_kquant_gguf, p
     for got, want in zip(*steps):
         assert bool(got.isfinite().all())
         assert ((got - want).norm() / want.norm()).item() < 1e-4  # seen 1e-7, 2e-7
+
+
+@pytest.mark.parametrize("fusion", ["rms_norm", "silu_mul", "residual", "rms_norm+silu_mul_out"])
+def test_packed_projections_take_the_decoder_s_fusions_as_separate_ops(fusion):
+    """`fused_linear` on a packed projection (a GPU decode step calls it; on the CPU, and where
+    the GEMV does not serve, the ops run apart around the kernels): the results of
+    `ops.fused_linear_ref` over the dequantized weight, up to the CPU kernels' int8 activations.
+    A stack of shards of different types gives the same."""
+    from tinyvllm.ops.linear import fused_linear_ref
+
+    n, k, m = 64, 256, 3
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    rows = {name: torch.from_numpy(gguf.quants.quantize(
+        w.numpy(), gguf.GGMLQuantizationType[name])) for name in ("Q4_1", "Q8_0")}
+    bias = torch.randn(n, generator=gen)
+    single = PackedLinear(rows["Q8_0"], q.KERNEL_TYPES["Q8_0"], k, bias)
+    shards = PackedShards([PackedLinear(rows["Q8_0"][: n // 2], q.KERNEL_TYPES["Q8_0"], k),
+                           PackedLinear(rows["Q4_1"][n // 2:], q.KERNEL_TYPES["Q4_1"], k)], bias)
+    weights = {single: q.dequantize(rows["Q8_0"], 8, k),
+               shards: torch.cat([q.dequantize(rows["Q8_0"][: n // 2], 8, k),
+                                  q.dequantize(rows["Q4_1"][n // 2:], 3, k)])}
+    x = torch.randn(m, 2 * k if fusion == "silu_mul" else k, generator=gen)
+    kwargs = dict(eps=1e-5, silu_mul=fusion == "silu_mul", silu_mul_out="silu_mul_out" in fusion,
+                  norm_weight=torch.rand(k, generator=gen) + 0.5 if "rms" in fusion else None)
+    for proj, weight in weights.items():
+        assert not proj.fused_serves(x)  # one launch only on a GPU
+        residual = torch.randn(m, n, generator=gen) if fusion == "residual" else None
+        want = fused_linear_ref(x, weight, bias, residual=None if residual is None
+                                else residual.clone(), **kwargs)
+        got = proj.fused_linear(x, residual=residual, **kwargs)
+        if residual is not None:
+            assert got is residual  # updated in place
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=0.02, rtol=0.02)

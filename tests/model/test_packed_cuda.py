@@ -60,3 +60,18 @@ def test_packed_on_gpu_scores_as_the_dequantized_model(quantized_gguf, dtype):
     ref = _prompt_logprobs(LLM(dequantize=True, **kwargs))
     # Both use the same dequantized values; the float path rounds them to 16 bits first.
     torch.testing.assert_close(got, ref, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_packed_decode_step_runs_fused_as_the_unfused_layers(quantized_gguf, batch):
+    """A decode step over packed weights takes `forward_fused` (the GGUF GEMV with the RMSNorm,
+    SwiGLU and residual add folded in; PackedShards with them apart) and gives the logits of the
+    separate ops."""
+    from tests.ops.test_linear_cuda import REL_TOL, fused_and_unfused_logits, rel_err
+
+    llm = LLM(model=str(quantized_gguf), device="cuda", dtype="bfloat16", num_kv_blocks=32,
+              dequantize=False)
+    model = llm.engine.runner.model
+    fused, unfused = fused_and_unfused_logits(model, batch, torch.bfloat16)
+    assert rel_err(fused, unfused) <= REL_TOL[torch.bfloat16]
+    assert torch.equal(fused.argmax(-1), unfused.argmax(-1))

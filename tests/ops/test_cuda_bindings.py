@@ -400,6 +400,26 @@ def test_gguf_linear(launches):
                                                                        ptr(qweight), 0)
     assert (args["m"], args["n"], args["k"], args["x_stride"], args["qtype"], args["dtype"]) == (
         2, 8, 64, 64, 2, 1)
+    assert (args["residual"], args["norm_weight"], args["prologue"], args["silu_mul_out"]) == (
+        0, 0, 0, 0)
+    launches.clear()
+    norm = torch.randn(64).half()
+    out = gguf_cuda.gguf_linear_cuda(launches.kernels, x, qweight, 2, 64, norm_weight=norm,
+                                     eps=1e-5, silu_mul_out=True)
+    args = launches.only("gguf_gemv")
+    assert out.shape == (2, 4) and (args["out"], args["norm_weight"], args["prologue"]) == (
+        ptr(out), ptr(norm), 1)
+    assert (args["silu_mul_out"], args["residual"], args["out_stride"], args["eps"]) == (
+        1, 0, 4, 1e-5)
+    launches.clear()
+    wide = torch.zeros(2, 24).half()
+    residual = wide[:, :8]  # the residual stream's rows, a stride of 24 apart
+    assert gguf_cuda.gguf_linear_cuda(launches.kernels, x, qweight, 2, 64,
+                                      residual=residual) is residual
+    args = launches.only("gguf_gemv")
+    assert (args["out"], args["residual"], args["out_stride"], args["residual_stride"]) == (
+        ptr(residual), ptr(residual), 24, 24)
+    assert args["prologue"] == 0 and args["silu_mul_out"] == 0
     launches.clear()
     rows = gguf_cuda.gguf_dequantize_cuda(launches.kernels, qweight, 2, 64, torch.bfloat16,
                                           torch.tensor([3, 1]))

@@ -461,6 +461,35 @@ def bench_gguf_linear(m, name, n, k, qtype_name, copy_gbps, gen) -> Row:
                frac_copy_bw=gbps / copy_gbps, baselines_us=baselines)
 
 
+def bench_gguf_fused(m, model, name, n, k, prologue, epilogue, qtype_name, copy_gbps,
+                     gen) -> Row:
+    """The GGUF GEMV with a decoder layer's fusions (GEMV_SHAPES of `model`) against the same
+    projection with the RMSNorm, SwiGLU product and residual add as their own launches
+    (`unfused`); random block bytes, weight copies L2 cannot hold."""
+    from tinyvllm.ops import quantized as q
+    from tinyvllm.ops.linear import linear_unfused
+    cuda_ops_or_exit()
+    qtype = q.PACKED_TYPES[qtype_name]
+    packed_bytes = n * q.row_bytes(qtype, k)
+    copies = max(1, -(-ROTATE_BYTES // packed_bytes))
+    qweights = [torch.randint(0, 256, (n, q.row_bytes(qtype, k)), generator=gen, device="cuda",
+                              dtype=torch.uint8) for _ in range(copies)]
+    x = torch.randn(m, 2 * k if prologue == "silu_mul" else k, generator=gen, device="cuda",
+                    dtype=DTYPE)
+    kwargs = dict(norm_weight=torch.randn(k, generator=gen, device="cuda", dtype=DTYPE)
+                  if prologue == "rms_norm" else None, silu_mul=prologue == "silu_mul",
+                  silu_mul_out=epilogue == "silu_mul_out")
+    res = torch.zeros(m, n, device="cuda", dtype=DTYPE) if epilogue == "residual" else None
+    us = time_graph_us(lambda i: q.quantized_fused_linear(x, qweights[i % copies], qtype, k,
+                                                          residual=res, **kwargs), calls=copies)
+    unfused = time_graph_us(lambda i: linear_unfused(
+        x, lambda a: q.quantized_linear(a, qweights[i % copies], qtype, k), residual=res,
+        **kwargs), calls=copies)
+    gbps = packed_bytes / us / 1e3
+    return Row(f"gguf {qtype_name} fused", f"m{m} {model} {name} {n}x{k}", us, gbps,
+               frac_copy_bw=gbps / copy_gbps, baselines_us={"unfused": unfused})
+
+
 # ---- sampling ---------------------------------------------------------------------------------
 
 SAMPLE_VOCAB = 128256  # llama3
@@ -668,6 +697,13 @@ def quant_rows(quick: bool, copy_gbps: float, gen) -> list[Row]:
         for m in ([1] if quick else [1, 4, 8]):
             for name, n, k in QUANT_SHAPES:
                 rows.append(bench_gguf_linear(m, name, n, k, qtype_name, copy_gbps, gen))
+    for qtype_name in ("Q4_1", "Q8_0"):
+        for m in ([1] if quick else [1, 2, 8]):
+            for model in ("llama3-8b", "smollm2"):
+                for name, n, k, prologue, epilogue in GEMV_SHAPES[model]:
+                    if prologue != "silu_mul" and name != "lm_head":
+                        rows.append(bench_gguf_fused(m, model, name, n, k, prologue, epilogue,
+                                                     qtype_name, copy_gbps, gen))
     return rows
 
 

@@ -45,6 +45,17 @@ class PackedLinear(nn.Module):
         """[..., in_features] float32 -> [..., out_features] float32."""
         return q.quantized_linear(x, self.qweight, self.qtype, self.in_features, self.bias)
 
+    def fused_serves(self, x: torch.Tensor) -> bool:
+        """Whether `fused_linear` over activations like x [m, in_features] is one GEMV launch
+        (`ops.use_fused_decode` asks: the decoder then runs `forward_fused`)."""
+        return q.fused_gemv_serves(x, self.qweight)
+
+    def fused_linear(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """`ops.fused_linear(x, weight, bias, **kwargs)` over the packed rows
+        (`ops.quantized.quantized_fused_linear`)."""
+        return q.quantized_fused_linear(x, self.qweight, self.qtype, self.in_features, self.bias,
+                                        **kwargs)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"qtype={self.qtype}, bias={self.bias is not None}")
@@ -67,6 +78,17 @@ class PackedShards(nn.Module):
         """[..., in_features] float32 -> [..., out_features] float32."""
         y = torch.cat([p(x) for p in self.parts], dim=-1)
         return y if self.bias is None else y + self.bias
+
+    def fused_serves(self, x: torch.Tensor) -> bool:
+        """Whether each shard's GEMV serves activations like x (`PackedLinear.fused_serves`)."""
+        return all(p.fused_serves(x) for p in self.parts)
+
+    def fused_linear(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """`ops.fused_linear`'s result with the norm, SwiGLU and residual add as their own ops
+        around the shards' GEMVs (gate and up rows of different types pair in no one launch)."""
+        from tinyvllm.ops.linear import linear_unfused
+
+        return linear_unfused(x, self.forward, **kwargs)
 
 
 class PackedEmbedding(nn.Module):

@@ -35,7 +35,7 @@ always does this. It changes no value.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from tinyvllm.ops._dispatch import (cuda_ops, dtype_code, kernel_config, kernel_enabled,
                                     stream_handle)
 from tinyvllm.ops.attention import DecodePartitions
-from tinyvllm.ops.layers import rms_norm_ref, silu_and_mul_ref
+from tinyvllm.ops.layers import rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref
 
 _GEMV_STAGING_BYTES = 64 * 1024  # cuda/gemv.cu: the m x k activations staged per CTA
 _MMA_STAGING_BYTES = 128 * 1024  # the tensor-core kernel's, m rounded up to 4, 8 or 16
@@ -164,13 +164,27 @@ def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                      *, norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
                      silu_mul: bool = False, residual: Optional[torch.Tensor] = None,
                      silu_mul_out: bool = False) -> torch.Tensor:
+    return linear_unfused(x, lambda a: F.linear(a, weight, bias), norm_weight=norm_weight,
+                          eps=eps, silu_mul=silu_mul, residual=residual,
+                          silu_mul_out=silu_mul_out, reference=True)
+
+
+def linear_unfused(x: torch.Tensor, linear: Callable[[torch.Tensor], torch.Tensor], *,
+                   norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                   silu_mul: bool = False, residual: Optional[torch.Tensor] = None,
+                   silu_mul_out: bool = False, reference: bool = False) -> torch.Tensor:
+    """`fused_linear`'s result from separate ops around `linear` ([m, k] -> [m, n]): the norm or
+    SwiGLU first, the SwiGLU product or the residual add after, each rounded to x's dtype as
+    the fused kernels round. The ops are the torch references with `reference`, else the
+    kernels where they serve (a packed projection's fusions where its GEMV does not take them)."""
+    norm, act = (rms_norm_ref, silu_and_mul_ref) if reference else (rms_norm, silu_and_mul)
     if norm_weight is not None:
-        x = rms_norm_ref(x, norm_weight, eps)
+        x = norm(x, norm_weight, eps)
     elif silu_mul:
-        x = silu_and_mul_ref(x)
-    y = F.linear(x, weight, bias)
+        x = act(x)
+    y = linear(x)
     if silu_mul_out:
-        return silu_and_mul_ref(y)
+        return act(y)
     if residual is None:
         return y
     residual.copy_(residual + y)

@@ -187,6 +187,52 @@ def _quantized_linear_cuda(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k
     return gguf_linear_cuda(mod, x, qweight, qtype, k, bias)
 
 
+def fused_gemv_serves(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """Whether `quantized_fused_linear` over activations like x [m, ...] runs the CUDA GEMV with
+    the fusions folded in (m <= 8 rows of float16 / bfloat16 on the GPU, with the kernels; the
+    RMSNorm of many rows of a long k as a launch of its own, `gguf_cuda.stages_norm`)."""
+    from tinyvllm.ops._dispatch import use_kernel
+
+    if not (x.is_cuda and x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16)):
+        return False
+    from tinyvllm.ops.gguf_cuda import GEMV_MAX_ROWS
+
+    return 0 < x.shape[0] <= GEMV_MAX_ROWS and use_kernel("gguf_linear", x, qweight) is not None
+
+
+def quantized_fused_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k: int,
+                           bias: Optional[torch.Tensor] = None, *,
+                           norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                           silu_mul: bool = False, residual: Optional[torch.Tensor] = None,
+                           silu_mul_out: bool = False) -> torch.Tensor:
+    """`ops.fused_linear` over packed rows (same arguments and results; x [m, k], [m, 2k] with
+    silu_mul): where `fused_gemv_serves`, the CUDA GEMV takes the RMSNorm, the residual add and
+    the SwiGLU product (silu_mul, the SwiGLU before the projection, runs as its own op first);
+    elsewhere, the CPU included, the same ops run apart around `quantized_linear`."""
+    from tinyvllm.ops.linear import linear_unfused
+
+    if norm_weight is not None and silu_mul:
+        raise ValueError("quantized_fused_linear: norm_weight and silu_mul exclude each other")
+    if silu_mul_out and (residual is not None or qweight.shape[0] % 2):
+        raise ValueError(f"quantized_fused_linear: silu_mul_out needs an even number of weight "
+                         f"rows, got {qweight.shape[0]}, and no residual")
+    if silu_mul:
+        from tinyvllm.ops.layers import silu_and_mul
+
+        x = silu_and_mul(x)
+    if fused_gemv_serves(x, qweight):
+        from tinyvllm.ops._dispatch import use_kernel
+        from tinyvllm.ops.gguf_cuda import gguf_linear_cuda
+
+        _check_packed(qweight, qtype, k, x.device)
+        return gguf_linear_cuda(use_kernel("gguf_linear", x, qweight), x, qweight, qtype, k, bias,
+                                norm_weight=norm_weight, eps=eps, residual=residual,
+                                silu_mul_out=silu_mul_out)
+    return linear_unfused(x, lambda a: quantized_linear(a, qweight, qtype, k, bias),
+                          norm_weight=norm_weight, eps=eps, residual=residual,
+                          silu_mul_out=silu_mul_out)
+
+
 def embedding_rows(qweight: torch.Tensor, qtype: int, k: int, ids: torch.Tensor,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows `ids` of a packed [num_rows, k] matrix (a quantized embedding lookup), float32 on the
