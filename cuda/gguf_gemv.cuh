@@ -51,6 +51,8 @@
 //   silu_out          a warp's R rows are R / 2 gate rows and their up rows n / 2 further on;
 //                     out[:, j] = silu(gate_j) * up_j (gate_up_proj writing the SwiGLU product)
 // rounded where the unfused ops round (the normalised x, y, silu(gate) and the product to T).
+// Both are launched with PDL: a warp requests its first blocks before waiting for the kernel
+// before (the weight is not its output), and the next kernel may launch once x is staged.
 //
 // gguf_dequantize_kernel / gguf_kquant_dequantize_kernel: rows of the weight as T with gguf-py's
 // arithmetic (prefill-sized batches, embedding lookups).
@@ -239,10 +241,13 @@ constexpr int gguf_stage_bytes(int P, int M, int k) {
   return P == kGemvNone ? 0 : M * (k / 8 + k / 32) * 16;
 }
 
-// Stages act(x) for the CTA (every thread must call it); returns where the warps read x.
+// Waits for the kernel before (launched with PDL, the GEMV may start while it drains: nothing
+// it wrote is read before this), stages act(x) for the CTA (every thread must call it), lets the
+// next kernel launch, and returns where the warps read x.
 template <typename T, int M, int P>
 __device__ __forceinline__ GgufX<T, M, P> gguf_stage_x(const GgufGemvArgs<T>& a) {
   GgufX<T, M, P> gx{a.x, a.x_stride, nullptr, a.k / 8};
+  wait_for_previous_grid();
   if constexpr (P != kGemvNone) {
     extern __shared__ uint4 gguf_act[];
     __shared__ float inv_rms[M];
@@ -251,6 +256,7 @@ __device__ __forceinline__ GgufX<T, M, P> gguf_stage_x(const GgufGemvArgs<T>& a)
     __syncthreads();
     gx.act = gguf_act;
   }
+  allow_next_grid();
   return gx;
 }
 
@@ -306,7 +312,7 @@ __global__ void __launch_bounds__(kGgufGemvWarps * 32) gguf_gemv_kernel(const Gg
   for (int r = 0; r < R; ++r) rows[r] = a.qweight + wr.row[r] * row_bytes;
 
   // One step ahead: a step's blocks are requested before the previous step's are used (the
-  // first before x is staged).
+  // first before the wait for the kernel before: the weight is not its output).
   GgufWords<QT> next[R];
   auto request = [&](int blk) {
     if (blk < blocks) {

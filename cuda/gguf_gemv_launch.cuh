@@ -48,7 +48,7 @@ void launch_rows(const GgufGemvArgs<T>& a, cudaStream_t stream) {
   const int per_warp = a.silu_out ? R / 2 : R;
   const int64_t warps = (int64_t(a.silu_out ? a.n / 2 : a.n) + per_warp - 1) / per_warp;
   const unsigned grid = unsigned((warps + kGgufGemvWarps - 1) / kGgufGemvWarps);
-  kernel<<<grid, kGgufGemvWarps * 32, smem, stream>>>(a);
+  launch_pdl(kernel, dim3(grid), dim3(kGgufGemvWarps * 32), smem, stream, a);
   check_launch("gguf_gemv");
 }
 
