@@ -64,9 +64,9 @@ def use_fused_decode(x: torch.Tensor, *projections: torch.nn.Module) -> bool:
     """Whether a decoder layer over activations like x [num_tokens, hidden] runs these
     projections as `fused_linear` GEMV launches with the norms, SwiGLU and residual adds folded
     in: the engine's choice (`KernelConfig.fused_gemv`) where the kernel serves the batch and
-    every projection is a plain weight (not, say, packed GGUF rows) or has a fused GEMV of its own
-    that serves it (`fused_serves(x)` / `fused_linear(x, **kwargs)`: W4A16 tiles,
-    model/quantization/layer.py). On the tensor-core GEMV only layers of k up to
+    every projection is a plain weight or has a fused GEMV of its own that serves it
+    (`fused_serves(x)` / `fused_linear(x, **kwargs)`: W4A16 tiles, model/quantization/layer.py;
+    packed GGUF rows, model/packed.py). On the tensor-core GEMV only layers of k up to
     _MMA_LAYER_MAX_K take it, unless `KernelConfig.batch_invariant` asks for it wherever it
     serves (every batch on it, at 1-2 rows and prefill-sized ones too); packed projections do not
     under batch invariance."""
