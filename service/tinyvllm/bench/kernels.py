@@ -412,6 +412,18 @@ def bench_w8a8_gemm(m, name, n, k, qdtype, gen) -> Row:
                tflops=2 * m * n * k / us / 1e6, baselines_us=baselines)
 
 
+def _fused_inputs(m, n, k, prologue, epilogue, gen):
+    """x, `fused_linear`'s keyword arguments and the residual (or None) of a fused projection row
+    (GEMV_SHAPES' prologue and epilogue)."""
+    x = torch.randn(m, 2 * k if prologue == "silu_mul" else k, generator=gen, device="cuda",
+                    dtype=DTYPE)
+    kwargs = dict(norm_weight=torch.randn(k, generator=gen, device="cuda", dtype=DTYPE)
+                  if prologue == "rms_norm" else None, silu_mul=prologue == "silu_mul",
+                  silu_mul_out=epilogue == "silu_mul_out")
+    res = torch.zeros(m, n, device="cuda", dtype=DTYPE) if epilogue == "residual" else None
+    return x, kwargs, res
+
+
 def bench_tile_fused(m, name, n, k, prologue, epilogue, copy_gbps, gen) -> Row:
     """The W4A16 tile GEMV with a decoder layer's fusions (GEMV_SHAPES' names), group 128, as
     LlamaDecoderLayer.forward_fused runs it (gate_up interleaved, writing the SwiGLU product)."""
@@ -424,12 +436,7 @@ def bench_tile_fused(m, name, n, k, prologue, epilogue, copy_gbps, gen) -> Row:
     zeros = torch.full_like(scales, 8.0)
     tiles = [qt.repack(ql.pack(q, 4), scales, zeros, 128, epilogue == "silu_mul_out")
              for _ in range(copies)]
-    x = torch.randn(m, 2 * k if prologue == "silu_mul" else k, generator=gen, device="cuda",
-                    dtype=DTYPE)
-    kwargs = dict(norm_weight=torch.randn(k, generator=gen, device="cuda", dtype=DTYPE)
-                  if prologue == "rms_norm" else None, silu_mul=prologue == "silu_mul",
-                  silu_mul_out=epilogue == "silu_mul_out")
-    res = torch.zeros(m, n, device="cuda", dtype=DTYPE) if epilogue == "residual" else None
+    x, kwargs, res = _fused_inputs(m, n, k, prologue, epilogue, gen)
     us = time_graph_us(lambda i: qt.tile_linear(x, tiles[i % copies], residual=res, **kwargs),
                        calls=copies)
     gbps = packed_bytes / us / 1e3
@@ -474,12 +481,7 @@ def bench_gguf_fused(m, model, name, n, k, prologue, epilogue, qtype_name, copy_
     copies = max(1, -(-ROTATE_BYTES // packed_bytes))
     qweights = [torch.randint(0, 256, (n, q.row_bytes(qtype, k)), generator=gen, device="cuda",
                               dtype=torch.uint8) for _ in range(copies)]
-    x = torch.randn(m, 2 * k if prologue == "silu_mul" else k, generator=gen, device="cuda",
-                    dtype=DTYPE)
-    kwargs = dict(norm_weight=torch.randn(k, generator=gen, device="cuda", dtype=DTYPE)
-                  if prologue == "rms_norm" else None, silu_mul=prologue == "silu_mul",
-                  silu_mul_out=epilogue == "silu_mul_out")
-    res = torch.zeros(m, n, device="cuda", dtype=DTYPE) if epilogue == "residual" else None
+    x, kwargs, res = _fused_inputs(m, n, k, prologue, epilogue, gen)
     us = time_graph_us(lambda i: q.quantized_fused_linear(x, qweights[i % copies], qtype, k,
                                                           residual=res, **kwargs), calls=copies)
     unfused = time_graph_us(lambda i: linear_unfused(
