@@ -421,6 +421,10 @@ def test_gguf_linear(launches):
         ptr(residual), ptr(residual), 24, 24)
     assert args["prologue"] == 0 and args["silu_mul_out"] == 0
     launches.clear()
+    with pytest.raises(ValueError, match=r"x: expected \[..., 64\]"):  # silu_mul's 2k columns
+        gguf_cuda.gguf_linear_cuda(launches.kernels, torch.randn(2, 128).half(), qweight, 2, 64,
+                                   residual=residual)
+    assert not launches
     rows = gguf_cuda.gguf_dequantize_cuda(launches.kernels, qweight, 2, 64, torch.bfloat16,
                                           torch.tensor([3, 1]))
     args = launches.only("gguf_dequantize")

@@ -62,12 +62,12 @@ def gguf_linear_cuda(kernel, x: torch.Tensor, qweight: torch.Tensor, qtype: int,
                               or tuple(t.shape) != (size,)):
             raise ValueError(f"{name}: expected a contiguous {x.dtype} ({size},) tensor, got "
                              f"{t.dtype} {tuple(t.shape)}")
+    if x.shape[-1] != k or (fused and (x.dim() != 2 or x.shape[0] > GEMV_MAX_ROWS)):
+        raise ValueError(f"x: expected [..., {k}] ([m, {k}] with m <= {GEMV_MAX_ROWS} for the "
+                         f"fused GEMV), got {tuple(x.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if fused and (x.dim() != 2 or m > GEMV_MAX_ROWS):
-        raise ValueError(f"x: the fused GEMV takes [m, {k}] with m <= {GEMV_MAX_ROWS}, got "
-                         f"{tuple(x.shape)}")
     if m > GEMV_MAX_ROWS:
         w = gguf_dequantize_cuda(kernel, qweight, qtype, k, x.dtype)
         return F.linear(x2, w, bias).view(*lead, n)
