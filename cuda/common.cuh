@@ -209,6 +209,19 @@ inline bool device_has_pdl_code() {
   return known[device] == 1;
 }
 
+// The dynamic shared memory a CTA of `kernel` may take on the current device: the opt-in limit
+// per block less the kernel's static shared memory (`what` names the kernel in errors).
+template <typename... Params>
+int dynamic_smem_cap(void (*kernel)(Params...), const char* what) {
+  int device = 0, optin = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+             what);
+  cudaFuncAttributes attr{};
+  check_cuda(cudaFuncGetAttributes(&attr, kernel), what);
+  return optin - int(attr.sharedSizeBytes);
+}
+
 // kernel<<<grid, block, smem, stream>>>(args...) with the programmatic-serialization attribute
 // where the device runs the code that honours it (device_has_pdl_code), plainly elsewhere.
 template <typename... Params, typename... Args>

@@ -12,17 +12,11 @@
 namespace tinyvllm {
 namespace gguf_launch {
 
-// The dynamic shared memory one instantiation may take on this device: the opt-in limit per block
-// less its static shared memory (set up once; kGemvNone stages nothing).
-template <typename K>
-int stage_cap(K kernel) {
-  int device = 0, optin = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-             "gguf_gemv: shared memory per block");
-  cudaFuncAttributes attr{};
-  check_cuda(cudaFuncGetAttributes(&attr, kernel), "gguf_gemv: cudaFuncGetAttributes");
-  const int cap = optin - int(attr.sharedSizeBytes);
+// The dynamic shared memory one instantiation may take on this device (dynamic_smem_cap), set as
+// its limit (once; kGemvNone stages nothing).
+template <typename... Params>
+int stage_cap(void (*kernel)(Params...)) {
+  const int cap = dynamic_smem_cap(kernel, "gguf_gemv: shared memory per block");
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, cap),
              "gguf_gemv: cudaFuncSetAttribute");
   return cap;

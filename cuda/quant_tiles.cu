@@ -33,16 +33,8 @@ void with_tile_rows(int m, F&& f) {
 // limit per block less the kernel's static shared memory (asked once).
 template <typename T, int M, int P, bool S>
 int kernel_smem_cap() {
-  static const int cap = [] {
-    int device = 0, optin = 0;
-    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-    check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-               "quant_tile_gemv: shared memory per block");
-    cudaFuncAttributes attr{};
-    check_cuda(cudaFuncGetAttributes(&attr, quant_tile_gemv_kernel<T, M, P, S, kStages>),
-               "quant_tile_gemv: cudaFuncGetAttributes");
-    return optin - int(attr.sharedSizeBytes);
-  }();
+  static const int cap = dynamic_smem_cap(quant_tile_gemv_kernel<T, M, P, S, kStages>,
+                                          "quant_tile_gemv: shared memory per block");
   return cap;
 }
 
