@@ -424,6 +424,10 @@ def test_gguf_linear(launches):
     with pytest.raises(ValueError, match=r"x: expected \[..., 64\]"):  # silu_mul's 2k columns
         gguf_cuda.gguf_linear_cuda(launches.kernels, torch.randn(2, 128).half(), qweight, 2, 64,
                                    residual=residual)
+    with pytest.raises(ValueError, match=r"norm_weight: expected .*\(64,\)"):
+        gguf_cuda.gguf_linear_cuda(launches.kernels, x, qweight, 2, 64, norm_weight=norm[:32])
+    with pytest.raises(ValueError, match=r"residual: expected .*\(2, 8\)"):
+        gguf_cuda.gguf_linear_cuda(launches.kernels, x, qweight, 2, 64, residual=wide[:, :9])
     assert not launches
     rows = gguf_cuda.gguf_dequantize_cuda(launches.kernels, qweight, 2, 64, torch.bfloat16,
                                           torch.tensor([3, 1]))

@@ -55,13 +55,11 @@ def gguf_linear_cuda(kernel, x: torch.Tensor, qweight: torch.Tensor, qtype: int,
     x; `residual` [m, n] += the product, in place (and returned); silu_mul_out: silu(gate) * up
     [m, n / 2] of the first and second halves of the rows.
     """
+    from tinyvllm.ops.linear import _check_params, _output
+
     n = qweight.shape[0]
     fused = norm_weight is not None or residual is not None or silu_mul_out
-    for name, t, size in (("bias", bias, n), ("norm_weight", norm_weight, k)):
-        if t is not None and (t.dtype != x.dtype or not t.is_contiguous()
-                              or tuple(t.shape) != (size,)):
-            raise ValueError(f"{name}: expected a contiguous {x.dtype} ({size},) tensor, got "
-                             f"{t.dtype} {tuple(t.shape)}")
+    _check_params(x.dtype, x.device, n, k, bias=bias, norm_weight=norm_weight)
     if x.shape[-1] != k or (fused and (x.dim() != 2 or x.shape[0] > GEMV_MAX_ROWS)):
         raise ValueError(f"x: expected [..., {k}] ([m, {k}] with m <= {GEMV_MAX_ROWS} for the "
                          f"fused GEMV), got {tuple(x.shape)}")
@@ -78,14 +76,7 @@ def gguf_linear_cuda(kernel, x: torch.Tensor, qweight: torch.Tensor, qtype: int,
     if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.contiguous()
     n_out = n // 2 if silu_mul_out else n
-    if residual is not None:
-        if (tuple(residual.shape) != (m, n) or residual.dtype != x.dtype
-                or residual.stride(-1) != 1):
-            raise ValueError(f"residual: expected {x.dtype} ({m}, {n}) with contiguous rows, got "
-                             f"{residual.dtype} {tuple(residual.shape)}")
-        out = residual
-    else:
-        out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    out = _output(m, n_out, x.dtype, x.device, residual, None)
     out_stride = out.stride(0) if m > 1 else n_out
     kernel.gguf_gemv(out=out.data_ptr(), x=x2.data_ptr(), qweight=qweight.data_ptr(),
                      bias=0 if bias is None else bias.data_ptr(),

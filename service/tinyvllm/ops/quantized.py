@@ -191,13 +191,17 @@ def fused_gemv_serves(x: torch.Tensor, qweight: torch.Tensor) -> bool:
     """Whether `quantized_fused_linear` over activations like x [m, ...] runs the CUDA GEMV with
     the fusions folded in (m <= 8 rows of float16 / bfloat16 on the GPU, with the kernels; the
     RMSNorm of many rows of a long k as a launch of its own, `gguf_cuda.stages_norm`)."""
-    from tinyvllm.ops._dispatch import use_kernel
+    return _fused_gemv_kernel(x, qweight) is not None
 
+
+def _fused_gemv_kernel(x: torch.Tensor, qweight: torch.Tensor):
+    """The CUDA module where `fused_gemv_serves`, else None."""
     if not (x.is_cuda and x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16)):
-        return False
+        return None
+    from tinyvllm.ops._dispatch import use_kernel
     from tinyvllm.ops.gguf_cuda import GEMV_MAX_ROWS
 
-    return 0 < x.shape[0] <= GEMV_MAX_ROWS and use_kernel("gguf_linear", x, qweight) is not None
+    return use_kernel("gguf_linear", x, qweight) if 0 < x.shape[0] <= GEMV_MAX_ROWS else None
 
 
 def quantized_fused_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k: int,
@@ -220,14 +224,13 @@ def quantized_fused_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, k
         from tinyvllm.ops.layers import silu_and_mul
 
         x = silu_and_mul(x)
-    if fused_gemv_serves(x, qweight):
-        from tinyvllm.ops._dispatch import use_kernel
+    kernel = _fused_gemv_kernel(x, qweight)
+    if kernel is not None:
         from tinyvllm.ops.gguf_cuda import gguf_linear_cuda
 
         _check_packed(qweight, qtype, k, x.device)
-        return gguf_linear_cuda(use_kernel("gguf_linear", x, qweight), x, qweight, qtype, k, bias,
-                                norm_weight=norm_weight, eps=eps, residual=residual,
-                                silu_mul_out=silu_mul_out)
+        return gguf_linear_cuda(kernel, x, qweight, qtype, k, bias, norm_weight=norm_weight,
+                                eps=eps, residual=residual, silu_mul_out=silu_mul_out)
     return linear_unfused(x, lambda a: quantized_linear(a, qweight, qtype, k, bias),
                           norm_weight=norm_weight, eps=eps, residual=residual,
                           silu_mul_out=silu_mul_out)
