@@ -159,6 +159,22 @@ def test_preemption_recomputes_latest_request_and_it_still_finishes():
     assert s.kv.num_free_blocks == 5
 
 
+def test_preemption_keeps_the_rest_of_the_step():
+    # 4 usable blocks, one per prompt: b's first decode needs a fifth, so d (the latest) is
+    # preempted; c, after b and with room in its block, is still scheduled in that step.
+    s = make_scheduler(num_blocks=5, caching=False)
+    requests = [make_request(rid, n, start=100 * i) for i, (rid, n) in
+                enumerate([("a", 2), ("b", 4), ("c", 2), ("d", 2)])]
+    for r in requests:
+        s.add_request(r)
+    run_step(s)
+    out, _ = run_step(s)
+    assert out.preempted_request_ids == ["d"]
+    assert [x.request_id for x in out.scheduled] == ["a", "b", "c"]
+    assert [r.num_computed_tokens for r in requests] == [3, 5, 3, 0]
+    assert all(r.num_output_placeholders == 0 for r in requests)
+
+
 def test_abort_frees_blocks_of_running_and_waiting_requests():
     s = make_scheduler(max_num_seqs=1)
     a, b = make_request("a", 6), make_request("b", 6, start=200)

@@ -214,7 +214,8 @@ class Scheduler:
             else:
                 keep_requests.append(r)
                 keep_scheduled.append(s)
-        step.requests, step.out.scheduled = keep_requests, keep_scheduled
+        # In place: `_schedule_running` appends to these lists after a preemption.
+        step.requests[:], step.out.scheduled[:] = keep_requests, keep_scheduled
         return freed
 
     def _schedule_running(self, step: _Step, budget: int) -> tuple[int, bool]:
