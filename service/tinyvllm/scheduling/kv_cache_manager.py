@@ -68,6 +68,7 @@ class KVCacheManager:
         entry = self._requests.get(request.request_id)
         if entry is None:
             entry = self._requests[request.request_id] = _RequestBlocks()
+        request.kv_blocks = entry  # what the scheduler's per-step loops read
         return entry
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -162,6 +163,7 @@ class KVCacheManager:
         """Free a finished request's blocks and drop its bookkeeping."""
         self.free(request)
         self._requests.pop(request.request_id, None)
+        request.kv_blocks = None
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -121,11 +121,20 @@ class Request:
     # Whether its sampling can ever read its output ids on the host (penalties, min_tokens):
     # `sampling_reads_output_tokens` is asked only of such requests.
     may_read_output_tokens: bool = field(init=False)
+    # The token ids that can end it once it has min_tokens: the stop token ids, and EOS unless
+    # ignore_eos (the scheduler's per-step stop test asks `Scheduler._check_stop` only on these).
+    stop_token_set: frozenset = field(init=False)
+    # Its blocks in the KV manager (`KVCacheManager`'s entry, set there when it first holds
+    # blocks; None before and once forgotten): the scheduler's per-step loops read it here
+    # rather than by request id. Read-only outside the KV manager.
+    kv_blocks: Optional[Any] = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         room = self.max_model_len - len(self.prompt_token_ids)
         p = self.sampling_params
         self.max_tokens = room if p.max_tokens is None else min(p.max_tokens, room)
+        self.stop_token_set = frozenset(p.stop_token_ids).union(
+            () if p.ignore_eos else self.eos_token_ids)
         self.may_read_output_tokens = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
                                        or p.frequency_penalty != 0.0 or p.min_tokens > 0)
 

@@ -178,9 +178,6 @@ class Scheduler:
         budget, preempted = self._schedule_running(step, budget)
         if not preempted:
             self._schedule_waiting(step, budget)
-        for request, s in zip(step.requests, out.scheduled):  # after every allocation:
-            request.num_computed_tokens += s.num_new_tokens    # preemption may have dropped some
-            request.num_output_placeholders += s.completes_sequence
         if out.scheduled:
             self._steps[out.step_id] = step
         return out
@@ -188,6 +185,9 @@ class Scheduler:
     def _add_scheduled(self, step: _Step, request: Request, num_new: int, block_offset: int,
                        new_block_ids: list[int], drafts: list[int] = (),
                        num_lookahead: int = 0) -> None:
+        """Put the request in the step, after its allocation, and advance it: its computed
+        tokens and, where the step samples, its placeholders (`_drop_scheduled` takes both
+        back from a request preempted later in the same schedule)."""
         r = request
         step.requests.append(r)
         if drafts:
@@ -197,20 +197,24 @@ class Scheduler:
         r.last_step_id = out.step_id
         r.in_flight_drafts = drafts  # read only, while the step is in flight
         computed = r.num_computed_tokens
+        completes = computed + num_new >= (len(r.prompt_token_ids) + len(r.output_token_ids)
+                                           + r.num_output_placeholders)
         # ScheduledRequest's fields in order (positional: this runs per request per step).
         out.scheduled.append(ScheduledRequest(
-            r.request_id, num_new, computed,
-            computed + num_new >= (len(r.prompt_token_ids) + len(r.output_token_ids)
-                                   + r.num_output_placeholders),
-            block_offset, new_block_ids, list(drafts) if drafts else [], num_lookahead))
+            r.request_id, num_new, computed, completes, block_offset, new_block_ids,
+            list(drafts) if drafts else [], num_lookahead))
+        r.num_computed_tokens = computed + num_new
+        r.num_output_placeholders += completes
 
     def _drop_scheduled(self, step: _Step, victim: Request) -> int:
-        """Take a preempted request out of the step; returns the tokens it had there."""
+        """Take a preempted request out of the step (`_preempt` has reset its computed tokens;
+        the placeholder the step gave it goes here); returns the tokens it had there."""
         freed = 0
         keep_requests, keep_scheduled = [], []
         for r, s in zip(step.requests, step.out.scheduled):
             if r is victim:
                 freed += s.num_new_tokens
+                r.num_output_placeholders -= s.completes_sequence
             else:
                 keep_requests.append(r)
                 keep_scheduled.append(s)
@@ -223,7 +227,6 @@ class Scheduler:
         speculate = self.spec.active(self._num_enqueued())
         draft_model = speculate and self.spec.config.uses_draft_model
         block_size = self.kv.block_size
-        block_ids = self.kv.block_ids
         running, max_model_len = self.running, self.max_model_len
         step_requests, scheduled, step_id = step.requests, step.out.scheduled, step.out.step_id
         i = 0
@@ -243,14 +246,20 @@ class Scheduler:
                     continue
             num_tokens = num_prompt + num_output + placeholders
             computed = request.num_computed_tokens
-            num_new = max(1, min(num_tokens - computed, budget))
-            drafts = self._draft(request, budget) if speculate and num_new == 1 else []
+            num_new = num_tokens - computed  # at least 1, at most the budget
+            if num_new > budget:
+                num_new = budget
+            elif num_new < 1:
+                num_new = 1
+            drafts = self._draft(request, budget) if speculate and num_new == 1 else ()
             if drafts:
                 num_new += len(drafts)
             lookahead = (self._lookahead(request, computed + num_new, True)
                          if draft_model else 0)
-            block_offset = len(block_ids(request.request_id))
-            if not lookahead and computed + num_new <= block_offset * block_size:
+            # A running request has its KV entry: its allocation made it.
+            block_offset = len(request.kv_blocks.block_ids)
+            end = computed + num_new
+            if not lookahead and end <= block_offset * block_size:
                 # its blocks have room: most requests
                 if drafts:
                     self._add_scheduled(step, request, num_new, block_offset, [], drafts)
@@ -258,9 +267,11 @@ class Scheduler:
                     step_requests.append(request)
                     request.last_step_id = step_id
                     request.in_flight_drafts = drafts
+                    completes = end >= num_tokens
                     scheduled.append(ScheduledRequest(request.request_id, num_new, computed,
-                                                      computed + num_new >= num_tokens,
-                                                      block_offset, [], [], 0))
+                                                      completes, block_offset, [], [], 0))
+                    request.num_computed_tokens = end
+                    request.num_output_placeholders = placeholders + completes
                 budget -= num_new
                 i += 1
                 continue
@@ -400,9 +411,11 @@ class Scheduler:
         step_id = out.step_id
         running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
         publish = self.kv.cache_computed_blocks if self.kv.enable_caching else None
+        block_size, max_model_len = self.kv.block_size, self.max_model_len
         for request, s in zip(step.requests, out.scheduled):
             request_id = request.request_id
-            if s.num_computed_tokens < len(request.prompt_token_ids):  # (a prompt chunk)
+            num_prompt = len(request.prompt_token_ids)
+            if s.num_computed_tokens < num_prompt:  # (a prompt chunk)
                 self.num_prompt_tokens += min(s.num_new_tokens,
                                               request.num_prompt_tokens - s.num_computed_tokens)
             if request.status == finished:
@@ -421,10 +434,13 @@ class Scheduler:
                                                      step_id))
                 continue
             request.num_output_placeholders -= s.completes_sequence
-            if publish is not None and request.status == running:
-                # Before the append, so only blocks of known token ids. Their KV is written by
-                # this step or queued in the one in flight: any step that reads a published block
-                # is launched later, so its kernels run after those writes.
+            if publish is not None and request.status == running and min(
+                    request.num_computed_tokens, num_prompt + len(request.output_token_ids)
+            ) // block_size > request.kv_blocks.num_published:
+                # A block filled since the last publish (`cache_computed_blocks`' own test,
+                # inline). Before the append, so only blocks of known token ids. Their KV is
+                # written by this step or queued in the one in flight: any step that reads a
+                # published block is launched later, so its kernels run after those writes.
                 publish(request)
             new_prompt_logprobs = prompt_logprobs.get(request_id) if prompt_logprobs else None
             if not s.completes_sequence:  # a prefill chunk short of the end of the sequence
@@ -435,8 +451,13 @@ class Scheduler:
                         num_cached_tokens=request.num_cached_tokens))
                 continue
             token_id, logprobs = sampled[request_id]
-            request.output_token_ids.append(token_id)
-            reason = self._check_stop(request, token_id)
+            output_token_ids = request.output_token_ids
+            output_token_ids.append(token_id)
+            num_output = len(output_token_ids)
+            # `_check_stop` only where it could stop: a stop token, max_tokens or the context.
+            reason = (self._check_stop(request, token_id)
+                      if (token_id in request.stop_token_set or num_output >= request.max_tokens
+                          or num_prompt + num_output >= max_model_len) else None)
             if reason is not None:
                 self._remove(request)
                 self._finish(request, reason)
