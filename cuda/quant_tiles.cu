@@ -15,8 +15,9 @@ constexpr int kTileMaxM = 16;  // two n-tiles of the mma's 8 columns
 constexpr int kStages = kTileStages;
 
 // Dynamic shared memory of a launch of M rows: the staged activations (M x k), the warps' rings
-// of kStages tiles (512 bytes of weights and 64 of scales each) and x's sums per tile.
-constexpr int ring_bytes(int stages) { return kTileWarps * stages * 32 * (16 + 2); }
+// of two chunks of kStages tiles (512 bytes of weights and 64 of scales each) and x's sums per
+// tile.
+constexpr int ring_bytes(int stages) { return kTileWarps * 2 * stages * 32 * (16 + 2); }
 template <int M>
 int64_t tile_smem_bytes(int64_t k) {
   return M * (k * 2 + 16 * kTileRowPad<M>) + ring_bytes(kStages) +

@@ -26,13 +26,16 @@
 // Work split: CTAs are all resident and stride over the bands (CTA c: bands c, c + grid, ...);
 // in every band, warp w takes the tiles [k_tiles * w / 8, k_tiles * (w + 1) / 8), and the warps
 // add their sums through shared memory (one barrier per band, double-buffered). Each warp streams
-// its tiles, band after band, through a ring of kTileStages tiles in shared memory filled by
-// cp.async (the weight's 16 bytes per lane and the group's scale words), the first ones requested
-// before the PDL wait. x is staged in shared memory by gemv.cuh's prologues (plain, RMSNorm,
-// SwiGLU), so the projections of a decoder layer fold their neighbours in as gemv.cuh does: the
-// residual add (out = residual + round(y), in place) and, over an interleaved layout (band b:
-// gate rows 8b .. 8b + 7 as rows 0-7, up rows n / 2 + 8b .. as rows 8-15), gate_up writing
-// silu(gate) * up (the lane holds gate and up of one output in c0 / c2).
+// its tiles, band after band, in chunks of kTileStages tiles through a ring of two chunks in
+// shared memory: one cp.async commit group per chunk (a lane's 16 bytes of each tile, and one
+// scale word of the chunk per lane), copied two chunks ahead of its multiply, the first two
+// before the PDL wait. A chunk's slots, sources and x are offsets from one base each, so the
+// ring's bookkeeping is per chunk, not per tile. x is staged in shared memory by gemv.cuh's
+// prologues (plain, RMSNorm, SwiGLU), so the projections of a decoder layer fold their
+// neighbours in as gemv.cuh does: the residual add (out = residual + round(y), in place) and,
+// over an interleaved layout (band b: gate rows 8b .. 8b + 7 as rows 0-7, up rows n / 2 + 8b ..
+// as rows 8-15), gate_up writing silu(gate) * up (the lane holds gate and up of one output in
+// c0 / c2).
 #pragma once
 
 #include "common.cuh"
@@ -44,7 +47,7 @@ namespace tinyvllm {
 constexpr int kTileK = 64;       // k values per tile (four mma k-steps)
 constexpr int kTileRows = 16;    // weight rows per band (the mma's M)
 constexpr int kTileWarps = kGemvWarps;  // the staging helpers reduce over kGemvWarps warps
-constexpr int kTileStages = 8;   // tiles in flight per warp (a ring in shared memory)
+constexpr int kTileStages = 4;   // tiles per chunk: a warp's ring holds two chunks
 
 // A nibble q ORed into the mantissa of kValue gives kValue + q exactly: (128 | q) as bf16,
 // (1024 | q) as fp16.
@@ -156,7 +159,7 @@ __device__ __forceinline__ void tile_sums(float* sx, const uint4* act, int k) {
   }
 }
 
-template <typename T, int M, int P, bool SILU_MUL, int STAGES = kTileStages>
+template <typename T, int M, int P, bool SILU_MUL, int D = kTileStages>
 __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
     T* out,                               // [m, out_stride]: n columns (SILU_MUL: n / 2)
     const T* __restrict__ x,              // [m, x_stride]: k columns (2k for kGemvSiluMul)
@@ -169,8 +172,8 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
     int groups, int group_shift,          // group of tile i: (64 i) >> group_shift
     bool interleaved) {
   // Dynamic shared memory: act [M][k / 8 + kTileRowPad] (x after the prologue); per warp a ring
-  // of STAGES tiles (32 lanes x 16 bytes) and of their scale words (8 rows g x 8 bytes); sx
-  // [k / 64][8 NT].
+  // of two chunks of D tiles (32 lanes x 16 bytes) and of their scale words (8 rows g x 8
+  // bytes); sx [k / 64][kTileSumCols] (x's sum over each tile).
   constexpr int NT = M > 8 ? 2 : 1;  // n-tiles: 8 rows of x each
   static_assert(M <= 16, "two n-tiles of 8 rows at most");
   extern __shared__ uint4 act[];
@@ -181,44 +184,66 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   const int k8 = k / 8, k_tiles = k / kTileK;
   constexpr int kPad = kTileRowPad<M>;
   const int act_vectors = M * (k8 + kPad);
-  uint4* ring = act + act_vectors + warp * STAGES * 32;
-  uint2* ring_sc = reinterpret_cast<uint2*>(act + act_vectors + kTileWarps * STAGES * 32) +
-                   warp * STAGES * 8;
-  float* sx = reinterpret_cast<float*>(act + act_vectors + kTileWarps * STAGES * (32 + 4));
+  uint4* ring = act + act_vectors + warp * 2 * D * 32;
+  uint2* ring_sc = reinterpret_cast<uint2*>(act + act_vectors + kTileWarps * 2 * D * 32) +
+                   warp * 2 * D * 8;
+  float* sx = reinterpret_cast<float*>(act + act_vectors + kTileWarps * 2 * D * (32 + 4));
   const int bands = (n + kTileRows - 1) / kTileRows;
   // CTA c owns bands c, c + grid, ...; in each, warp w the tiles [tile_begin, tile_end).
   const int my_bands = int(blockIdx.x) < bands ? (bands - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   const int tile_begin = k_tiles * warp / kTileWarps, tile_end = k_tiles * (warp + 1) / kTileWarps;
   const int per_band = tile_end - tile_begin;
-  const int total = per_band * my_bands;  // this warp's tiles, flattened over its bands
-
-  // Item i of the warp's stream (its tile's weight and the group's scale words) goes to ring
-  // slot i % STAGES; one commit group per item, empty past the end, so that after
-  // wait_group<STAGES - 1> item i has landed. Sources advance incrementally (no divisions).
-  const uint4* next_w = tiles + (int64_t(blockIdx.x) * k_tiles + tile_begin) * 32 + lane;
-  const uint2* next_sc = tile_scales + int64_t(blockIdx.x) * groups * 8 + g;
-  const int64_t band_step_w = (int64_t(gridDim.x) * k_tiles - per_band) * 32;
-  const int64_t band_step_sc = int64_t(gridDim.x) * groups * 8;
-  int next_tile = tile_begin;
-  auto issue = [&](int i) {
-    if (i < total) {
-      const unsigned slot = unsigned(i) % STAGES;
-      cp_async16(ring + slot * 32 + lane, next_w, 16);
-      if (t == 0) {
-        cp_async8(ring_sc + slot * 8 + g, next_sc + ((next_tile << 6) >> group_shift) * 8);
+  // The warp's stream: per band, per_band tiles padded to a multiple of D positions, in chunks
+  // of D positions (padding positions copy and multiply nothing). Chunk c goes to ring half
+  // c % 2 by cp.async (one commit group per chunk), two chunks ahead of its multiply; band ends
+  // fall between chunks, and a chunk's slots and sources are offsets from one base.
+  const int padded = (per_band + D - 1) / D * D;
+  const bool full = padded == per_band;
+  const int64_t w_step = int64_t(gridDim.x) * k_tiles * 32;  // one band of this CTA to the next
+  const int64_t sc_step = int64_t(gridDim.x) * groups * 8;
+  // Group of tile i: i >> tile_group_shift (one group: a shift past any tile index).
+  const int tile_group_shift = group_shift - 6;
+  // The copy cursor: band copy_band of this CTA's and position copy_j0 in it, with that band's
+  // words (w: this lane's of the slice's first tile; sc: the band's scale words).
+  int copy_band = 0, copy_j0 = 0;
+  const uint4* copy_w = tiles + (int64_t(blockIdx.x) * k_tiles + tile_begin) * 32 + lane;
+  const uint2* copy_sc = tile_scales + int64_t(blockIdx.x) * groups * 8;
+  static_assert(D * 8 <= 32, "a lane copies one scale word of a chunk");
+  // The scale word this lane copies: row sc_g's of the chunk's position sc_d.
+  const int sc_d = lane / 8, sc_g = lane % 8;
+  // The next chunk into ring half `half` (FULL: all its positions are tiles of the band).
+  auto copy_chunk = [&](int half, auto full_chunk) {
+    constexpr bool FULL = decltype(full_chunk)::value;
+    if (copy_band < my_bands) {
+      uint4* slots = ring + half * D * 32 + lane;
+#pragma unroll
+      for (int d = 0; d < D; ++d) {
+        if (FULL || copy_j0 + d < per_band) {
+          cp_async16(slots + d * 32, copy_w + (copy_j0 + d) * 32, 16);
+        }
       }
-      next_w += 32;
-      if (++next_tile == tile_end) {
-        next_tile = tile_begin;
-        next_w += band_step_w;
-        next_sc += band_step_sc;
+      if (sc_d < D && (FULL || copy_j0 + sc_d < per_band)) {
+        cp_async8(ring_sc + (half * D + sc_d) * 8 + sc_g,
+                  copy_sc + ((tile_begin + copy_j0 + sc_d) >> tile_group_shift) * 8 + sc_g);
+      }
+      copy_j0 += D;
+      if (copy_j0 == padded) {
+        copy_j0 = 0;
+        ++copy_band;
+        copy_w += w_step;
+        copy_sc += sc_step;
       }
     }
     cp_async_commit();
   };
   // The weights do not depend on the previous kernel: request them before waiting on it.
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) issue(i);
+  if (full) {
+    copy_chunk(0, std::true_type{});
+    copy_chunk(1, std::true_type{});
+  } else {
+    copy_chunk(0, std::false_type{});
+    copy_chunk(1, std::false_type{});
+  }
   wait_for_previous_grid();
 
   gemv_stage_x<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps, kPad);
@@ -261,47 +286,75 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
       sx_acc[h] = make_float2(0.f, 0.f);
     }
   };
-
-  for (int bi = 0, i = 0; bi < my_bands; ++bi) {
-    for (int tile = tile_begin; tile < tile_end; ++tile, ++i) {
-      issue(i + STAGES - 1);  // into the slot item i - 1 left (already used)
-      cp_async_wait<STAGES - 1>();
-      __syncwarp();  // the scale words came through other lanes' copies
-      const unsigned slot = unsigned(i) % STAGES;
-      const uint4 w = ring[slot * 32 + lane];
-      const uint2 sc = ring_sc[slot * 8 + g];
-      __syncwarp();  // every lane has read the slot before any refills it
-      const int gi = (tile << 6) >> group_shift;
-      if (gi != group) {  // a new group: scale the last one's sums
-        flush();
-        group = gi;
-        tile_scale<T>(sc.x, scale_lo, zero_lo);
-        tile_scale<T>(sc.y, scale_hi, zero_hi);
-        if constexpr (kSubtractMagic) zero_lo -= kMagicValue, zero_hi -= kMagicValue;
+  // Tile `tile` from the lane's weight word; at a new group, the last one's sums are scaled
+  // first and the group's scale words (sc) read. xt[h] / sxt: n-tile h's x and the sums of x at
+  // the tile.
+  auto multiply = [&](const uint4& w, const uint2* sc, int tile, const T* const (&xt)[NT],
+                      const float* sxt) {
+    const int gi = tile >> tile_group_shift;
+    if (gi != group) {
+      flush();
+      group = gi;
+      const uint2 words = *sc;
+      tile_scale<T>(words.x, scale_lo, zero_lo);
+      tile_scale<T>(words.y, scale_hi, zero_hi);
+      if constexpr (kSubtractMagic) zero_lo -= kMagicValue, zero_hi -= kMagicValue;
+    }
+#pragma unroll
+    for (int h = 0; h < NT; ++h) {
+      const float2 tile_sx = *reinterpret_cast<const float2*>(sxt + 8 * h);
+      sx_acc[h].x += tile_sx.x;
+      sx_acc[h].y += tile_sx.y;
+    }
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t q = words[j];
+      uint32_t a[4] = {nibble_pair(q, kMagic), nibble_pair(q >> 4, kMagic),
+                       nibble_pair(q >> 8, kMagic), nibble_pair(q >> 12, kMagic)};
+      if constexpr (kSubtractMagic) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[r] = sub_pair<T>(a[r], kMagic);
       }
 #pragma unroll
       for (int h = 0; h < NT; ++h) {
-        const float2 tile_sx =
-            *reinterpret_cast<const float2*>(sx + tile * kSumCols + 8 * h + 2 * t);
-        sx_acc[h].x += tile_sx.x;
-        sx_acc[h].y += tile_sx.y;
+        const uint2 b = *reinterpret_cast<const uint2*>(xt[h] + 16 * j);
+        mma_16816<T>(acc[h], a, b.x, b.y);
       }
-      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+    }
+  };
+  // Chunk c (positions j0 .. j0 + D - 1 of its band; FULL: all are tiles of the band) from its
+  // ring half, which then takes the copies of chunk c + 2.
+  auto chunk = [&](auto full_chunk, int c, int j0) {
+    constexpr bool FULL = decltype(full_chunk)::value;
+    const int half = c & 1;
+    cp_async_wait<1>();  // chunk c has landed (c + 1 may be in flight)
+    __syncwarp();        // the scale words came through other lanes' copies
+    const int tile0 = tile_begin + j0;
+    const T* xt[NT];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t q = words[j];
-        uint32_t a[4] = {nibble_pair(q, kMagic), nibble_pair(q >> 4, kMagic),
-                         nibble_pair(q >> 8, kMagic), nibble_pair(q >> 12, kMagic)};
-        if constexpr (kSubtractMagic) {
+    for (int h = 0; h < NT; ++h) xt[h] = xrow[h] + tile0 * kTileK;
+    const float* sxt = sx + tile0 * kSumCols + 2 * t;
+    const uint4* slots = ring + half * D * 32 + lane;
+    const uint2* slots_sc = ring_sc + half * D * 8 + g;
 #pragma unroll
-          for (int r = 0; r < 4; ++r) a[r] = sub_pair<T>(a[r], kMagic);
-        }
+    for (int d = 0; d < D; ++d) {
+      if (FULL || j0 + d < per_band) {
+        const T* xd[NT];
 #pragma unroll
-        for (int h = 0; h < NT; ++h) {
-          const uint2 b = *reinterpret_cast<const uint2*>(xrow[h] + tile * kTileK + 16 * j);
-          mma_16816<T>(acc[h], a, b.x, b.y);
-        }
+        for (int h = 0; h < NT; ++h) xd[h] = xt[h] + d * kTileK;
+        multiply(slots[d * 32], slots_sc + d * 8, tile0 + d, xd, sxt + d * kSumCols);
       }
+    }
+    __syncwarp();  // every lane has read the half before any refills it
+    copy_chunk(half, full_chunk);
+  };
+
+  for (int bi = 0, c = 0; bi < my_bands; ++bi) {
+    if (full) {
+      for (int j0 = 0; j0 < padded; j0 += D, ++c) chunk(std::true_type{}, c, j0);
+    } else {
+      for (int j0 = 0; j0 < padded; j0 += D, ++c) chunk(std::false_type{}, c, j0);
     }
     // The end of band bi: the warps' sums meet in shared memory, one warp writes the outputs.
     flush();
@@ -309,9 +362,9 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
 #pragma unroll
     for (int h = 0; h < NT; ++h) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        partial[bi & 1][warp][4 * h + c][lane] = sum[h][c];
-        sum[h][c] = 0.f;
+      for (int c4 = 0; c4 < 4; ++c4) {
+        partial[bi & 1][warp][4 * h + c4][lane] = sum[h][c4];
+        sum[h][c4] = 0.f;
       }
     }
     __syncthreads();
@@ -321,10 +374,10 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
         if (8 * h >= m) break;
         float y[4];
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          y[c] = 0.f;
+        for (int c4 = 0; c4 < 4; ++c4) {
+          y[c4] = 0.f;
 #pragma unroll
-          for (int w = 0; w < kTileWarps; ++w) y[c] += partial[bi & 1][w][4 * h + c][lane];
+          for (int w = 0; w < kTileWarps; ++w) y[c4] += partial[bi & 1][w][4 * h + c4][lane];
         }
         quant_tile_epilogue<T, SILU_MUL>(
             y, blockIdx.x + bi * gridDim.x, g, t, out + 8 * h * out_stride, bias,
