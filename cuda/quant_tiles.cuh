@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   // c % 2 by cp.async (one commit group per chunk), two chunks ahead of its multiply; band ends
   // fall between chunks, and a chunk's slots and sources are offsets from one base.
   const int padded = (per_band + D - 1) / D * D;
-  const bool full = padded == per_band;
+  const bool full = per_band > 0 && padded == per_band;  // (k < 512: some warps have no tiles)
   const int64_t w_step = int64_t(gridDim.x) * k_tiles * 32;  // one band of this CTA to the next
   const int64_t sc_step = int64_t(gridDim.x) * groups * 8;
   // Group of tile i: i >> tile_group_shift (one group: a shift past any tile index).
