@@ -21,6 +21,7 @@ seeded sample does not depend on which other requests share the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Optional
 
 import torch
@@ -60,10 +61,13 @@ class SamplingState:
     # Greedy, without penalties or logprobs: an argmax once the output has min_tokens (set from
     # the parameters, which never change; read per row per step).
     plain_greedy: bool = field(init=False)
+    # ... and without min_tokens: an argmax at every step.
+    plain_argmax: bool = field(init=False)
 
     def __post_init__(self) -> None:
         p = self.params
         self.plain_greedy = p.greedy and not self.has_penalties and p.logprobs is None
+        self.plain_argmax = self.plain_greedy and p.min_tokens == 0
 
     def exponential_noise(self, index: int, out: torch.Tensor) -> None:
         """Fill out ([vocab_size]) with the Exp(1) noise of output token `index` from the
@@ -159,6 +163,9 @@ class SampledTensors:
         return SamplerOutput(token_ids, _logprobs_lists(self.logprobs, token_ids, states))
 
 
+_plain_argmax = attrgetter("plain_argmax")
+
+
 class Sampler:
     """Stateless; call it once per step with the batch's logits and states."""
 
@@ -176,8 +183,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SampledTensors:
         """Sample one token per row without a host sync; same arguments as `__call__`."""
         assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
-        if all(s.plain_greedy and len(s.output_token_ids) >= s.params.min_tokens
-               for s in states):  # (no row needs the min_tokens mask)
+        if all(map(_plain_argmax, states)) or all(
+                s.plain_greedy and len(s.output_token_ids) >= s.params.min_tokens
+                for s in states):  # (no row needs the min_tokens mask)
             return SampledTensors(logits.argmax(dim=-1), None)
 
         want_logprobs = any(s.params.logprobs is not None for s in states)
