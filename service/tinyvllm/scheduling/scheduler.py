@@ -23,6 +23,7 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Iterable, Optional, Sequence
 
 from tinyvllm.config import SchedulerConfig, SpeculativeConfig
@@ -32,6 +33,9 @@ from tinyvllm.scheduling.output import (DraftTokens, NewRequest, PromptLogprobs,
                                         ScheduledRequest, SchedulerOutput)
 from tinyvllm.scheduling.request import EngineCoreOutput, FinishReason, Request, RequestStatus
 from tinyvllm.scheduling.spec_decode import SpecDecodePolicy
+
+
+_may_read_output_tokens = attrgetter("may_read_output_tokens")
 
 
 @dataclass
@@ -162,8 +166,10 @@ class Scheduler:
         if (self.spec.active(self._num_enqueued()) and not self.spec.drafts_behind
                 and any(r.can_speculate and not r.spec_skip for r in self.running)):
             return False
-        return not any(r.may_read_output_tokens and r.num_output_placeholders
-                       and r.sampling_reads_output_tokens for r in self.running)
+        # (Most batches: no request may read them, found by `map` over the running requests.)
+        return not any(map(_may_read_output_tokens, self.running)) or not any(
+            r.may_read_output_tokens and r.num_output_placeholders
+            and r.sampling_reads_output_tokens for r in self.running)
 
     # --- one step -----------------------------------------------------------------------------
 
@@ -407,6 +413,7 @@ class Scheduler:
         """
         prompt_logprobs = prompt_logprobs or {}
         outputs = []
+        done: list[Request] = []  # finished while running: out of the running list at the end
         step = self._steps.pop(out.step_id)
         step_id = out.step_id
         running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
@@ -431,7 +438,7 @@ class Scheduler:
                 request.draft_token_ids = (draft_token_ids or {}).get(request_id, [])
             if s.draft_token_ids:
                 outputs.append(self._update_verified(request, s, sampled[request_id][0],
-                                                     step_id))
+                                                     step_id, done))
                 continue
             request.num_output_placeholders -= s.completes_sequence
             if publish is not None and request.status == running and min(
@@ -459,7 +466,7 @@ class Scheduler:
                       if (token_id in request.stop_token_set or num_output >= request.max_tokens
                           or num_prompt + num_output >= max_model_len) else None)
             if reason is not None:
-                self._remove(request)
+                self._remove(request, done)
                 self._finish(request, reason)
             elif s.num_lookahead_tokens:  # the drafts' slots: past the computed tokens
                 self.kv.trim(request)
@@ -467,10 +474,13 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 request_id, [token_id], [logprobs] if logprobs is not None else None,
                 new_prompt_logprobs, reason, request.stop_reason, request.num_cached_tokens))
+        if done:  # one pass, not a list.remove per request (many finish in a step)
+            gone = set(done)
+            self.running = [r for r in self.running if r not in gone]
         return outputs
 
     def _update_verified(self, request: Request, s: ScheduledRequest, token_ids: list[int],
-                         step_id: int) -> EngineCoreOutput:
+                         step_id: int, done: list[Request]) -> EngineCoreOutput:
         """A verification step's outcome: token_ids are the accepted drafts and the target's own
         token. The rejected drafts' KV is rolled back (num_computed_tokens, and the blocks that
         only they used), then the tokens are appended up to a stop, and the full blocks of
@@ -501,7 +511,7 @@ class Scheduler:
             if reason is not None:
                 break
         if reason is not None:
-            self._remove(request)
+            self._remove(request, done)
             self._finish(request, reason)
         elif request.status == RequestStatus.RUNNING:
             self.kv.cache_computed_blocks(request)
@@ -524,11 +534,12 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def _remove(self, request: Request) -> None:
-        """Take a request out of the running list, or of the waiting queue where it went when it
-        was preempted with a token in flight."""
+    def _remove(self, request: Request, done: list[Request]) -> None:
+        """Take a request out of the waiting queue where it went when it was preempted with a
+        token in flight, else put it in `done`, the running requests that `update` takes out of
+        the running list once it has processed the step."""
         if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
+            done.append(request)
         else:
             self.waiting.remove({request})
 
