@@ -217,6 +217,63 @@ def test_decode_only_steps_fill_what_the_general_path_fills(loaded):
     assert fast[5]["prev_token_dst"][0] == 1 and fast[5]["prev_token_src"][0] == 1
 
 
+def test_decode_step_behind_a_plain_step_queues_every_input(loaded, monkeypatch):
+    """A step of decodes whose every input is the previous plain step's sample (async
+    scheduling's usual step): `_fill_host_decodes` queues each row from the sample's row in
+    the previous step (by the records' table rows, in array operations), as `_fill_host` does
+    by request id; a row whose token the host knows takes the general way."""
+    import torch
+
+    from tinyvllm.worker import model_runner
+    from tinyvllm.worker.model_runner import _PrevSampled
+
+    monkeypatch.setattr(model_runner, "_ARRAY_MIN_ROWS", 1)  # the array path at 3 rows
+    calls = []
+    queue = ModelRunner._queue_in_flight_tokens
+    monkeypatch.setattr(ModelRunner, "_queue_in_flight_tokens",
+                        lambda self, *args: calls.append(queue(self, *args)) or calls[-1])
+    runner = make_runner(loaded)
+    requests = [scheduled("a", PROMPTS[0], [42, 43], 13, [3, 9, 5, 8], 1),
+                scheduled("b", PROMPTS[1], [1], 6, [7, 2], 1),
+                scheduled("c", [1, 2, 3], [], 3, [6], 1)]
+    out = SchedulerOutput(new_requests=[n for n, _, _ in requests],
+                          scheduled=[s for _, _, s in requests])
+    rows = apply_scheduler_output(runner.requests, out, runner.device)
+    for row, (_, output, _) in zip(rows, requests):
+        row.output_token_ids.extend(output)
+    a, b_, c = rows
+    b = runner.buffers
+    names = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
+             "block_tables", "logits_indices", "prev_token_dst", "prev_token_src")
+
+    def fill(method, prev):
+        runner._prev_sampled = prev
+        b.begin(3, 3, 4)
+        for name in names:
+            getattr(b, name).np[:] = -7  # what neither path writes stays visible
+        sampled, num_prev, num_rows, jobs = method(out.scheduled, rows, b.block_table_rows(3, 4))
+        return ([r.request_id for r in sampled], num_prev, num_rows, jobs,
+                [r.sampling.output_index for r in rows],
+                {name: getattr(b, name).np.copy() for name in names})
+
+    # The previous step sampled c, a, b (and one that finished since) in its rows 0..3.
+    gone = CachedRequest(NewRequest("gone", [5, 5], GREEDY), runner.device)
+    prev = _PrevSampled(torch.tensor([7, 77, 8, 9]), None, [c, gone, a, b_], [3, 2, 13, 6])
+    general, fast = fill(runner._fill_host, prev), fill(runner._fill_host_decodes, prev)
+    assert general[:5] == fast[:5] == (["a", "b", "c"], 3, 3, [], [3, 2, 1])
+    for name in names:
+        np.testing.assert_array_equal(fast[5][name], general[5][name], err_msg=name)
+    assert fast[5]["prev_token_src"][:3].tolist() == [2, 3, 0]
+    assert fast[5]["input_ids"][:3].tolist() == [0, 0, 0] and calls == [3]
+    # a's token at 13 now on the host: its id is written, the others still queued.
+    a.output_token_ids.append(44)
+    general, fast = fill(runner._fill_host, prev), fill(runner._fill_host_decodes, prev)
+    assert general[:5] == fast[:5] == (["a", "b", "c"], 2, 3, [], [3, 2, 1])
+    for name in names:
+        np.testing.assert_array_equal(fast[5][name], general[5][name], err_msg=name)
+    assert fast[5]["input_ids"][0] == 44 and calls == [3, None]
+
+
 def test_verification_laid_out_as_decode_rows(loaded):
     """With verification graphs, a step of decodes and verifications becomes one decode row per
     token: row j of a request verifying k drafts has the request's block table and a context

@@ -23,6 +23,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Iterable, Optional, Protocol
 
 from tinyvllm.config import EngineConfig, RuntimeInfo
@@ -46,6 +47,7 @@ class StepHandle(Protocol):
     def result(self) -> SampledTokens: ...
 
 logger = logging.getLogger(__name__)
+_new_token_ids = attrgetter("new_token_ids")
 
 
 @dataclass
@@ -171,7 +173,7 @@ class EngineCore:
 
     def _count(self, out: SchedulerOutput, outputs: list[EngineCoreOutput]) -> None:
         self._num_scheduled_tokens = out.num_scheduled_tokens
-        self._num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
+        self._num_generation_tokens += sum(map(len, map(_new_token_ids, outputs)))
 
     def get_stats(self) -> EngineStats:
         kv = self.kv

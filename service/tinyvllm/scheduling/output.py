@@ -9,6 +9,7 @@ worker processes on several GPUs (`engine/executor.py`).
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Optional, Union
 
 import msgspec
@@ -52,6 +53,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     num_lookahead_tokens: int = 0
 
 
+_num_new_tokens = attrgetter("num_new_tokens")
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """One step. `scheduled` is in batch-row order; `new_requests` precede their first
     scheduling; finished ids are the requests to forget (their blocks are free); preempted ids
@@ -66,7 +70,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(map(_num_new_tokens, self.scheduled))  # (map: per request per step)
 
     @property
     def is_empty(self) -> bool:

@@ -13,7 +13,8 @@ import contextlib
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from operator import attrgetter
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -35,7 +36,8 @@ from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_siz
 from tinyvllm.worker.input_buffers import InputBuffers
 from tinyvllm.worker.prompt_logprobs import (PromptLogprobsJob, StepPromptLogprobs,
                                              compute_prompt_logprobs, plan_job)
-from tinyvllm.worker.requests import CachedRequest, RequestRecords, apply_scheduler_output
+from tinyvllm.worker.requests import (CachedRequest, RequestRecords, apply_scheduler_output,
+                                      prompt_logprobs_due)
 from tinyvllm.worker.sampler import Sampler, SamplingState
 from tinyvllm.worker.spec_decode import PendingVerification
 from tinyvllm.scheduling.output import SampledTokens
@@ -85,6 +87,20 @@ class ModelInputs:
         return any(self.draft_token_ids)
 
 
+_num_computed_tokens = attrgetter("num_computed_tokens")
+_completes_sequence = attrgetter("completes_sequence")
+_draft_token_ids = attrgetter("draft_token_ids")
+_request_id = attrgetter("request_id")
+_row = attrgetter("row")
+_num_blocks = attrgetter("num_blocks")
+_sampling = attrgetter("sampling")
+_prompt_token_ids = attrgetter("prompt_token_ids")
+_output_token_ids = attrgetter("output_token_ids")
+
+_ARRAY_MIN_ROWS = 256
+"""A step of decodes with fewer rows finds its in-flight inputs by the loop (`_last_tokens`):
+numpy's cost per call outweighs the loop's per row below about this many."""
+
 _IDS_RING_SIZE = 3
 """Pinned buffers for sampled ids in rotation: at most two steps are unread at once (async)."""
 
@@ -95,8 +111,32 @@ class _PrevSampled:
 
     token_ids: torch.Tensor  # [num_sampled] int64 (a verification's: every row's, flat)
     # request id -> (row in token_ids, that token's position in the sequence); a verification's
-    # last token, for a step scheduled behind it that assumes every draft accepted.
-    rows: dict[str, tuple[int, int]]
+    # last token, for a step scheduled behind it that assumes every draft accepted. A plain
+    # step's is made from `requests` and `lengths` on first use (`by_request_id`).
+    rows: Optional[dict[str, tuple[int, int]]] = None
+    # A plain step: its sampled records, row i's sample in token_ids[i], at position lengths[i].
+    requests: Sequence[CachedRequest] = ()
+    lengths: Sequence[int] = ()
+
+    def by_request_id(self) -> dict[str, tuple[int, int]]:
+        if self.rows is None:
+            self.rows = dict(zip(map(_request_id, self.requests),
+                                 zip(range(len(self.requests)), self.lengths)))
+        return self.rows
+
+    def by_table_row(self, table_rows: np.ndarray, num_table_rows: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """A plain step's samples of the records whose `BlockTables` rows are table_rows (of
+        num_table_rows): each one's row in token_ids and that token's position, -1 for none.
+        A record keeps its table row while it lives, but a row freed since may be a new
+        record's: the caller compares each position with its own."""
+        sampled_rows = np.fromiter(map(_row, self.requests), np.intp, len(self.requests))
+        inverse = np.full(num_table_rows, -1, dtype=np.intp)
+        inverse[sampled_rows] = np.arange(len(sampled_rows))
+        src = inverse[table_rows]
+        positions = np.asarray(self.lengths, dtype=np.int64)[src]
+        positions[src < 0] = -1
+        return src, positions
 
 
 def keep_gguf_packed(dequantize: Optional[bool], device: torch.device) -> bool:
@@ -400,12 +440,11 @@ class ModelRunner:
                 return StepHandle.finished(pending.result(), prompt)
             self._prev_sampled = _PrevSampled(*pending.last_tokens())
             return StepHandle.deferred(pending.result, prompt, on_cuda)
-        states = [r.sampling for r in requests]
+        states = list(map(_sampling, requests))
         sampled = self.sampler.sample(logits, states)
         if self.tp.size > 1:  # every rank keeps rank 0's tokens (random rows may differ)
             self.tp.broadcast(sampled.token_ids, src=0)
-        self._prev_sampled = _PrevSampled(sampled.token_ids, dict(zip(
-            (r.request_id for r in requests), zip(range(len(requests)), lengths))))
+        self._prev_sampled = _PrevSampled(sampled.token_ids, None, requests, lengths)
         return StepHandle.launch(requests, states, sampled, self._next_ids_buffer(), prompt,
                                  on_cuda, lengths)
 
@@ -463,7 +502,10 @@ class ModelRunner:
             raise ValueError(f"step of {num_seqs} sequences / {num_tokens} tokens exceeds "
                              f"max_num_seqs={self.max_num_seqs} / "
                              f"max_num_batched_tokens={self.max_num_tokens}")
-        max_seq_len = max(s.num_computed_tokens + s.num_new_tokens for s in scheduled)
+        # A step of one token per request (each has at least one): the decode path's starts.
+        starts = list(map(_num_computed_tokens, scheduled)) if num_tokens == num_seqs else None
+        max_seq_len = (max(starts) + 1 if starts is not None else
+                       max(s.num_computed_tokens + s.num_new_tokens for s in scheduled))
         graph = None
         if self.graphs is not None and num_tokens == num_seqs:  # one new token each: pure decode
             graph = self.graphs.pick(num_seqs, max_seq_len)
@@ -474,15 +516,19 @@ class ModelRunner:
         if graph is not None:
             num_rows, width = graph.batch_size, graph.block_table_width
         else:
-            num_rows, width = num_seqs, max(r.num_blocks for r in rows)
+            num_rows, width = num_seqs, max(map(_num_blocks, rows))
         b = self.buffers
         b.wait_until_writable()
         b.begin(max(num_tokens, num_rows), num_rows, width)
-        fill = (self._fill_host_decodes if num_tokens == num_seqs and all(
-            s.completes_sequence and r.prompt_logprobs_pos >= r.prompt_logprobs_end
-            for s, r in zip(scheduled, rows)) else self._fill_host)
-        sampled, num_prev, num_logit_rows, prompt_jobs = fill(
-            scheduled, rows, b.block_table_rows(num_rows, width))
+        tables = b.block_table_rows(num_rows, width)
+        decodes = (starts is not None and all(map(_completes_sequence, scheduled))
+                   and not prompt_logprobs_due(rows))
+        if decodes:
+            sampled, num_prev, num_logit_rows, prompt_jobs = self._fill_host_decodes(
+                scheduled, rows, tables, starts)
+        else:
+            sampled, num_prev, num_logit_rows, prompt_jobs = self._fill_host(
+                scheduled, rows, tables)
         if graph is not None and graph.verify and num_tokens > num_seqs:
             self._spread_into_token_rows(scheduled, num_tokens, num_rows, width)
         if num_rows > num_tokens:
@@ -492,13 +538,14 @@ class ModelRunner:
             b.fill_prev_token_ids(num_prev, self._prev_sampled.token_ids)
         meta = None
         if graph is None:
-            max_query_len = max(s.num_new_tokens for s in scheduled)
+            max_query_len = 1 if starts is not None else max(s.num_new_tokens for s in scheduled)
             meta = b.metadata(num_tokens, num_seqs, width, max_query_len, max_seq_len)
         return ModelInputs(num_tokens=num_tokens, meta=meta, graph=graph,
                            logits_indices=b.logits_indices_device(num_logit_rows),
                            sampled_requests=sampled,
-                           draft_token_ids=[s.draft_token_ids for s in scheduled
-                                            if s.completes_sequence],
+                           draft_token_ids=(
+                               list(map(_draft_token_ids, scheduled)) if decodes else
+                               [s.draft_token_ids for s in scheduled if s.completes_sequence]),
                            prompt_jobs=prompt_jobs)
 
     def _spread_into_token_rows(self, scheduled: list[ScheduledRequest], num_tokens: int,
@@ -516,21 +563,26 @@ class ModelRunner:
         b.query_start_loc.np[:num_tokens + 1] = np.arange(num_tokens + 1)
 
     def _fill_host_decodes(self, scheduled: list[ScheduledRequest], records: list[CachedRequest],
-                           tables: np.ndarray
+                           tables: np.ndarray, starts: Optional[list[int]] = None
                            ) -> tuple[list[CachedRequest], int, int, list[PromptLogprobsJob]]:
         """`_fill_host` for a step of decodes only (one token each, every one sampled, no
-        prompt logprobs): the per-request values gathered in lists, each array written once."""
+        prompt logprobs): the per-request values gathered in lists or arrays, each array
+        written once. starts: the requests' num_computed_tokens, where the caller has them."""
         bs = self.block_size
         b = self.buffers
         n = len(scheduled)
-        starts = [s.num_computed_tokens for s in scheduled]
-        for r, start in zip(records, starts):
-            r.sampling.output_index = start + 1 - len(r.prompt_token_ids)
-        ids, num_prev = self._last_tokens(records, starts, range(n))
-        b.input_ids.np[:n] = ids
+        if starts is None:
+            starts = list(map(_num_computed_tokens, scheduled))
         positions = b.positions.np[:n]
         positions[:] = starts
         pool, rows = self._gather_tables(records, tables)
+        prompt_lens = np.fromiter(map(len, map(_prompt_token_ids, records)), np.int64, n)
+        for state, index in zip(map(_sampling, records), (positions + 1 - prompt_lens).tolist()):
+            state.output_index = index
+        num_prev = self._queue_in_flight_tokens(records, positions, prompt_lens, rows)
+        if num_prev is None:  # some input known on the host (or a verification in flight)
+            ids, num_prev = self._last_tokens(records, starts, range(n))
+            b.input_ids.np[:n] = ids
         b.slot_mapping.np[:n] = pool[rows, positions // bs] * bs + positions % bs
         b.query_start_loc.np[:n + 1] = np.arange(n + 1)
         b.seq_lens.np[:n] = b.positions.np[:n] + 1
@@ -598,10 +650,33 @@ class ModelRunner:
         """The step's block tables, row i = records[i]'s first `tables.shape[1]` entries (a
         graph's width covers the step's contexts; lookahead blocks past them are unread), in one
         gather from the records' `BlockTables`. Returns that array and the records' rows in it."""
-        rows = np.fromiter((r.row for r in records), np.intp, len(records))
+        rows = np.fromiter(map(_row, records), np.intp, len(records))
         pool = self.requests.tables.array
         tables[:len(records)] = pool[rows, :tables.shape[1]]
         return pool, rows
+
+    def _queue_in_flight_tokens(self, records: list[CachedRequest], positions: np.ndarray,
+                                prompt_lens: np.ndarray, table_rows: np.ndarray
+                                ) -> Optional[int]:
+        """`_last_tokens` for a step of decodes (row i: records[i] at positions[i]) whose every
+        input is the previous plain step's sample, in array operations: input ids 0, each row
+        queued to take its id from the device. Returns the count of rows, or None (nothing
+        written) where that does not hold or the step is small (`_ARRAY_MIN_ROWS`)."""
+        prev = self._prev_sampled
+        n = len(records)
+        if prev is None or not prev.requests or n < _ARRAY_MIN_ROWS:
+            return None
+        known = prompt_lens + np.fromiter(map(len, map(_output_token_ids, records)), np.int64, n)
+        if (positions < known).any():
+            return None
+        src, sample_positions = prev.by_table_row(table_rows, self.requests.tables.array.shape[0])
+        if (sample_positions != positions).any():
+            return None
+        b = self.buffers
+        b.input_ids.np[:n] = 0
+        b.prev_token_dst.np[:n] = np.arange(n)
+        b.prev_token_src.np[:n] = src
+        return n
 
     def _last_tokens(self, records: list[CachedRequest], positions: list[int],
                      offsets) -> tuple[list[int], int]:
@@ -612,7 +687,7 @@ class ModelRunner:
         ids = []
         dst, src = [], []
         prev = self._prev_sampled
-        in_flight = prev.rows.get if prev is not None else {}.get
+        in_flight = prev.by_request_id().get if prev is not None else {}.get
         for r, position, offset in zip(records, positions, offsets):
             if position < len(r.prompt_token_ids) + len(r.output_token_ids):
                 ids.append(r.token_at(position))

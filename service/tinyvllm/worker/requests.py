@@ -8,6 +8,7 @@ the scheduler sends only what changed each step (new block ids, the computed cou
 
 from __future__ import annotations
 
+from operator import attrgetter, lt
 from typing import Optional
 
 import numpy as np
@@ -142,20 +143,29 @@ class CachedRequest:
         return np.asarray(self.prompt_token_ids[start:] + self.output_token_ids[:end - p],
                           dtype=np.int64)
 
-    def append_sampled(self, token_ids: "int | list[int]") -> None:
-        if isinstance(token_ids, int):
-            self.output_token_ids.append(token_ids)
-        else:
-            self.output_token_ids.extend(token_ids)
+
+_request_id = attrgetter("request_id")
+_prompt_logprobs_pos = attrgetter("prompt_logprobs_pos")
+_prompt_logprobs_end = attrgetter("prompt_logprobs_end")
+
+
+def prompt_logprobs_due(records: list[CachedRequest]) -> bool:
+    """Whether some record has prompt positions left to score (`plan_job`); iterated by `map`,
+    as it runs over every request of every step."""
+    return any(map(lt, map(_prompt_logprobs_pos, records), map(_prompt_logprobs_end, records)))
 
 
 def append_sampled(records: list[CachedRequest], tokens: list, lengths: list[int]) -> None:
     """Append each record's token (or a verification's tokens) where the record still has the
     length its step was launched for; else the step ran behind a verification that fell short,
     and its result for that request is dropped (`Scheduler.update`)."""
-    for r, token_ids, length in zip(records, tokens, lengths):
-        if len(r.prompt_token_ids) + len(r.output_token_ids) == length:
-            r.append_sampled(token_ids)
+    for r, token_ids, length in zip(records, tokens, lengths):  # (per request per step)
+        output_token_ids = r.output_token_ids
+        if len(r.prompt_token_ids) + len(output_token_ids) == length:
+            if isinstance(token_ids, int):
+                output_token_ids.append(token_ids)
+            else:
+                output_token_ids.extend(token_ids)
 
 
 def apply_scheduler_output(records: RequestRecords, out, device: torch.device
@@ -170,15 +180,14 @@ def apply_scheduler_output(records: RequestRecords, out, device: torch.device
             record.clear_blocks()
     for new in out.new_requests:
         records.add(new, device)
-    if not out.scheduled:
+    scheduled = out.scheduled
+    if not scheduled:
         return None
-    rows = []
-    for s in out.scheduled:
-        record = records.get(s.request_id)
+    rows = list(map(records.get, map(_request_id, scheduled)))
+    for s, record in zip(scheduled, rows):  # (per request per step)
         if record is None:
             raise RuntimeError(f"request {s.request_id!r} scheduled before the worker was told "
                                f"of it (no NewRequest)")
         if s.new_block_ids or s.block_offset != record.num_blocks:  # (most decodes: neither)
             record.set_blocks(s.block_offset, s.new_block_ids)
-        rows.append(record)
     return rows

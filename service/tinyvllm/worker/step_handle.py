@@ -8,6 +8,7 @@ and appends them to the worker's records of the requests.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Callable, Optional
 
 import torch
@@ -16,6 +17,9 @@ from tinyvllm.scheduling.output import DraftTokens, PromptLogprobs, SampledToken
 from tinyvllm.worker.prompt_logprobs import StepPromptLogprobs
 from tinyvllm.worker.requests import CachedRequest, append_sampled
 from tinyvllm.worker.sampler import SampledTensors, SamplingState
+
+
+_request_id = attrgetter("request_id")
 
 
 class StepHandle:
@@ -91,7 +95,7 @@ class StepHandle:
             self._result = self._finish() if self._finish is not None else {}
             if self._sampled is not None:
                 out = self._sampled.to_output(self._states)
-                self._result = dict(zip((r.request_id for r in self._requests),
+                self._result = dict(zip(map(_request_id, self._requests),
                                         zip(out.token_ids, out.logprobs)))
                 append_sampled(self._requests, out.token_ids, self._lengths)
             if self._prompt is not None:
