@@ -441,14 +441,18 @@ class Scheduler:
                                                      step_id, done))
                 continue
             request.num_output_placeholders -= s.completes_sequence
-            if publish is not None and request.status == running and min(
-                    request.num_computed_tokens, num_prompt + len(request.output_token_ids)
-            ) // block_size > request.kv_blocks.num_published:
-                # A block filled since the last publish (`cache_computed_blocks`' own test,
-                # inline). Before the append, so only blocks of known token ids. Their KV is
-                # written by this step or queued in the one in flight: any step that reads a
-                # published block is launched later, so its kernels run after those writes.
-                publish(request)
+            output_token_ids = request.output_token_ids
+            if publish is not None and request.status == running:
+                # Its computed tokens whose ids are known: a block filled since the last publish
+                # is published (`cache_computed_blocks`' own test, inline). Before the append, so
+                # only blocks of known token ids. Their KV is written by this step or queued in
+                # the one in flight: any step that reads a published block is launched later, so
+                # its kernels run after those writes.
+                num_full = num_prompt + len(output_token_ids)
+                if request.num_computed_tokens < num_full:
+                    num_full = request.num_computed_tokens
+                if num_full // block_size > request.kv_blocks.num_published:
+                    publish(request)
             new_prompt_logprobs = prompt_logprobs.get(request_id) if prompt_logprobs else None
             if not s.completes_sequence:  # a prefill chunk short of the end of the sequence
                 if new_prompt_logprobs is not None:
@@ -458,7 +462,6 @@ class Scheduler:
                         num_cached_tokens=request.num_cached_tokens))
                 continue
             token_id, logprobs = sampled[request_id]
-            output_token_ids = request.output_token_ids
             output_token_ids.append(token_id)
             num_output = len(output_token_ids)
             # `_check_stop` only where it could stop: a stop token, max_tokens or the context.
