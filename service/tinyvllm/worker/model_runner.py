@@ -81,6 +81,8 @@ class ModelInputs:
     draft_token_ids: list[list[int]]
     # Requests with prompt logprobs and their prompt rows in this step (usually none).
     prompt_jobs: list[PromptLogprobsJob]
+    # A step of decodes: each sampled request's length before its token (its seq_lens row).
+    sampled_lengths: Optional[list[int]] = None
 
     @property
     def has_drafts(self) -> bool:
@@ -432,7 +434,8 @@ class ModelRunner:
         # Each sampled request's length before its first token of this step (the position
         # that token takes): a result is appended only where the record still has that length
         # (a step scheduled behind a verification that fell short is dropped).
-        lengths = [len(r.prompt_token_ids) + r.sampling.output_index for r in requests]
+        lengths = (inputs.sampled_lengths if inputs.sampled_lengths is not None else
+                   [len(r.prompt_token_ids) + r.sampling.output_index for r in requests])
         if inputs.has_drafts:
             pending = PendingVerification(logits, requests, inputs.draft_token_ids, self.sampler,
                                           self.tp, lengths, self._next_ids_buffer())
@@ -546,7 +549,8 @@ class ModelRunner:
                            draft_token_ids=(
                                list(map(_draft_token_ids, scheduled)) if decodes else
                                [s.draft_token_ids for s in scheduled if s.completes_sequence]),
-                           prompt_jobs=prompt_jobs)
+                           prompt_jobs=prompt_jobs,
+                           sampled_lengths=b.seq_lens.np[:num_seqs].tolist() if decodes else None)
 
     def _spread_into_token_rows(self, scheduled: list[ScheduledRequest], num_tokens: int,
                                 num_rows: int, width: int) -> None:
