@@ -27,8 +27,10 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     eos_token_ids: list[int] = []
 
 
-class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One request's share of a step, as it stood when scheduled.
+class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request's share of a step, as it stood when scheduled. Made for every request every
+    step, and never part of a reference cycle (it holds ids and counts): untracked by the
+    cyclic collector (gc=False), which otherwise runs several times a step at large batches.
 
     The worker's block table for the request is cut to `block_offset` entries, then extended by
     `new_block_ids`: a fresh or resumed (preempted) request has offset 0 and its whole table; a

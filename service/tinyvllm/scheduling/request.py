@@ -50,8 +50,10 @@ class Logprobs(msgspec.Struct, array_like=True):
     top_logprobs: list[float]
 
 
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One request's news from one engine step (one batch of these crosses IPC per step)."""
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request's news from one engine step (one batch of these crosses IPC per step).
+    Made for every request every step, and never part of a reference cycle: untracked by the
+    cyclic collector (gc=False), as `ScheduledRequest`."""
 
     request_id: str
     new_token_ids: list[int]
