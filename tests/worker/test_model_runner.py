@@ -52,13 +52,20 @@ def scheduled(request_id: str, prompt: list[int], output: list[int], num_compute
     return new, list(output), share
 
 
-def prepare(runner: ModelRunner, *requests):
-    """The runner's inputs for a step of these `scheduled(...)` requests."""
+def step_records(runner, requests):
+    """The step of `scheduled(...)` requests and the runner's records of them, each record's
+    output ids as the request had them."""
     out = SchedulerOutput(new_requests=[n for n, _, _ in requests],
                           scheduled=[s for _, _, s in requests])
     rows = apply_scheduler_output(runner.requests, out, runner.device)
     for row, (_, output, _) in zip(rows, requests):
         row.output_token_ids.extend(output)
+    return out, rows
+
+
+def prepare(runner: ModelRunner, *requests):
+    """The runner's inputs for a step of these `scheduled(...)` requests."""
+    out, rows = step_records(runner, requests)
     return runner._prepare_inputs(out, rows)
 
 
@@ -180,6 +187,33 @@ def test_decode_padded_to_graph_bucket(loaded):
     assert inputs.logits_indices.tolist() == [0, 1, 2]
 
 
+FILLED = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
+          "block_tables", "logits_indices", "prev_token_dst", "prev_token_src")
+
+
+def fill_both_ways(runner, out, rows, width=4):
+    """The step's host inputs written by `_fill_host` and by `_fill_host_decodes`, every buffer
+    preset to -7 first (what neither path writes stays visible); asserts the buffers equal.
+    Each result: sampled request ids, queued rows, logits rows, prompt jobs, the records'
+    output indices and the buffers."""
+    b, n = runner.buffers, len(rows)
+
+    def fill(method):
+        b.begin(n, n, width)
+        for name in FILLED:
+            getattr(b, name).np[:] = -7
+        sampled, num_prev, num_rows, jobs = method(out.scheduled, rows,
+                                                   b.block_table_rows(n, width))
+        return ([r.request_id for r in sampled], num_prev, num_rows, jobs,
+                [r.sampling.output_index for r in rows],
+                {name: getattr(b, name).np.copy() for name in FILLED})
+
+    general, fast = fill(runner._fill_host), fill(runner._fill_host_decodes)
+    for name in FILLED:
+        np.testing.assert_array_equal(fast[5][name], general[5][name], err_msg=name)
+    return general, fast
+
+
 def test_decode_only_steps_fill_what_the_general_path_fills(loaded):
     """`_fill_host_decodes` (steps of decodes only) writes every input the general `_fill_host`
     writes, the in-flight token's fill included, and returns the same counts."""
@@ -191,29 +225,10 @@ def test_decode_only_steps_fill_what_the_general_path_fills(loaded):
     requests = [scheduled("a", PROMPTS[0], [42, 43], 12, [3, 9, 5, 8], 1),
                 scheduled("b", PROMPTS[1], [1], 6, [7, 2], 1),  # its token at 6 is in flight
                 scheduled("c", [1, 2, 3], [], 2, [6], 1)]
-    out = SchedulerOutput(new_requests=[n for n, _, _ in requests],
-                          scheduled=[s for _, _, s in requests])
-    rows = apply_scheduler_output(runner.requests, out, runner.device)
-    for row, (_, output, _) in zip(rows, requests):
-        row.output_token_ids.extend(output)
+    out, rows = step_records(runner, requests)
     runner._prev_sampled = _PrevSampled(torch.tensor([7, 77]), {"b": (1, 6)})
-    b = runner.buffers
-    names = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
-             "block_tables", "logits_indices", "prev_token_dst", "prev_token_src")
-
-    def fill(method):
-        b.begin(3, 3, 4)
-        for name in names:
-            getattr(b, name).np[:] = -7  # what neither path writes stays visible
-        sampled, num_prev, num_rows, jobs = method(out.scheduled, rows, b.block_table_rows(3, 4))
-        return ([r.request_id for r in sampled], num_prev, num_rows, jobs,
-                [r.sampling.output_index for r in rows],
-                {name: getattr(b, name).np.copy() for name in names})
-
-    general, fast = fill(runner._fill_host), fill(runner._fill_host_decodes)
+    general, fast = fill_both_ways(runner, out, rows)
     assert general[:5] == fast[:5] == (["a", "b", "c"], 1, 3, [], [2, 2, 0])
-    for name in names:
-        np.testing.assert_array_equal(fast[5][name], general[5][name], err_msg=name)
     assert fast[5]["prev_token_dst"][0] == 1 and fast[5]["prev_token_src"][0] == 1
 
 
@@ -236,41 +251,20 @@ def test_decode_step_behind_a_plain_step_queues_every_input(loaded, monkeypatch)
     requests = [scheduled("a", PROMPTS[0], [42, 43], 13, [3, 9, 5, 8], 1),
                 scheduled("b", PROMPTS[1], [1], 6, [7, 2], 1),
                 scheduled("c", [1, 2, 3], [], 3, [6], 1)]
-    out = SchedulerOutput(new_requests=[n for n, _, _ in requests],
-                          scheduled=[s for _, _, s in requests])
-    rows = apply_scheduler_output(runner.requests, out, runner.device)
-    for row, (_, output, _) in zip(rows, requests):
-        row.output_token_ids.extend(output)
+    out, rows = step_records(runner, requests)
     a, b_, c = rows
-    b = runner.buffers
-    names = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
-             "block_tables", "logits_indices", "prev_token_dst", "prev_token_src")
-
-    def fill(method, prev):
-        runner._prev_sampled = prev
-        b.begin(3, 3, 4)
-        for name in names:
-            getattr(b, name).np[:] = -7  # what neither path writes stays visible
-        sampled, num_prev, num_rows, jobs = method(out.scheduled, rows, b.block_table_rows(3, 4))
-        return ([r.request_id for r in sampled], num_prev, num_rows, jobs,
-                [r.sampling.output_index for r in rows],
-                {name: getattr(b, name).np.copy() for name in names})
-
     # The previous step sampled c, a, b (and one that finished since) in its rows 0..3.
     gone = CachedRequest(NewRequest("gone", [5, 5], GREEDY), runner.device)
-    prev = _PrevSampled(torch.tensor([7, 77, 8, 9]), None, [c, gone, a, b_], [3, 2, 13, 6])
-    general, fast = fill(runner._fill_host, prev), fill(runner._fill_host_decodes, prev)
+    runner._prev_sampled = _PrevSampled(torch.tensor([7, 77, 8, 9]), None, [c, gone, a, b_],
+                                        [3, 2, 13, 6])
+    general, fast = fill_both_ways(runner, out, rows)
     assert general[:5] == fast[:5] == (["a", "b", "c"], 3, 3, [], [3, 2, 1])
-    for name in names:
-        np.testing.assert_array_equal(fast[5][name], general[5][name], err_msg=name)
     assert fast[5]["prev_token_src"][:3].tolist() == [2, 3, 0]
     assert fast[5]["input_ids"][:3].tolist() == [0, 0, 0] and calls == [3]
     # a's token at 13 now on the host: its id is written, the others still queued.
     a.output_token_ids.append(44)
-    general, fast = fill(runner._fill_host, prev), fill(runner._fill_host_decodes, prev)
+    general, fast = fill_both_ways(runner, out, rows)
     assert general[:5] == fast[:5] == (["a", "b", "c"], 2, 3, [], [3, 2, 1])
-    for name in names:
-        np.testing.assert_array_equal(fast[5][name], general[5][name], err_msg=name)
     assert fast[5]["input_ids"][0] == 44 and calls == [3, None]
 
 
