@@ -126,7 +126,7 @@ class KVCacheManager:
         whose ids are known)."""
         if not self.enable_caching:
             return
-        entry = self._requests.get(request.request_id)
+        entry = request.kv_blocks  # (this manager's entry, or None)
         if entry is None:
             return
         num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
