@@ -1,6 +1,7 @@
 // Launchers of the W4A16 tile-layout GEMV and its dequantize (quant_tiles.cuh): size checks and
 // the choice of instantiation, {float16, bfloat16} x M {1, 2, 4, 8, 16} x prologue {none,
-// rmsnorm, silu_mul}, and the SwiGLU-product epilogue after {none, rmsnorm}.
+// rmsnorm, silu_mul}, and the SwiGLU-product epilogue after {none, rmsnorm}, each with its
+// groups checked per tile or (group_size 128 where every warp's slice allows) at fixed positions.
 #include <algorithm>
 #include <mutex>
 #include <string>
@@ -34,7 +35,7 @@ void with_tile_rows(int m, F&& f) {
 // limit per block less the kernel's static shared memory (asked once).
 template <typename T, int M, int P, bool S>
 int kernel_smem_cap() {
-  static const int cap = dynamic_smem_cap(quant_tile_gemv_kernel<T, M, P, S, kStages>,
+  static const int cap = dynamic_smem_cap(quant_tile_gemv_kernel<T, M, P, S, 0, kStages>,
                                           "quant_tile_gemv: shared memory per block");
   return cap;
 }
@@ -54,21 +55,28 @@ int tile_smem_cap() {
   return std::min(least(__half{}), least(__nv_bfloat16{}));
 }
 
+// Tiles per group where every group sits at fixed positions of each warp's chunks (the kernel's
+// G): group_size 128 and every warp's slice of k a multiple of kStages tiles (so also of 2);
+// else 0 (the group of each tile is checked).
+int fixed_group_tiles(int k, int group_size) {
+  constexpr int kG = 2;
+  if (group_size != kG * kTileK || k / group_size < 2) return 0;
+  const int k_tiles = k / kTileK;
+  for (int w = 0; w < kTileWarps; ++w) {
+    const int begin = k_tiles * w / kTileWarps, end = k_tiles * (w + 1) / kTileWarps;
+    if (end == begin || (end - begin) % kStages != 0 || begin % kG != 0) return 0;
+  }
+  return kG;
+}
+
 // Each CTA takes ceil(bands / resident CTAs) bands (strided), so that all CTAs are resident at
 // once and none has a band more than the others but the last few.
-template <typename T, int M, int P, bool S>
-void launch(T* out, const T* x, const uint4* tiles, const uint2* scales, const T* bias,
-            const T* residual, const T* norm_weight, int m, int n, int k, int64_t x_stride,
-            int64_t out_stride, int64_t residual_stride, float eps, int group_size,
-            bool interleaved, cudaStream_t stream) {
-  const int groups = k / group_size;
-  // Power-of-two groups: the group of tile i is (64 i) >> shift; one group: any shift > log2(k).
-  int shift = 31;
-  if (groups > 1) {
-    shift = 0;
-    while ((1 << shift) < group_size) ++shift;
-  }
-  auto kernel = quant_tile_gemv_kernel<T, M, P, S, kStages>;
+template <typename T, int M, int P, bool S, int G>
+void launch_g(T* out, const T* x, const uint4* tiles, const uint2* scales, const T* bias,
+              const T* residual, const T* norm_weight, int m, int n, int k, int64_t x_stride,
+              int64_t out_stride, int64_t residual_stride, float eps, int groups, int shift,
+              bool interleaved, cudaStream_t stream) {
+  auto kernel = quant_tile_gemv_kernel<T, M, P, S, G, kStages>;
   static std::once_flag once;
   std::call_once(once, [&] {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -81,6 +89,27 @@ void launch(T* out, const T* x, const uint4* tiles, const uint2* scales, const T
   launch_pdl(kernel, dim3(grid), dim3(kTileWarps * 32), smem, stream, out, x, tiles, scales,
              bias, residual, norm_weight, m, n, k, x_stride, out_stride, residual_stride, eps,
              groups, shift, interleaved);
+}
+
+template <typename T, int M, int P, bool S>
+void launch(T* out, const T* x, const uint4* tiles, const uint2* scales, const T* bias,
+            const T* residual, const T* norm_weight, int m, int n, int k, int64_t x_stride,
+            int64_t out_stride, int64_t residual_stride, float eps, int group_size,
+            bool interleaved, cudaStream_t stream) {
+  const int groups = k / group_size;
+  // Power-of-two groups: the group of tile i is (64 i) >> shift; one group: any shift > log2(k).
+  int shift = 31;
+  if (groups > 1) {
+    shift = 0;
+    while ((1 << shift) < group_size) ++shift;
+  }
+  if (fixed_group_tiles(k, group_size) == 2) {
+    launch_g<T, M, P, S, 2>(out, x, tiles, scales, bias, residual, norm_weight, m, n, k, x_stride,
+                            out_stride, residual_stride, eps, groups, shift, interleaved, stream);
+  } else {
+    launch_g<T, M, P, S, 0>(out, x, tiles, scales, bias, residual, norm_weight, m, n, k, x_stride,
+                            out_stride, residual_stride, eps, groups, shift, interleaved, stream);
+  }
 }
 
 template <typename T, int P, bool S = false>

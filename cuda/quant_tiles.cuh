@@ -30,7 +30,10 @@
 // shared memory: one cp.async commit group per chunk (a lane's 16 bytes of each tile, and one
 // scale word of the chunk per lane), copied two chunks ahead of its multiply, the first two
 // before the PDL wait. A chunk's slots, sources and x are offsets from one base each, so the
-// ring's bookkeeping is per chunk, not per tile. x is staged in shared memory by gemv.cuh's
+// ring's bookkeeping is per chunk, not per tile. Where groups of 128 sit at fixed positions of
+// every chunk (each warp's slice a multiple of the chunk: every Llama-3-8B shape), the kernel's G
+// instantiation scales each group with no per-tile check, into two accumulators in turn so that
+// a group's scaling overlaps the next group's mmas, with x's sums taken per group. x is staged in shared memory by gemv.cuh's
 // prologues (plain, RMSNorm, SwiGLU), so the projections of a decoder layer fold their
 // neighbours in as gemv.cuh does: the residual add (out = residual + round(y), in place) and,
 // over an interleaved layout (band b: gate rows 8b .. 8b + 7 as rows 0-7, up rows n / 2 + 8b ..
@@ -138,28 +141,36 @@ template <int M> constexpr int kTileSumCols = M > 8 ? 16 : 8;
 // of each half-warp's 8-byte loads on distinct banks (unpadded, rows g, g + 1, .. share them).
 template <int M> constexpr int kTileRowPad = M > 1 ? 2 : 0;
 
-// sx[i][c] = the sum of act row c over tile i (64 values) in fp32, for c < M (other columns are
-// left unwritten: they only feed the accumulators of unused columns). A thread per (tile, row),
-// each starting at a different vector of its tile (fewer bank conflicts).
+// sx[i][c] = the sum of act row c over span i (`span` tiles: one, or a group where groups sit at
+// fixed chunk positions) in fp32, for c < M (other columns are left unwritten: they only feed
+// the accumulators of unused columns). A thread per (span, row), each starting at a different
+// vector of its tiles (fewer bank conflicts).
 template <typename T, int M>
-__device__ __forceinline__ void tile_sums(float* sx, const uint4* act, int k) {
+__device__ __forceinline__ void tile_sums(float* sx, const uint4* act, int k, int span) {
   constexpr int kVectors = kTileK / 8;
-  for (int p = threadIdx.x; p < (k / kTileK) * M; p += blockDim.x) {
-    const int tile = p / M, c = p % M;
-    const uint4* v = act + c * (k / 8 + kTileRowPad<M>) + tile * kVectors;
+  for (int p = threadIdx.x; p < (k / kTileK / span) * M; p += blockDim.x) {
+    const int i = p / M, c = p % M;
     float s = 0.f;
+    for (int tile = i * span; tile < (i + 1) * span; ++tile) {
+      const uint4* v = act + c * (k / 8 + kTileRowPad<M>) + tile * kVectors;
 #pragma unroll
-    for (int i = 0; i < kVectors; ++i) {
-      float f[8];
-      unpack8<T>(v[(i + p) % kVectors], f);
+      for (int e8 = 0; e8 < kVectors; ++e8) {
+        float f[8];
+        unpack8<T>(v[(e8 + p) % kVectors], f);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) s += f[e];
+        for (int e = 0; e < 8; ++e) s += f[e];
+      }
     }
-    sx[tile * kTileSumCols<M> + c] = s;
+    sx[i * kTileSumCols<M> + c] = s;
   }
 }
 
-template <typename T, int M, int P, bool SILU_MUL, int D = kTileStages>
+// G > 0: every group is G tiles and sits at fixed positions of every chunk (D % G == 0, each
+// warp's slice a multiple of D tiles starting at a group boundary; the launcher checks): the
+// chunk's groups are scaled with no per-tile check, alternating two accumulators so that one
+// group's scaling waits on its mma chain while the next group's mmas issue, and x's sums are
+// taken per group. G == 0: any group (the group of each tile is checked).
+template <typename T, int M, int P, bool SILU_MUL, int G = 0, int D = kTileStages>
 __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
     T* out,                               // [m, out_stride]: n columns (SILU_MUL: n / 2)
     const T* __restrict__ x,              // [m, x_stride]: k columns (2k for kGemvSiluMul)
@@ -249,7 +260,7 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   gemv_stage_x<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps, kPad);
   __syncthreads();
   allow_next_grid();
-  tile_sums<T, M>(sx, act, k);
+  tile_sums<T, M>(sx, act, k, G > 0 ? G : 1);
   __syncthreads();
 
   constexpr uint32_t kMagic = TileMagic<T>::kPair;
@@ -286,9 +297,27 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
       sx_acc[h] = make_float2(0.f, 0.f);
     }
   };
-  // Tile `tile` from the lane's weight word; at a new group, the last one's sums are scaled
-  // first and the group's scale words (sc) read. xt[h] / sxt: n-tile h's x and the sums of x at
-  // the tile.
+  // The four mmas of one tile from the lane's weight word into a; xt[h]: n-tile h's x at the tile.
+  auto mma_tile = [&](const uint4& w, const T* const (&xt)[NT], float (&a)[NT][4]) {
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t q = words[j];
+      uint32_t f[4] = {nibble_pair(q, kMagic), nibble_pair(q >> 4, kMagic),
+                       nibble_pair(q >> 8, kMagic), nibble_pair(q >> 12, kMagic)};
+      if constexpr (kSubtractMagic) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) f[r] = sub_pair<T>(f[r], kMagic);
+      }
+#pragma unroll
+      for (int h = 0; h < NT; ++h) {
+        const uint2 b = *reinterpret_cast<const uint2*>(xt[h] + 16 * j);
+        mma_16816<T>(a[h], f, b.x, b.y);
+      }
+    }
+  };
+  // Tile `tile` (G == 0); at a new group, the last one's sums are scaled first and the group's
+  // scale words (sc) read. sxt: the sums of x at the tile.
   auto multiply = [&](const uint4& w, const uint2* sc, int tile, const T* const (&xt)[NT],
                       const float* sxt) {
     const int gi = tile >> tile_group_shift;
@@ -306,22 +335,64 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
       sx_acc[h].x += tile_sx.x;
       sx_acc[h].y += tile_sx.y;
     }
-    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+    mma_tile(w, xt, acc);
+  };
+  // G > 0: a group's sums a, scaled by its scale words into sum (and a zeroed); sxg: x's sums
+  // over the group. Scale words of 0 (no group pending) add nothing.
+  float accs[2][NT][4] = {};
+  uint2 pending_words = make_uint2(0, 0);
+  const float* pending_sx = sx;
+  auto scale_group = [&](float (&a)[NT][4], uint2 words, const float* sxg) {
+    float s_lo, z_lo, s_hi, z_hi;
+    tile_scale<T>(words.x, s_lo, z_lo);
+    tile_scale<T>(words.y, s_hi, z_hi);
+    if constexpr (kSubtractMagic) z_lo -= kMagicValue, z_hi -= kMagicValue;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t q = words[j];
-      uint32_t a[4] = {nibble_pair(q, kMagic), nibble_pair(q >> 4, kMagic),
-                       nibble_pair(q >> 8, kMagic), nibble_pair(q >> 12, kMagic)};
-      if constexpr (kSubtractMagic) {
+    for (int h = 0; h < NT; ++h) {
+      const float2 gx = *reinterpret_cast<const float2*>(sxg + 8 * h);
+      sum[h][0] = fmaf(s_lo, fmaf(-z_lo, gx.x, a[h][0]), sum[h][0]);
+      sum[h][1] = fmaf(s_lo, fmaf(-z_lo, gx.y, a[h][1]), sum[h][1]);
+      sum[h][2] = fmaf(s_hi, fmaf(-z_hi, gx.x, a[h][2]), sum[h][2]);
+      sum[h][3] = fmaf(s_hi, fmaf(-z_hi, gx.y, a[h][3]), sum[h][3]);
+      a[h][0] = a[h][1] = a[h][2] = a[h][3] = 0.f;
+    }
+  };
+  // G > 0, chunk c (positions j0 .. j0 + D - 1, all tiles of the band): D / G groups, group q
+  // into accs[q & 1]; the group before it (the last of the previous chunk for q = 0, pending in
+  // accs[1]) is scaled after q's mmas are issued. D / G == 1 scales each group at once.
+  auto chunk_groups = [&](int c, int j0) {
+    static_assert(G == 0 || (D % G == 0 && (D / G == 1 || D / G % 2 == 0)),
+                  "a chunk holds one group or an even number of them");
+    constexpr int kGroups = G > 0 ? D / G : 1;
+    constexpr int kSpan = G > 0 ? G : 1;
+    const int half = c & 1;
+    cp_async_wait<1>();
+    __syncwarp();
+    const int tile0 = tile_begin + j0;
+    const uint4* slots = ring + half * D * 32 + lane;
+    const uint2* slots_sc = ring_sc + half * D * 8 + g;
 #pragma unroll
-        for (int r = 0; r < 4; ++r) a[r] = sub_pair<T>(a[r], kMagic);
+    for (int q = 0; q < kGroups; ++q) {
+      float (&a)[NT][4] = accs[kGroups == 1 ? 0 : (q & 1)];
+#pragma unroll
+      for (int d = q * kSpan; d < (q + 1) * kSpan; ++d) {
+        const T* xd[NT];
+#pragma unroll
+        for (int h = 0; h < NT; ++h) xd[h] = xrow[h] + (tile0 + d) * kTileK;
+        mma_tile(slots[d * 32], xd, a);
       }
-#pragma unroll
-      for (int h = 0; h < NT; ++h) {
-        const uint2 b = *reinterpret_cast<const uint2*>(xt[h] + 16 * j);
-        mma_16816<T>(acc[h], a, b.x, b.y);
+      const uint2 words = slots_sc[q * kSpan * 8];
+      const float* sxg = sx + ((tile0 + q * kSpan) / kSpan) * kSumCols + 2 * t;
+      if constexpr (kGroups == 1) {
+        scale_group(a, words, sxg);
+      } else {
+        scale_group(accs[(q & 1) ^ 1], pending_words, pending_sx);
+        pending_words = words;
+        pending_sx = sxg;
       }
     }
+    __syncwarp();
+    copy_chunk(half, std::true_type{});
   };
   // Chunk c (positions j0 .. j0 + D - 1 of its band; FULL: all are tiles of the band) from its
   // ring half, which then takes the copies of chunk c + 2.
@@ -351,14 +422,22 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   };
 
   for (int bi = 0, c = 0; bi < my_bands; ++bi) {
-    if (full) {
+    if constexpr (G > 0) {
+      for (int j0 = 0; j0 < padded; j0 += D, ++c) chunk_groups(c, j0);
+      if constexpr (D / G > 1) {
+        scale_group(accs[1], pending_words, pending_sx);
+        pending_words = make_uint2(0, 0);
+      }
+    } else if (full) {
       for (int j0 = 0; j0 < padded; j0 += D, ++c) chunk(std::true_type{}, c, j0);
     } else {
       for (int j0 = 0; j0 < padded; j0 += D, ++c) chunk(std::false_type{}, c, j0);
     }
     // The end of band bi: the warps' sums meet in shared memory, one warp writes the outputs.
-    flush();
-    group = -1;
+    if constexpr (G == 0) {
+      flush();
+      group = -1;
+    }
 #pragma unroll
     for (int h = 0; h < NT; ++h) {
 #pragma unroll

@@ -111,9 +111,10 @@ def test_gemv_matches_reference(dtype, m, n, k, group_size):
 @pytest.mark.parametrize("m", [1, 2, 4, 11, 16])
 @pytest.mark.parametrize("fusion", ["rms_norm", "silu_mul", "residual", "silu_mul_out",
                                     "rms_norm+silu_mul_out", "silu_mul_out_plain_layout"])
-def test_fused_prologues_and_epilogues_match_reference(dtype, m, fusion):
-    n, k, group_size = 1024, 1024, 128
-    qweight, scales, zeros = make_weight(n, k, group_size, dtype, m + len(fusion), "cuda")
+@pytest.mark.parametrize("k", [1024, 4096])  # 4096: the groups at fixed chunk positions
+def test_fused_prologues_and_epilogues_match_reference(dtype, m, fusion, k):
+    n, group_size = 1024, 128
+    qweight, scales, zeros = make_weight(n, k, group_size, dtype, m + len(fusion) + k, "cuda")
     interleave = fusion.startswith("rms_norm+") or fusion == "silu_mul_out"
     tiles = qt.repack(qweight, scales, zeros, group_size, interleave)
     gen = torch.Generator(device="cuda").manual_seed(m)
