@@ -26,10 +26,10 @@
 // Work split: CTAs are all resident and stride over the bands (CTA c: bands c, c + grid, ...);
 // in every band, warp w takes the tiles [k_tiles * w / 8, k_tiles * (w + 1) / 8), and the warps
 // add their sums through shared memory (one barrier per band, double-buffered). Each warp streams
-// its tiles, band after band, in chunks of kTileStages tiles through a ring of two chunks in
+// its tiles, band after band, in chunks of kTileStages tiles through a ring of R chunks in
 // shared memory: one cp.async commit group per chunk (a lane's 16 bytes of each tile, and one
-// scale word of the chunk per lane), copied two chunks ahead of its multiply, the first two
-// before the PDL wait. A chunk's slots, sources and x are offsets from one base each, so the
+// scale word of the chunk per lane), copied R chunks ahead of its multiply, the first R before
+// the PDL wait (R = 3 at one row of x where shared memory allows, else 2). A chunk's slots, sources and x are offsets from one base each, so the
 // ring's bookkeeping is per chunk, not per tile. Where groups of 128 sit at fixed positions of
 // every chunk (each warp's slice a multiple of the chunk: every Llama-3-8B shape), the kernel's G
 // instantiation scales each group with no per-tile check, into two accumulators in turn so that
@@ -50,7 +50,7 @@ namespace tinyvllm {
 constexpr int kTileK = 64;       // k values per tile (four mma k-steps)
 constexpr int kTileRows = 16;    // weight rows per band (the mma's M)
 constexpr int kTileWarps = kGemvWarps;  // the staging helpers reduce over kGemvWarps warps
-constexpr int kTileStages = 4;   // tiles per chunk: a warp's ring holds two chunks
+constexpr int kTileStages = 4;   // tiles per chunk: a warp's ring holds R (2 or 3) chunks
 
 // A nibble q ORed into the mantissa of kValue gives kValue + q exactly: (128 | q) as bf16,
 // (1024 | q) as fp16.
@@ -170,7 +170,7 @@ __device__ __forceinline__ void tile_sums(float* sx, const uint4* act, int k, in
 // chunk's groups are scaled with no per-tile check, alternating two accumulators so that one
 // group's scaling waits on its mma chain while the next group's mmas issue, and x's sums are
 // taken per group. G == 0: any group (the group of each tile is checked).
-template <typename T, int M, int P, bool SILU_MUL, int G = 0, int D = kTileStages>
+template <typename T, int M, int P, bool SILU_MUL, int G = 0, int D = kTileStages, int R = 2>
 __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
     T* out,                               // [m, out_stride]: n columns (SILU_MUL: n / 2)
     const T* __restrict__ x,              // [m, x_stride]: k columns (2k for kGemvSiluMul)
@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
     int groups, int group_shift,          // group of tile i: (64 i) >> group_shift
     bool interleaved) {
   // Dynamic shared memory: act [M][k / 8 + kTileRowPad] (x after the prologue); per warp a ring
-  // of two chunks of D tiles (32 lanes x 16 bytes) and of their scale words (8 rows g x 8
+  // of R chunks of D tiles (32 lanes x 16 bytes) and of their scale words (8 rows g x 8
   // bytes); sx [k / 64][kTileSumCols] (x's sum over each tile).
   constexpr int NT = M > 8 ? 2 : 1;  // n-tiles: 8 rows of x each
   static_assert(M <= 16, "two n-tiles of 8 rows at most");
@@ -195,18 +195,18 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   const int k8 = k / 8, k_tiles = k / kTileK;
   constexpr int kPad = kTileRowPad<M>;
   const int act_vectors = M * (k8 + kPad);
-  uint4* ring = act + act_vectors + warp * 2 * D * 32;
-  uint2* ring_sc = reinterpret_cast<uint2*>(act + act_vectors + kTileWarps * 2 * D * 32) +
-                   warp * 2 * D * 8;
-  float* sx = reinterpret_cast<float*>(act + act_vectors + kTileWarps * 2 * D * (32 + 4));
+  uint4* ring = act + act_vectors + warp * R * D * 32;
+  uint2* ring_sc = reinterpret_cast<uint2*>(act + act_vectors + kTileWarps * R * D * 32) +
+                   warp * R * D * 8;
+  float* sx = reinterpret_cast<float*>(act + act_vectors + kTileWarps * R * D * (32 + 4));
   const int bands = (n + kTileRows - 1) / kTileRows;
   // CTA c owns bands c, c + grid, ...; in each, warp w the tiles [tile_begin, tile_end).
   const int my_bands = int(blockIdx.x) < bands ? (bands - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   const int tile_begin = k_tiles * warp / kTileWarps, tile_end = k_tiles * (warp + 1) / kTileWarps;
   const int per_band = tile_end - tile_begin;
   // The warp's stream: per band, per_band tiles padded to a multiple of D positions, in chunks
-  // of D positions (padding positions copy and multiply nothing). Chunk c goes to ring half
-  // c % 2 by cp.async (one commit group per chunk), two chunks ahead of its multiply; band ends
+  // of D positions (padding positions copy and multiply nothing). Chunk c goes to ring slot
+  // c % R by cp.async (one commit group per chunk), R chunks ahead of its multiply; band ends
   // fall between chunks, and a chunk's slots and sources are offsets from one base.
   const int padded = (per_band + D - 1) / D * D;
   const bool full = per_band > 0 && padded == per_band;  // (k < 512: some warps have no tiles)
@@ -222,11 +222,11 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   static_assert(D * 8 <= 32, "a lane copies one scale word of a chunk");
   // The scale word this lane copies: row sc_g's of the chunk's position sc_d.
   const int sc_d = lane / 8, sc_g = lane % 8;
-  // The next chunk into ring half `half` (FULL: all its positions are tiles of the band).
-  auto copy_chunk = [&](int half, auto full_chunk) {
+  // The next chunk into ring slot `slot` (FULL: all its positions are tiles of the band).
+  auto copy_chunk = [&](int slot, auto full_chunk) {
     constexpr bool FULL = decltype(full_chunk)::value;
     if (copy_band < my_bands) {
-      uint4* slots = ring + half * D * 32 + lane;
+      uint4* slots = ring + slot * D * 32 + lane;
 #pragma unroll
       for (int d = 0; d < D; ++d) {
         if (FULL || copy_j0 + d < per_band) {
@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
         }
       }
       if (sc_d < D && (FULL || copy_j0 + sc_d < per_band)) {
-        cp_async8(ring_sc + (half * D + sc_d) * 8 + sc_g,
+        cp_async8(ring_sc + (slot * D + sc_d) * 8 + sc_g,
                   copy_sc + ((tile_begin + copy_j0 + sc_d) >> tile_group_shift) * 8 + sc_g);
       }
       copy_j0 += D;
@@ -248,12 +248,13 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
     cp_async_commit();
   };
   // The weights do not depend on the previous kernel: request them before waiting on it.
-  if (full) {
-    copy_chunk(0, std::true_type{});
-    copy_chunk(1, std::true_type{});
-  } else {
-    copy_chunk(0, std::false_type{});
-    copy_chunk(1, std::false_type{});
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (full) {
+      copy_chunk(r, std::true_type{});
+    } else {
+      copy_chunk(r, std::false_type{});
+    }
   }
   wait_for_previous_grid();
 
@@ -361,16 +362,16 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   // into accs[q & 1]; the group before it (the last of the previous chunk for q = 0, pending in
   // accs[1]) is scaled after q's mmas are issued. D / G == 1 scales each group at once.
   auto chunk_groups = [&](int c, int j0) {
-    static_assert(G == 0 || (D % G == 0 && (D / G == 1 || D / G % 2 == 0)),
-                  "a chunk holds one group or an even number of them");
-    constexpr int kGroups = G > 0 ? D / G : 1;
     constexpr int kSpan = G > 0 ? G : 1;
-    const int half = c & 1;
-    cp_async_wait<1>();
+    constexpr int kGroups = D / kSpan;
+    static_assert(D % kSpan == 0 && (kGroups == 1 || kGroups % 2 == 0),
+                  "a chunk holds one group or an even number of them");
+    const int slot = c % R;
+    cp_async_wait<R - 1>();
     __syncwarp();
     const int tile0 = tile_begin + j0;
-    const uint4* slots = ring + half * D * 32 + lane;
-    const uint2* slots_sc = ring_sc + half * D * 8 + g;
+    const uint4* slots = ring + slot * D * 32 + lane;
+    const uint2* slots_sc = ring_sc + slot * D * 8 + g;
 #pragma unroll
     for (int q = 0; q < kGroups; ++q) {
       float (&a)[NT][4] = accs[kGroups == 1 ? 0 : (q & 1)];
@@ -392,22 +393,22 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
       }
     }
     __syncwarp();
-    copy_chunk(half, std::true_type{});
+    copy_chunk(slot, std::true_type{});
   };
   // Chunk c (positions j0 .. j0 + D - 1 of its band; FULL: all are tiles of the band) from its
-  // ring half, which then takes the copies of chunk c + 2.
+  // ring slot, which then takes the copies of chunk c + R.
   auto chunk = [&](auto full_chunk, int c, int j0) {
     constexpr bool FULL = decltype(full_chunk)::value;
-    const int half = c & 1;
-    cp_async_wait<1>();  // chunk c has landed (c + 1 may be in flight)
+    const int slot = c % R;
+    cp_async_wait<R - 1>();  // chunk c has landed (c + 1 may be in flight)
     __syncwarp();        // the scale words came through other lanes' copies
     const int tile0 = tile_begin + j0;
     const T* xt[NT];
 #pragma unroll
     for (int h = 0; h < NT; ++h) xt[h] = xrow[h] + tile0 * kTileK;
     const float* sxt = sx + tile0 * kSumCols + 2 * t;
-    const uint4* slots = ring + half * D * 32 + lane;
-    const uint2* slots_sc = ring_sc + half * D * 8 + g;
+    const uint4* slots = ring + slot * D * 32 + lane;
+    const uint2* slots_sc = ring_sc + slot * D * 8 + g;
 #pragma unroll
     for (int d = 0; d < D; ++d) {
       if (FULL || j0 + d < per_band) {
@@ -417,8 +418,8 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
         multiply(slots[d * 32], slots_sc + d * 8, tile0 + d, xd, sxt + d * kSumCols);
       }
     }
-    __syncwarp();  // every lane has read the half before any refills it
-    copy_chunk(half, full_chunk);
+    __syncwarp();  // every lane has read the slot before any refills it
+    copy_chunk(slot, full_chunk);
   };
 
   for (int bi = 0, c = 0; bi < my_bands; ++bi) {
