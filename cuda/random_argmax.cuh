@@ -24,17 +24,26 @@ struct Best {
   int index;
 };
 
+// NAN_FIRST = false: a NaN score never wins (the samplers' races). NAN_FIRST = true:
+// torch.argmax's order, a NaN above every number and the first NaN winning (greedy rows, whose
+// reference is torch.argmax).
+template <bool NAN_FIRST = false>
 __device__ __forceinline__ bool beats(float score, int index, const Best& b) {
+  if constexpr (NAN_FIRST) {
+    const bool nan = score != score, best_nan = b.score != b.score;
+    if (nan || best_nan) return nan && (!best_nan || index < b.index);
+  }
   return score > b.score || (score == b.score && index < b.index);
 }
 
 // The warp's best (score, lowest index among equal scores), in every lane.
+template <bool NAN_FIRST = false>
 __device__ __forceinline__ Best warp_best(Best b) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
     const float s = __shfl_xor_sync(0xffffffffu, b.score, off);
     const int i = __shfl_xor_sync(0xffffffffu, b.index, off);
-    if (beats(s, i, b)) b = {s, i};
+    if (beats<NAN_FIRST>(s, i, b)) b = {s, i};
   }
   return b;
 }

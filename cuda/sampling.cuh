@@ -174,16 +174,17 @@ __device__ __forceinline__ CandidateSource candidates(const SharedStorage& sm) {
 // ---- block reductions -------------------------------------------------------------------------
 
 // The block's best (score, lowest index among equal scores), in every thread.
+template <bool NAN_FIRST = false>
 __device__ Best block_best(Best b, SharedStorage& sm) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  b = warp_best(b);
+  b = warp_best<NAN_FIRST>(b);
   if (lane == 0) {
     sm.best_score[warp] = b.score;
     sm.best_index[warp] = b.index;
   }
   __syncthreads();
   b = lane < kWarps ? Best{sm.best_score[lane], sm.best_index[lane]} : Best{-INFINITY, INT_MAX};
-  b = warp_best(b);
+  b = warp_best<NAN_FIRST>(b);
   __syncthreads();
   return b;
 }
@@ -211,13 +212,14 @@ __device__ unsigned long long block_suffix_exclusive(unsigned long long x, Share
   return incl - x + later;
 }
 
-template <class Src>
+// NAN_FIRST: torch.argmax's order (see beats); else NaN values are skipped.
+template <bool NAN_FIRST = false, class Src>
 __device__ Best source_argmax(const Src& src, SharedStorage& sm) {
   Best best{-INFINITY, INT_MAX};
   src.for_each([&](int i, float v, bool valid) {
-    if (valid && beats(v, i, best)) best = {v, i};
+    if (valid && beats<NAN_FIRST>(v, i, best)) best = {v, i};
   });
-  return block_best(best, sm);
+  return block_best<NAN_FIRST>(best, sm);
 }
 
 // ---- radix select -----------------------------------------------------------------------------
@@ -479,7 +481,7 @@ __global__ void __launch_bounds__(kThreads, 2) sample_kernel(
     const int begin = min(num_groups, split * per), end = min(num_groups, begin + per);
     const float scale_by = greedy ? 1.f : t;
     const RowSource src{row_logits, vocab, scale_by, begin, end, vec, scale_by != 1.f};
-    best = greedy ? source_argmax(src, sm) : race(src, nz, 0u, 0.f, 0.f, sm);
+    best = greedy ? source_argmax<true>(src, sm) : race(src, nz, 0u, 0.f, 0.f, sm);
   } else if (split == 0) {
     const RowSource src{row_logits, vocab, t, 0, num_groups, vec, t != 1.f};
     best = filtered_sample(src, f, nz, sm);
@@ -487,14 +489,15 @@ __global__ void __launch_bounds__(kThreads, 2) sample_kernel(
   }
   if (threadIdx.x == 0) {
     if (splits == 1) {
-      out[row] = best.index;
+      out[row] = best.index == INT_MAX ? 0 : best.index;  // no candidate (all NaN): token 0
     } else {
       partials[int64_t(row) * splits + split] = {best.score, best.index};
     }
   }
 }
 
-// One warp per row: the best of the row's partials (lowest index among equal scores).
+// One warp per row: the best of the row's partials (lowest index among equal scores; a NaN score
+// comes only from a greedy row's CTA, and wins as in torch.argmax).
 __global__ void merge_partials_kernel(int64_t* __restrict__ out,
                                       const Partial* __restrict__ partials, int num_rows,
                                       int splits) {
@@ -506,8 +509,8 @@ __global__ void merge_partials_kernel(int64_t* __restrict__ out,
     const Partial p = partials[int64_t(row) * splits + lane];
     b = {p.score, p.index};
   }
-  b = warp_best(b);
-  if (lane == 0) out[row] = b.index;
+  b = warp_best<true>(b);
+  if (lane == 0) out[row] = b.index == INT_MAX ? 0 : b.index;  // no candidate (all NaN): 0
 }
 
 }  // namespace sampling

@@ -124,6 +124,41 @@ def test_greedy_ties_take_the_lowest_index(kernels, vocab):
     assert got.tolist() == [min(tied)] * 3 == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("vocab", [7, 1000, 49152, 128256])
+@pytest.mark.parametrize("rows", [1, 3, 37, 300])
+def test_argmax_is_torch_argmax_with_ties_infinities_and_nan(rows, vocab):
+    """ops.sampling.argmax (the kernel's greedy path, rows split over CTAs) against torch.argmax:
+    ties to the lowest index, -inf, and NaN above every number with the first NaN winning."""
+    from tinyvllm.ops.sampling import argmax
+    logits = make_logits(rows, vocab, seed=rows + vocab)
+    last = vocab - 1
+    for i in range(rows):
+        kind = i % 6
+        if kind == 1:    # a tie spread over the row
+            logits[i, [last, vocab // 2, min(1, last)]] = 1.0e4
+        elif kind == 2:  # NaN late in the row beats a +inf early
+            logits[i, 0] = float("inf")
+            logits[i, last] = float("nan")
+        elif kind == 3:  # several NaN: the first
+            logits[i, [last, vocab // 2, vocab // 3]] = float("nan")
+        elif kind == 4:
+            logits[i] = float("nan")
+        elif kind == 5:
+            logits[i] = float("-inf")
+    got = argmax(logits)
+    assert got.dtype == torch.int64 and got.tolist() == logits.argmax(-1).tolist()
+
+
+def test_a_sampled_row_of_nan_gives_token_0_as_the_reference(kernels):
+    logits = make_logits(3, 1000, seed=5)
+    logits[1] = float("nan")
+    p = batch_params("temperature", 3, 1000)
+    noise = torch.empty(3, 1000, device="cuda").exponential_(
+        generator=torch.Generator(device="cuda").manual_seed(0))
+    assert run_kernel(kernels, logits, p, noise=noise)[1].item() == 0
+    assert reference(logits, p, noise)[1].item() == 0
+
+
 # ------------------------------------------------------------------ Philox
 
 

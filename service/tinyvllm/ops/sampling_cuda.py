@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -57,6 +58,26 @@ def sample_cuda(kernel, logits: torch.Tensor, temperature: torch.Tensor,
                   noise_stride=0 if noise is None else noise.stride(0),
                   stream=stream_handle(logits.device))
     return out
+
+
+def argmax_cuda(kernel, logits: torch.Tensor) -> torch.Tensor:
+    """The greedy path of `sample_cuda` on every row: temperature 0, no filters, no noise."""
+    zeros = _zeros(logits.device, logits.shape[0])
+    return sample_cuda(kernel, logits, zeros.float_view, None, None, None, zeros.int_view,
+                       zeros.int_view, None)
+
+
+class _Zeros(NamedTuple):
+    float_view: torch.Tensor  # [num_rows] float32
+    int_view: torch.Tensor    # [num_rows] int64
+
+
+@functools.lru_cache(maxsize=32)
+def _zeros(device: torch.device, num_rows: int) -> _Zeros:
+    """Zeroed per-row parameters (temperature, seed, offset) of a greedy launch, kept per batch
+    size: nothing is uploaded per step."""
+    return _Zeros(torch.zeros(num_rows, dtype=torch.float32, device=device),
+                  torch.zeros(num_rows, dtype=torch.int64, device=device))
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:

@@ -7,7 +7,7 @@ Pipeline, in this order (vLLM's and HF's order, so that the same parameters give
         ├─ min_tokens: EOS / stop token ids -> -inf while the output is too short
         ├─ repetition penalty (CTRL): over prompt + output, positive / r, negative * r
         ├─ presence / frequency penalties (OpenAI): over output tokens
-        │        └─▶ greedy rows: argmax here
+        │        └─▶ greedy rows: argmax here (ops.sampling.argmax)
         ├─ temperature                                       ┐ ops.sampling.sample: the CUDA
         ├─ top-k, top-p, min-p                               │ kernel (no sort) or the torch
         └─ softmax, exponential race argmax(probs / Exp(1))  ┘ reference (no host sync either way)
@@ -28,7 +28,7 @@ import torch
 
 from tinyvllm.scheduling.request import Logprobs
 from tinyvllm.ops.sampling import (apply_min_p, apply_top_k_top_p,  # noqa: F401 (re-exported)
-                                   as_int64, kernel_available, sample)
+                                   argmax, as_int64, kernel_available, sample)
 from tinyvllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -186,7 +186,7 @@ class Sampler:
         if all(map(_plain_argmax, states)) or all(
                 s.plain_greedy and len(s.output_token_ids) >= s.params.min_tokens
                 for s in states):  # (no row needs the min_tokens mask)
-            return SampledTensors(logits.argmax(dim=-1), None)
+            return SampledTensors(argmax(logits), None)
 
         want_logprobs = any(s.params.logprobs is not None for s in states)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
@@ -298,7 +298,7 @@ def _sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     """
     params = [s.params for s in states]
     if all(p.greedy for p in params):
-        return logits.argmax(dim=-1)
+        return argmax(logits)
     device = logits.device
     # One pinned upload per dtype; a filter no row uses is passed as None (skipped).
     floats = _to_device([[0.0 if p.greedy else p.temperature for p in params],
