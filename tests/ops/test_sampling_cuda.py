@@ -150,12 +150,18 @@ def test_argmax_is_torch_argmax_with_ties_infinities_and_nan(rows, vocab):
 
 
 def test_a_sampled_row_of_nan_gives_token_0_as_the_reference(kernels):
+    """The race skips NaN, so an all-NaN row has no candidate: token 0, the reference's (its
+    softmax is NaN throughout, and torch.argmax takes the first NaN)."""
+    from tinyvllm.ops.sampling_cuda import sample_cuda
     logits = make_logits(3, 1000, seed=5)
     logits[1] = float("nan")
     p = batch_params("temperature", 3, 1000)
     noise = torch.empty(3, 1000, device="cuda").exponential_(
         generator=torch.Generator(device="cuda").manual_seed(0))
-    assert run_kernel(kernels, logits, p, noise=noise)[1].item() == 0
+    out = torch.full((3,), -1, dtype=torch.int64, device="cuda")
+    sample_cuda(kernels, logits, p["temperature"], p["top_k"], p["top_p"], p["min_p"], None, None,
+                noise, out=out)
+    assert out[1].item() == 0 and (out >= 0).all() and (out < 1000).all()
     assert reference(logits, p, noise)[1].item() == 0
 
 
