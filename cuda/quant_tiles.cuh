@@ -23,22 +23,22 @@
 // x q. The dequantized weight is never rounded: the result is sum_g scale_g sum x (q - zero) in
 // fp32, which the tests hold to the reference's dequantize-then-matmul.
 //
-// Work split: CTAs are all resident and stride over the bands (CTA c: bands c, c + grid, ...);
-// in every band, warp w takes the tiles [k_tiles * w / 8, k_tiles * (w + 1) / 8), and the warps
-// add their sums through shared memory (one barrier per band, double-buffered). Each warp streams
-// its tiles, band after band, in chunks of kTileStages tiles through a ring of R chunks in
-// shared memory: one cp.async commit group per chunk (a lane's 16 bytes of each tile, and one
-// scale word of the chunk per lane), copied R chunks ahead of its multiply, the first R before
-// the PDL wait (R = 3 at one row of x where shared memory allows, else 2). A chunk's slots, sources and x are offsets from one base each, so the
-// ring's bookkeeping is per chunk, not per tile. Where groups of 128 sit at fixed positions of
-// every chunk (each warp's slice a multiple of the chunk: every Llama-3-8B shape), the kernel's G
-// instantiation scales each group with no per-tile check, into two accumulators in turn so that
-// a group's scaling overlaps the next group's mmas, with x's sums taken per group. x is staged in shared memory by gemv.cuh's
-// prologues (plain, RMSNorm, SwiGLU), so the projections of a decoder layer fold their
-// neighbours in as gemv.cuh does: the residual add (out = residual + round(y), in place) and,
-// over an interleaved layout (band b: gate rows 8b .. 8b + 7 as rows 0-7, up rows n / 2 + 8b ..
-// as rows 8-15), gate_up writing silu(gate) * up (the lane holds gate and up of one output in
-// c0 / c2).
+// Work split: CTAs are all resident and stride over the bands (CTA c: bands c, c + grid, ...); in
+// every band, warp w takes the tiles [k_tiles * w / 8, k_tiles * (w + 1) / 8), and the warps add
+// their sums through shared memory (one barrier per band, double-buffered). Each warp streams its
+// tiles, band after band, in chunks of kTileStages tiles through a ring of R chunks in shared
+// memory: one cp.async commit group per chunk (a lane's 16 bytes of each tile, and one scale word
+// of the chunk per lane), copied R chunks ahead of its multiply, the first R before the PDL wait
+// (R = 3 at one row of x where shared memory allows, else 2). A chunk's slots, sources and x are
+// offsets from one base each, so the ring's bookkeeping is per chunk, not per tile. Where groups of
+// 128 sit at fixed positions of every chunk (each warp's slice a multiple of the chunk: every
+// Llama-3-8B shape), the kernel's G instantiation scales each group with no per-tile check, into
+// two accumulators in turn so that a group's scaling overlaps the next group's mmas, with x's sums
+// taken per group. x is staged in shared memory by gemv.cuh's prologues (plain, RMSNorm, SwiGLU),
+// so the projections of a decoder layer fold their neighbours in as gemv.cuh does: the residual add
+// (out = residual + round(y), in place) and, over an interleaved layout (band b: gate rows
+// 8b .. 8b + 7 as rows 0-7, up rows n / 2 + 8b .. as rows 8-15), gate_up writing
+// silu(gate) * up (the lane holds gate and up of one output in c0 / c2).
 #pragma once
 
 #include "common.cuh"
