@@ -400,8 +400,8 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   auto chunk = [&](auto full_chunk, int c, int j0) {
     constexpr bool FULL = decltype(full_chunk)::value;
     const int slot = c % R;
-    cp_async_wait<R - 1>();  // chunk c has landed (c + 1 may be in flight)
-    __syncwarp();        // the scale words came through other lanes' copies
+    cp_async_wait<R - 1>();  // chunk c has landed (c + 1 .. c + R - 1 may be in flight)
+    __syncwarp();            // the scale words came through other lanes' copies
     const int tile0 = tile_begin + j0;
     const T* xt[NT];
 #pragma unroll
