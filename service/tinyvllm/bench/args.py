@@ -41,6 +41,11 @@ def add_latency_arguments(parser: argparse.ArgumentParser) -> None:
                        help="Output tokens, EOS ignored.")
     group.add_argument("--num-iters", type=int, default=None,
                        help="Timed requests, each a fresh prompt (default: 10 GPU, 3 CPU).")
+    group.add_argument("--profile-kernels", type=int, default=0, metavar="STEPS",
+                       help="After the timed requests, record STEPS decode steps of one more "
+                       "with torch.profiler and print each kernel's marginal time per step "
+                       "(its end minus the previous end: neighbours overlap under PDL); CUDA "
+                       "only.")
     add_common_arguments(parser)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -21,6 +22,7 @@ import torch
 
 from tinyvllm.bench import baseline as hf
 from tinyvllm.bench import cpu_baselines as cpu
+from tinyvllm.bench import kernel_profile
 from tinyvllm.bench.common import (copy_bandwidth_gbps, default_for, engine_config, environment,
                                    model_fields, model_label, prepare, print_table, random_prompts,
                                    ratio, summary_ms, write_record)
@@ -58,6 +60,10 @@ def roofline(engine, input_len: int, output_len: int, tpot_ms: float,
 
 def run(args: argparse.Namespace) -> int:
     device, sync = prepare(args)
+    if args.profile_kernels < 0 or (args.profile_kernels and device.type != "cuda"):
+        print(f"--profile-kernels {args.profile_kernels}: needs a positive step count and a CUDA "
+              f"device (this run is on {device})", file=sys.stderr)
+        return 2
     copy_gbps = copy_bandwidth_gbps(device)  # before the engine claims the GPU's memory
     if device.type == "cpu":
         copy_gbps = cpu.stream_read_gbps()
@@ -86,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
     for name, (describe, _) in extras.items():
         record.setdefault("contenders", {})[name] = describe
         record.setdefault("ratios_to", {})[name] = ratios(ours, others[name])
+    profiled = None
+    if args.profile_kernels:
+        profiled = kernel_profile.profile_decode(engine, prompts[0], args.profile_kernels, sync)
+        record["kernel_profile"] = profiled.as_record()
     engine.shutdown()
     engine = None
     free_memory()
@@ -99,6 +109,14 @@ def run(args: argparse.Namespace) -> int:
     path = write_record(NAME, record, args.out)
     print(f"wrote {path}")
     table(record)
+    if profiled is not None and not profiled.kernels:
+        print("--profile-kernels: no CUDA activity was recorded in this process (a worker "
+              "process runs the model: profile with the in-process executor)", file=sys.stderr)
+    elif profiled is not None:
+        print_table(f"kernels of {profiled.num_steps} decode steps, us per step (span "
+                    f"{profiled.span_us:.1f}, idle {profiled.idle_us:.1f})",
+                    ["kernel", "calls", "marginal us", "busy us"],
+                    kernel_profile.table_rows(profiled))
     return 0
 
 
