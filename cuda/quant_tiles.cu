@@ -17,7 +17,7 @@ constexpr int kStages = kTileStages;
 
 // Dynamic shared memory of a launch of M rows: the staged activations (M x k), the warps' rings
 // of `chunks` chunks of kStages tiles (512 bytes of weights and 64 of scales each) and x's sums
-// per tile.
+// per tile (sized for one tile each: groups at fixed positions use fewer).
 constexpr int ring_bytes(int stages, int chunks) {
   return kTileWarps * chunks * stages * 32 * (16 + 2);
 }

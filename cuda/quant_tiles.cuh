@@ -184,7 +184,8 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
     bool interleaved) {
   // Dynamic shared memory: act [M][k / 8 + kTileRowPad] (x after the prologue); per warp a ring
   // of R chunks of D tiles (32 lanes x 16 bytes) and of their scale words (8 rows g x 8
-  // bytes); sx [k / 64][kTileSumCols] (x's sum over each tile).
+  // bytes); sx [k / 64 / max(G, 1)][kTileSumCols] (x's sum over each tile, or each group for
+  // G > 0).
   constexpr int NT = M > 8 ? 2 : 1;  // n-tiles: 8 rows of x each
   static_assert(M <= 16, "two n-tiles of 8 rows at most");
   extern __shared__ uint4 act[];

@@ -21,6 +21,8 @@ SKIPPED_TOKENS = 8
 """Output tokens of the profiled request before recording starts (its prefill and the first
 decode steps, whose graphs and caches warm up)."""
 
+_ids = itertools.count()  # profiled requests' ids
+
 
 @dataclass
 class KernelTime:
@@ -109,8 +111,6 @@ def profile_decode(engine, prompt: Sequence[int], num_steps: int, sync: Callable
               if e.device_type == DeviceType.CUDA]
     return marginal_times(events, recorded)
 
-
-_ids = itertools.count()
 
 
 def table_rows(p: KernelProfile, limit: int = 30) -> list[list[Any]]:

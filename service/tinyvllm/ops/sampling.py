@@ -66,10 +66,11 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) of [num_rows, vocab_size] float32 logits (ties -> lowest
     index, a NaN above every number): the kernel's greedy path on CUDA, which splits a row over
     several CTAs (about a quarter of torch's time at 1 row of 128,256), torch elsewhere."""
-    if (kernel_available(logits) and logits.dim() == 2 and logits.dtype == torch.float32
+    kernel = use_kernel("sample", logits)
+    if (kernel is not None and logits.dim() == 2 and logits.dtype == torch.float32
             and logits.stride(1) == 1 and 0 < logits.shape[0] and logits.shape[1] > 0):
         from tinyvllm.ops.sampling_cuda import argmax_cuda
-        return argmax_cuda(use_kernel("sample", logits), logits)
+        return argmax_cuda(kernel, logits)
     return logits.argmax(dim=-1)
 
 

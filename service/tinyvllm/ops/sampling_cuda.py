@@ -63,13 +63,13 @@ def sample_cuda(kernel, logits: torch.Tensor, temperature: torch.Tensor,
 def argmax_cuda(kernel, logits: torch.Tensor) -> torch.Tensor:
     """The greedy path of `sample_cuda` on every row: temperature 0, no filters, no noise."""
     zeros = _zeros(logits.device, logits.shape[0])
-    return sample_cuda(kernel, logits, zeros.float_view, None, None, None, zeros.int_view,
-                       zeros.int_view, None)
+    return sample_cuda(kernel, logits, zeros.temperature, None, None, None, zeros.seed_offset,
+                       zeros.seed_offset, None)
 
 
 class _Zeros(NamedTuple):
-    float_view: torch.Tensor  # [num_rows] float32
-    int_view: torch.Tensor    # [num_rows] int64
+    temperature: torch.Tensor  # [num_rows] float32
+    seed_offset: torch.Tensor  # [num_rows] int64 (read, never written, by the kernel)
 
 
 @functools.lru_cache(maxsize=32)
