@@ -73,6 +73,17 @@ __device__ __forceinline__ uint4 rms_scaled8(const uint4& x, const uint4& w, flo
   return pack8<T>(of);
 }
 
+// silu(gate) * up of 8 elements, rounded as the unfused op rounds.
+template <typename T>
+__device__ __forceinline__ uint4 silu_mul8(const uint4& gate, const uint4& up) {
+  float gf[8], uf[8], of[8];
+  unpack8<T>(gate, gf);
+  unpack8<T>(up, uf);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) of[e] = round_to<T>(gf[e] / (1.f + __expf(-gf[e]))) * uf[e];
+  return pack8<T>(of);
+}
+
 constexpr int kStageBatch = 4;  // vectors a thread loads before using any (latency hiding)
 
 // Where vector v of staged row i lies: rows of k8 + row_pad vectors, and with BP > 0 one more
@@ -115,12 +126,7 @@ __device__ __forceinline__ void gemv_stage(uint4* act, int k8, const T* x, int64
       } else if constexpr (P == kGemvRmsNorm) {
         act[at] = rms_scaled8<T>(a[j], b[j], row < m ? inv_rms[row] : 0.f);
       } else {
-        float gf[8], uf[8], of[8];
-        unpack8<T>(a[j], gf);
-        unpack8<T>(b[j], uf);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) of[e] = round_to<T>(gf[e] / (1.f + __expf(-gf[e]))) * uf[e];
-        act[at] = pack8<T>(of);
+        act[at] = silu_mul8<T>(a[j], b[j]);
       }
     }
   }

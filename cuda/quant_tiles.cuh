@@ -34,8 +34,10 @@
 // 128 sit at fixed positions of every chunk (each warp's slice a multiple of the chunk: every
 // Llama-3-8B shape), the kernel's G instantiation scales each group with no per-tile check, into
 // two accumulators in turn so that a group's scaling overlaps the next group's mmas, with x's sums
-// taken per group. x is staged in shared memory by gemv.cuh's prologues (plain, RMSNorm, SwiGLU),
-// so the projections of a decoder layer fold their neighbours in as gemv.cuh does: the residual add
+// taken per group. Each warp stages (with the prologue: plain, RMSNorm, SwiGLU) and sums only the
+// slice of x it multiplies, so after the PDL wait no barrier holds the warps back but RMSNorm's
+// one for the row scale. The projections of a decoder layer fold their neighbours in as gemv.cuh
+// does: the residual add
 // (out = residual + round(y), in place) and, over an interleaved layout (band b: gate rows
 // 8b .. 8b + 7 as rows 0-7, up rows n / 2 + 8b .. as rows 8-15), gate_up writing
 // silu(gate) * up (the lane holds gate and up of one output in c0 / c2).
@@ -141,27 +143,120 @@ template <int M> constexpr int kTileSumCols = M > 8 ? 16 : 8;
 // of each half-warp's 8-byte loads on distinct banks (unpadded, rows g, g + 1, .. share them).
 template <int M> constexpr int kTileRowPad = M > 1 ? 2 : 0;
 
-// sx[i][c] = the sum of act row c over span i (`span` tiles: one, or a group where groups sit at
-// fixed chunk positions) in fp32, for c < M (other columns are left unwritten: they only feed
-// the accumulators of unused columns). A thread per (span, row), each starting at a different
-// vector of its tiles (fewer bank conflicts).
-template <typename T, int M>
-__device__ __forceinline__ void tile_sums(float* sx, const uint4* act, int k, int span) {
-  constexpr int kVectors = kTileK / 8;
-  for (int p = threadIdx.x; p < (k / kTileK / span) * M; p += blockDim.x) {
-    const int i = p / M, c = p % M;
-    float s = 0.f;
-    for (int tile = i * span; tile < (i + 1) * span; ++tile) {
-      const uint4* v = act + c * (k / 8 + kTileRowPad<M>) + tile * kVectors;
+// Rows of the norm weight a lane holds in registers from before the PDL wait (vectors v0 + lane,
+// v0 + lane + 32, ... of its warp's slice); further ones are read when they are used.
+constexpr int kTileHeldNormVectors = 4;
+
+// The warp's slice of x (vectors [v0, v1) of each of the M staged rows; rows at or past m are
+// zero) into act with prologue P, by the warp alone: every warp multiplies only its own slice of
+// k, so staging needs no barrier but RMSNorm's, whose row scale sums the warps' slices (ss:
+// [kTileWarps][M] shared floats). A lane takes vectors v0 + lane, v0 + lane + 32, ... of every
+// row, so a row's sum of squares is taken in the same order whatever its position among the
+// rows. nw: the lane's first kTileHeldNormVectors vectors of the norm weight (kGemvRmsNorm).
+template <typename T, int M, int P>
+__device__ __forceinline__ void tile_stage_slice(uint4* act, int row_stride, int v0, int v1,
+                                                 const T* x, int64_t x_stride,
+                                                 const T* norm_weight,
+                                                 const uint4 (&nw)[kTileHeldNormVectors], int m,
+                                                 int k, float eps, float (*ss)[M]) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  // Rows per pass and vectors per lane per pass: at most 4 loads in flight before their use.
+  constexpr int kRows = M < 4 ? M : 4;
+  constexpr int kB = 4 / kRows;
+  float sum_sq[M] = {};
+  for (int base = v0 + lane; base < v1; base += 32 * kB) {
 #pragma unroll
-      for (int e8 = 0; e8 < kVectors; ++e8) {
-        float f[8];
-        unpack8<T>(v[(e8 + p) % kVectors], f);
+    for (int i0 = 0; i0 < M; i0 += kRows) {
+      uint4 a[kB][kRows], b[kB][kRows];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) s += f[e];
+      for (int j = 0; j < kB; ++j) {
+        const int v = base + 32 * j;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          a[j][r] = b[j][r] = make_uint4(0, 0, 0, 0);
+          if (v < v1 && i0 + r < m) {
+            const uint4* xr = reinterpret_cast<const uint4*>(x + (i0 + r) * x_stride) + v;
+            a[j][r] = *xr;
+            if constexpr (P == kGemvSiluMul) b[j][r] = xr[k / 8];  // up, k columns on
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kB; ++j) {
+        const int v = base + 32 * j;
+        if (v >= v1) break;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          uint4& at = act[(i0 + r) * row_stride + v];
+          if constexpr (P == kGemvSiluMul) {
+            at = silu_mul8<T>(a[j][r], b[j][r]);
+          } else {
+            at = a[j][r];
+          }
+          if constexpr (P == kGemvRmsNorm) {
+            float f[8], s = 0.f;
+            unpack8<T>(a[j][r], f);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) s = fmaf(f[e], f[e], s);
+            sum_sq[i0 + r] += s;
+          }
+        }
       }
     }
-    sx[i * kTileSumCols<M> + c] = s;
+  }
+  if constexpr (P == kGemvRmsNorm) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      const float s = warp_sum(sum_sq[i]);
+      if (lane == 0) ss[warp][i] = s;
+    }
+    __syncthreads();  // every warp's slice summed (warps without tiles add 0)
+    float inv_rms[M];
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < kTileWarps; ++w) s += ss[w][i];
+      inv_rms[i] = i < m ? rsqrtf(s / k + eps) : 0.f;
+    }
+    // The lane's own vectors, in place.
+    for (int v = v0 + lane, j = 0; v < v1; v += 32, ++j) {
+      const uint4 w = j < kTileHeldNormVectors ? nw[j] : reinterpret_cast<const uint4*>(norm_weight)[v];
+#pragma unroll
+      for (int i = 0; i < M; ++i) {
+        uint4& at = act[i * row_stride + v];
+        at = rms_scaled8<T>(at, w, inv_rms[i]);
+      }
+    }
+  }
+}
+
+// sx[i][c] = the sum of act row c over span i (`span` tiles: one, or a group where groups sit at
+// fixed chunk positions) in fp32, for c < M and the spans of the warp's slice (tiles [tile0,
+// tile1), a whole number of spans): 8 lanes per (span, row), then a shuffle. Other columns are
+// left unwritten: they only feed the accumulators of unused columns.
+template <typename T, int M>
+__device__ __forceinline__ void tile_slice_sums(float* sx, const uint4* act, int row_stride,
+                                                int tile0, int tile1, int span) {
+  constexpr int kVectors = kTileK / 8;
+  const int lane = threadIdx.x % 32, sub = lane % 8;
+  const int pairs = (tile1 - tile0) / span * M;
+  for (int p0 = 0; p0 < pairs; p0 += 4) {  // the same trip count in every lane (shuffles)
+    const int p = p0 + lane / 8;
+    const int i = p / M, c = p % M;
+    float s = 0.f;
+    if (p < pairs) {
+      const uint4* v = act + c * row_stride + (tile0 + i * span) * kVectors;
+      for (int e = sub; e < span * kVectors; e += 8) {
+        float f[8];
+        unpack8<T>(v[e], f);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) s += f[q];
+      }
+    }
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if (p < pairs && sub == 0) sx[(tile0 / span + i) * kTileSumCols<M> + c] = s;
   }
 }
 
@@ -189,7 +284,7 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   constexpr int NT = M > 8 ? 2 : 1;  // n-tiles: 8 rows of x each
   static_assert(M <= 16, "two n-tiles of 8 rows at most");
   extern __shared__ uint4 act[];
-  __shared__ float inv_rms[M];
+  __shared__ float row_sum_sq[kTileWarps][M];  // kGemvRmsNorm: the warps' sums of squares
   __shared__ float partial[2][kTileWarps][4 * NT][32];  // double-buffered: one barrier per band
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane >> 2, t = lane & 3;
@@ -248,7 +343,8 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
     }
     cp_async_commit();
   };
-  // The weights do not depend on the previous kernel: request them before waiting on it.
+  // The weights (and the norm's) do not depend on the previous kernel: request them before
+  // waiting on it.
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     if (full) {
@@ -257,13 +353,23 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
       copy_chunk(r, std::false_type{});
     }
   }
+  const int v0 = tile_begin * (kTileK / 8), v1 = tile_end * (kTileK / 8);
+  uint4 norm_held[kTileHeldNormVectors];
+#pragma unroll
+  for (int j = 0; j < kTileHeldNormVectors; ++j) {
+    const int v = v0 + lane + 32 * j;
+    norm_held[j] = P == kGemvRmsNorm && v < v1 ? reinterpret_cast<const uint4*>(norm_weight)[v]
+                                               : make_uint4(0, 0, 0, 0);
+  }
   wait_for_previous_grid();
 
-  gemv_stage_x<T, M, P>(act, k8, x, x_stride, norm_weight, inv_rms, m, eps, kPad);
-  __syncthreads();
+  // Each warp stages, and sums, the slice of x it multiplies: no barrier but RMSNorm's.
+  tile_stage_slice<T, M, P>(act, k8 + kPad, v0, v1, x, x_stride, norm_weight, norm_held, m, k,
+                            eps, row_sum_sq);
+  __syncwarp();
   allow_next_grid();
-  tile_sums<T, M>(sx, act, k, G > 0 ? G : 1);
-  __syncthreads();
+  tile_slice_sums<T, M>(sx, act, k8 + kPad, tile_begin, tile_end, G > 0 ? G : 1);
+  __syncwarp();
 
   constexpr uint32_t kMagic = TileMagic<T>::kPair;
   // bf16: the mma sums x (magic + q) over the group, and sum x (q - zero) = that - (magic +
@@ -343,7 +449,8 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   // over the group. Scale words of 0 (no group pending) add nothing.
   float accs[2][NT][4] = {};
   uint2 pending_words = make_uint2(0, 0);
-  const float* pending_sx = sx;
+  // (a span of this warp's slice: the scaling of "no group" reads it, times 0, before any group)
+  const float* pending_sx = sx + (tile_begin / (G > 0 ? G : 1)) * kSumCols;
   auto scale_group = [&](float (&a)[NT][4], uint2 words, const float* sxg) {
     float s_lo, z_lo, s_hi, z_hi;
     tile_scale<T>(words.x, s_lo, z_lo);
