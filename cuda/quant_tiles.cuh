@@ -219,14 +219,20 @@ __device__ __forceinline__ void tile_stage_slice(uint4* act, int row_stride, int
       for (int w = 0; w < kTileWarps; ++w) s += ss[w][i];
       inv_rms[i] = i < m ? rsqrtf(s / k + eps) : 0.f;
     }
-    // The lane's own vectors, in place.
-    for (int v = v0 + lane, j = 0; v < v1; v += 32, ++j) {
-      const uint4 w = j < kTileHeldNormVectors ? nw[j] : reinterpret_cast<const uint4*>(norm_weight)[v];
+    // The lane's own vectors, in place: the held ones, then any further ones.
+    auto scale = [&](int v, const uint4& w) {
 #pragma unroll
       for (int i = 0; i < M; ++i) {
         uint4& at = act[i * row_stride + v];
         at = rms_scaled8<T>(at, w, inv_rms[i]);
       }
+    };
+#pragma unroll
+    for (int j = 0; j < kTileHeldNormVectors; ++j) {
+      if (v0 + lane + 32 * j < v1) scale(v0 + lane + 32 * j, nw[j]);
+    }
+    for (int v = v0 + lane + 32 * kTileHeldNormVectors; v < v1; v += 32) {
+      scale(v, reinterpret_cast<const uint4*>(norm_weight)[v]);
     }
   }
 }
