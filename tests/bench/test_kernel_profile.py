@@ -60,3 +60,31 @@ def test_the_profiled_request_runs_to_its_end(tiny_model):
                        activity=ProfilerActivity.CPU)
     assert p.num_steps == 3 and p.kernels == []
     assert not engine.has_unfinished_requests()
+
+
+def test_a_repeated_block_of_launches_is_reported_launch_by_launch():
+    # Two steps of: embed, three "layers" of (qkv, attn, o, down) where o and down are one
+    # instantiation (gemv) with different times, then the head. The block is the layer, in
+    # launch order, each launch's time averaged over its 6 occurrences.
+    def step(t0):
+        ev, t = [(t0, t0 + 1, "embed")], t0 + 1
+        for layer in range(3):
+            for name, dur in (("qkv", 2), ("attn", 3), ("gemv", 1), ("gemv", 4 + layer)):
+                ev.append((t, t + dur, name))
+                t += dur
+        return ev + [(t, t + 5, "head")]
+    events = step(0) + step(100)
+    p = marginal_times(events, num_steps=2)
+    block = p.block
+    assert block is not None and block.repeats == 3
+    assert [s.name for s in block.slots] == ["qkv", "attn", "gemv", "gemv"]
+    assert [s.marginal_us for s in block.slots] == [2, 3, 1, 5]  # down: (4 + 5 + 6) / 3
+    assert block.marginal_us == 11
+    gemv = next(k for k in p.kernels if k.name == "gemv")
+    assert gemv.calls_per_step == 6 and gemv.marginal_us == 18
+
+
+def test_no_block_where_the_steps_differ_or_nothing_repeats():
+    assert marginal_times([(0, 1, "a"), (1, 2, "b"), (2, 3, "c")], num_steps=1).block is None
+    two_steps = [(0, 1, "a"), (1, 2, "a"), (10, 11, "a"), (11, 12, "b")]
+    assert marginal_times(two_steps, num_steps=2).block is None

@@ -44,8 +44,9 @@ def add_latency_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--profile-kernels", type=int, default=0, metavar="STEPS",
                        help="After the timed requests, record STEPS decode steps of one more "
                        "with torch.profiler and print each kernel's marginal time per step "
-                       "(its end minus the previous end: neighbours overlap under PDL); CUDA "
-                       "only.")
+                       "(its end minus the previous end: neighbours overlap under PDL), then "
+                       "the step's repeated block of launches (a decoder layer) launch by "
+                       "launch; CUDA only.")
     add_common_arguments(parser)
 
 

@@ -117,6 +117,12 @@ def run(args: argparse.Namespace) -> int:
                     f"{profiled.span_us:.1f}, idle {profiled.idle_us:.1f})",
                     ["kernel", "calls", "marginal us", "busy us"],
                     kernel_profile.table_rows(profiled))
+        block = profiled.block
+        if block is not None:
+            print_table(f"a block of {len(block.slots)} launches repeated {block.repeats} times a "
+                        f"step (decoder layers), in launch order, us per occurrence",
+                        ["#", "kernel", "marginal us", "busy us"],
+                        kernel_profile.block_rows(block))
     return 0
 
 
