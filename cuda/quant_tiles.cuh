@@ -400,16 +400,30 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   // group may straddle two warps' slices of k, each of which corrects for its own part.
   float2 sx_acc[NT] = {};
   int group = -1;
-  auto flush = [&]() {
+  // A group's scale and magic + zero (fp16: zero alone, the mma's inputs already less the magic)
+  // of rows g (lo) and g + 8 (hi), from its scale words.
+  auto group_scales = [&](uint2 words, float& s_lo, float& z_lo, float& s_hi, float& z_hi) {
+    tile_scale<T>(words.x, s_lo, z_lo);
+    tile_scale<T>(words.y, s_hi, z_hi);
+    if constexpr (kSubtractMagic) z_lo -= kMagicValue, z_hi -= kMagicValue;
+  };
+  // A group's sums a into the band's, a zeroed: sum += scale (a - zero sx) for each n-tile's
+  // columns 2t, 2t + 1 of rows g and g + 8; gx: x's sums over the group, per n-tile.
+  auto add_group = [&](float (&a)[NT][4], const float2 (&gx)[NT], float s_lo, float z_lo,
+                       float s_hi, float z_hi) {
 #pragma unroll
     for (int h = 0; h < NT; ++h) {
-      sum[h][0] = fmaf(scale_lo, fmaf(-zero_lo, sx_acc[h].x, acc[h][0]), sum[h][0]);
-      sum[h][1] = fmaf(scale_lo, fmaf(-zero_lo, sx_acc[h].y, acc[h][1]), sum[h][1]);
-      sum[h][2] = fmaf(scale_hi, fmaf(-zero_hi, sx_acc[h].x, acc[h][2]), sum[h][2]);
-      sum[h][3] = fmaf(scale_hi, fmaf(-zero_hi, sx_acc[h].y, acc[h][3]), sum[h][3]);
-      acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
-      sx_acc[h] = make_float2(0.f, 0.f);
+      sum[h][0] = fmaf(s_lo, fmaf(-z_lo, gx[h].x, a[h][0]), sum[h][0]);
+      sum[h][1] = fmaf(s_lo, fmaf(-z_lo, gx[h].y, a[h][1]), sum[h][1]);
+      sum[h][2] = fmaf(s_hi, fmaf(-z_hi, gx[h].x, a[h][2]), sum[h][2]);
+      sum[h][3] = fmaf(s_hi, fmaf(-z_hi, gx[h].y, a[h][3]), sum[h][3]);
+      a[h][0] = a[h][1] = a[h][2] = a[h][3] = 0.f;
     }
+  };
+  auto flush = [&]() {
+    add_group(acc, sx_acc, scale_lo, zero_lo, scale_hi, zero_hi);
+#pragma unroll
+    for (int h = 0; h < NT; ++h) sx_acc[h] = make_float2(0.f, 0.f);
   };
   // The four mmas of one tile from the lane's weight word into a; xt[h]: n-tile h's x at the tile.
   auto mma_tile = [&](const uint4& w, const T* const (&xt)[NT], float (&a)[NT][4]) {
@@ -438,10 +452,7 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
     if (gi != group) {
       flush();
       group = gi;
-      const uint2 words = *sc;
-      tile_scale<T>(words.x, scale_lo, zero_lo);
-      tile_scale<T>(words.y, scale_hi, zero_hi);
-      if constexpr (kSubtractMagic) zero_lo -= kMagicValue, zero_hi -= kMagicValue;
+      group_scales(*sc, scale_lo, zero_lo, scale_hi, zero_hi);
     }
 #pragma unroll
     for (int h = 0; h < NT; ++h) {
@@ -459,18 +470,11 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   const float* pending_sx = sx + (tile_begin / (G > 0 ? G : 1)) * kSumCols;
   auto scale_group = [&](float (&a)[NT][4], uint2 words, const float* sxg) {
     float s_lo, z_lo, s_hi, z_hi;
-    tile_scale<T>(words.x, s_lo, z_lo);
-    tile_scale<T>(words.y, s_hi, z_hi);
-    if constexpr (kSubtractMagic) z_lo -= kMagicValue, z_hi -= kMagicValue;
+    group_scales(words, s_lo, z_lo, s_hi, z_hi);
+    float2 gx[NT];
 #pragma unroll
-    for (int h = 0; h < NT; ++h) {
-      const float2 gx = *reinterpret_cast<const float2*>(sxg + 8 * h);
-      sum[h][0] = fmaf(s_lo, fmaf(-z_lo, gx.x, a[h][0]), sum[h][0]);
-      sum[h][1] = fmaf(s_lo, fmaf(-z_lo, gx.y, a[h][1]), sum[h][1]);
-      sum[h][2] = fmaf(s_hi, fmaf(-z_hi, gx.x, a[h][2]), sum[h][2]);
-      sum[h][3] = fmaf(s_hi, fmaf(-z_hi, gx.y, a[h][3]), sum[h][3]);
-      a[h][0] = a[h][1] = a[h][2] = a[h][3] = 0.f;
-    }
+    for (int h = 0; h < NT; ++h) gx[h] = *reinterpret_cast<const float2*>(sxg + 8 * h);
+    add_group(a, gx, s_lo, z_lo, s_hi, z_hi);
   };
   // G > 0, chunk c (positions j0 .. j0 + D - 1, all tiles of the band): D / G groups, group q
   // into accs[q & 1]; the group before it (the last of the previous chunk for q = 0, pending in
