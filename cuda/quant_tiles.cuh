@@ -37,10 +37,9 @@
 // taken per group. Each warp stages (with the prologue: plain, RMSNorm, SwiGLU) and sums only the
 // slice of x it multiplies, so after the PDL wait no barrier holds the warps back but RMSNorm's
 // one for the row scale. The projections of a decoder layer fold their neighbours in as gemv.cuh
-// does: the residual add
-// (out = residual + round(y), in place) and, over an interleaved layout (band b: gate rows
-// 8b .. 8b + 7 as rows 0-7, up rows n / 2 + 8b .. as rows 8-15), gate_up writing
-// silu(gate) * up (the lane holds gate and up of one output in c0 / c2).
+// does: the residual add (out = residual + round(y), in place) and, over an interleaved layout
+// (band b: gate rows 8b .. 8b + 7 as rows 0-7, up rows n / 2 + 8b .. as rows 8-15), gate_up
+// writing silu(gate) * up (the lane holds gate and up of one output in c0 / c2).
 #pragma once
 
 #include "common.cuh"
@@ -51,7 +50,7 @@ namespace tinyvllm {
 
 constexpr int kTileK = 64;       // k values per tile (four mma k-steps)
 constexpr int kTileRows = 16;    // weight rows per band (the mma's M)
-constexpr int kTileWarps = kGemvWarps;  // the staging helpers reduce over kGemvWarps warps
+constexpr int kTileWarps = kGemvWarps;  // each takes one slice of k in every band
 constexpr int kTileStages = 4;   // tiles per chunk: a warp's ring holds R (2 or 3) chunks
 
 // A nibble q ORed into the mantissa of kValue gives kValue + q exactly: (128 | q) as bf16,

@@ -181,7 +181,6 @@ def profile_decode(engine, prompt: Sequence[int], num_steps: int, sync: Callable
     return marginal_times(events, recorded)
 
 
-
 def _cut(name: str) -> str:
     return name if len(name) <= 110 else name[:107] + "..."
 
