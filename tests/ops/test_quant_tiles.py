@@ -143,6 +143,26 @@ def test_fused_prologues_and_epilogues_match_reference(dtype, m, fusion, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("k", [256, 16384])
+def test_rms_norm_over_warp_slices_of_any_length(m, k):
+    """Each warp stages and normalises its own slice of x: at k = 256 some warps have no tiles
+    (they add nothing to the row's sum of squares), at k = 16384 a lane's slice holds more norm
+    weight vectors than it keeps in registers from before the PDL wait."""
+    n, group_size, dtype = 64, 128, torch.bfloat16
+    qweight, scales, zeros = make_weight(n, k, group_size, dtype, k + m, "cuda")
+    tiles = qt.repack(qweight, scales, zeros, group_size)
+    gen = torch.Generator(device="cuda").manual_seed(k)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+    norm = torch.randn(k, generator=gen, device="cuda").to(dtype)
+    weight = ql.dequantize(qweight, scales, zeros, 4, group_size)
+    want = fused_linear_ref(x, weight, norm_weight=norm, eps=1e-5)
+    out = qt.tile_linear(x, tiles, norm_weight=norm, eps=1e-5)
+    assert rel_err(out, want) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("k", [4096, 14336])
 def test_one_launch_serves_the_rows_that_fit_and_refuses_more(k):
     """`rows_per_launch` rows of x go in one launch (16 at k = 4096 on an H100: two n-tiles over
