@@ -478,10 +478,12 @@ __global__ void paged_decode_reduce_kernel(T* __restrict__ out,  // [num_seqs, n
   // The next kernel (o_proj) may launch at once: it streams its weights while this one waits on
   // the decode kernel, and its own wait still covers both.
   allow_next_grid();
-  wait_for_previous_grid();  // the partitions come from the decode kernel (PDL launch)
   const int seq = blockIdx.y, head = blockIdx.x, d = threadIdx.x;
+  // The sequence's length is step input, written before the decode kernel: read it at once.
+  const int used = used_partitions(parts.seq_lens[seq], parts.num_splits, parts.partition_size);
+  wait_for_previous_grid();  // the partitions come from the decode kernel (PDL launch)
   float val[1];
-  merge_partitions<1>(parts, seq, head, d, val);
+  merge_partitions<1>(parts, seq, head, d, used, val);
   out[(int64_t(seq) * parts.num_heads + head) * parts.head_dim + d] = from_float<T>(val[0]);
 }
 

@@ -53,37 +53,57 @@ __device__ __forceinline__ int used_partitions(int seq_len, int num_splits, int 
   return min(num_splits, (seq_len + partition_size - 1) / partition_size);
 }
 
-// Merged output of dims [d0, d0 + N) of head `head` of sequence `seq` (zeros for an empty one).
+// Merged output of dims [d0, d0 + N) of head `head` of sequence `seq`, whose first `used`
+// partitions hold its tokens (zeros for none). One pass with the running max rescaling the sums
+// (as flash attention does), the partitions read kBatch at a time: each batch's loads are all
+// in flight together, so a merge of up to kBatch partitions waits on memory once.
 template <int N>
 __device__ __forceinline__ void merge_partitions(const DecodePartitions& p, int seq, int head,
-                                                 int d0, float (&res)[N]) {
+                                                 int d0, int used, float (&res)[N]) {
+  constexpr int kBatch = N == 1 ? 8 : 2;  // the reduce kernel, the GEMV staging (N = 8)
   const int64_t row = int64_t(seq) * p.num_heads + head;
-  const int used = used_partitions(p.seq_lens[seq], p.num_splits, p.partition_size);
   const float* mx = p.max + row * p.num_splits;
   const float* sm = p.sum + row * p.num_splits;
   const float* out = p.out + row * p.num_splits * p.head_dim + d0;
-  float m = -CUDART_INF_F;
-  for (int s = 0; s < used; ++s) m = fmaxf(m, mx[s]);
-  float num[N] = {}, den = 0.f;
-  for (int s = 0; s < used; ++s) {
-    const float w = sm[s] * exp2f(mx[s] - m);
-    den += w;
-    float v[N];
-    if constexpr (N % 4 == 0) {  // d0 and head_dim are multiples of N: aligned vectors
+  float m = -CUDART_INF_F, den = 0.f, num[N] = {};
+  for (int s0 = 0; s0 < used; s0 += kBatch) {
+    float bm[kBatch], bs[kBatch], v[kBatch][N];
 #pragma unroll
-      for (int e = 0; e < N; e += 4) {
-        *reinterpret_cast<float4*>(v + e) =
-            *reinterpret_cast<const float4*>(out + s * p.head_dim + e);
+    for (int j = 0; j < kBatch; ++j) {
+      const int s = s0 + j < used ? s0 + j : used - 1;  // past the end: a repeat, weighted 0
+      bm[j] = mx[s];
+      bs[j] = s0 + j < used ? sm[s] : 0.f;
+      if constexpr (N % 4 == 0) {  // d0 and head_dim are multiples of N: aligned vectors
+#pragma unroll
+        for (int e = 0; e < N; e += 4) {
+          *reinterpret_cast<float4*>(v[j] + e) =
+              *reinterpret_cast<const float4*>(out + s * p.head_dim + e);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < N; ++e) v[j][e] = out[s * p.head_dim + e];
       }
-    } else {
-#pragma unroll
-      for (int e = 0; e < N; ++e) v[e] = out[s * p.head_dim + e];
     }
 #pragma unroll
-    for (int e = 0; e < N; ++e) num[e] = fmaf(w, v[e], num[e]);
+    for (int j = 0; j < kBatch; ++j) {
+      const float m_new = fmaxf(m, bm[j]);
+      const float rescale = exp2f(m - m_new), w = bs[j] * exp2f(bm[j] - m_new);
+      den = fmaf(den, rescale, w);
+#pragma unroll
+      for (int e = 0; e < N; ++e) num[e] = fmaf(num[e], rescale, w * v[j][e]);
+      m = m_new;
+    }
   }
 #pragma unroll
   for (int e = 0; e < N; ++e) res[e] = used > 0 ? num[e] / den : 0.f;
+}
+
+// The same, reading the sequence's length.
+template <int N>
+__device__ __forceinline__ void merge_partitions(const DecodePartitions& p, int seq, int head,
+                                                 int d0, float (&res)[N]) {
+  merge_partitions<N>(p, seq, head, d0,
+                      used_partitions(p.seq_lens[seq], p.num_splits, p.partition_size), res);
 }
 
 }  // namespace tinyvllm
