@@ -166,6 +166,15 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) 
 #endif
 }
 
+// L2 cache policy for a decode step's weights: each byte is read once a step, and a step streams
+// far more weight than L2 holds, so weight lines go first and the lines read again soon stay (the
+// kernels' code, activations, norm weights, the partitions of a split decode).
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
 __device__ __forceinline__ void wait_for_previous_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

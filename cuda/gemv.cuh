@@ -51,6 +51,13 @@ __device__ __forceinline__ uint4 load_streaming(const void* p) {
                : "l"(p));
   return v;
 }
+__device__ __forceinline__ uint4 load_streaming(const void* p, uint64_t policy) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p), "l"(policy));
+  return v;
+}
 
 template <typename T>
 __device__ __forceinline__ float dot8(const uint4& w, const float (&a)[8]) {
@@ -283,13 +290,14 @@ __device__ __forceinline__ void gemv_stage_input(uint4* act, int k8, const T* x,
 
 template <int R, int U>
 __device__ __forceinline__ void gemv_load(uint4 (&w)[R][U], const uint4* const (&rows)[R],
-                                          const bool (&live)[R], int v0, int k8) {
+                                          const bool (&live)[R], int v0, int k8,
+                                          uint64_t policy) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int v = v0 + u * 32;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      w[r][u] = (live[r] && v < k8) ? load_streaming(rows[r] + v) : make_uint4(0, 0, 0, 0);
+      w[r][u] = (live[r] && v < k8) ? load_streaming(rows[r] + v, policy) : make_uint4(0, 0, 0, 0);
     }
   }
 }
@@ -325,6 +333,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(
   const int row_end = int(n_out * (global_warp + 1) / num_warps);
   const int groups = (row_end - row_begin + per_group - 1) / per_group;
   const int total = groups * iters;
+  const uint64_t policy = l2_evict_first_policy();  // the weight's loads
   // Weight row r of a group, or -1 past the warp's outputs.
   auto row_of = [&](int group, int r) {
     const int o = row_begin + group * per_group + (SILU_MUL ? 0 : r);
@@ -344,7 +353,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(
   point_at(0);
   uint4 w[R][U];
   // The weights do not depend on the previous kernel: start streaming them before waiting on it.
-  gemv_load<R, U>(w, rows, live, lane, total > 0 ? k8 : 0);
+  gemv_load<R, U>(w, rows, live, lane, total > 0 ? k8 : 0, policy);
   if (total == 2) {  // a small matrix: its second (and last) pass heads for L2 as well
     const int group = 1 / iters, v0 = lane + (1 - group * iters) * 32 * U;
 #pragma unroll
@@ -389,7 +398,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(
     for (int r = 0; r < R; ++r) cur_live[r] = live[r];
     if (j + 1 < total) {  // next iteration's loads, possibly of the next group of rows
       if (group_done) point_at(group + 1);
-      gemv_load<R, U>(w, rows, live, group_done ? lane : v0 + 32 * U, k8);
+      gemv_load<R, U>(w, rows, live, group_done ? lane : v0 + 32 * U, k8, policy);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {

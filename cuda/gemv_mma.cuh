@@ -80,16 +80,17 @@ __global__ void __launch_bounds__(kTileWarps * 32) gemv_mma_kernel(
   };
   int next_band = blockIdx.x, next_tile = tile_begin;
   if (total > 0) point_at(next_band);
+  const uint64_t policy = l2_evict_first_policy();
   // Item i of the warp's stream goes to ring slot i % kMmaStages; one commit group per item,
   // empty past the end, so that after wait_group<kMmaStages - 1> item i has landed.
   auto issue = [&](int i) {
     if (i < total) {
       uint4* slot = ring + (unsigned(i) % kMmaStages) * 128 + lane;
       const int64_t k0 = int64_t(next_tile) * kTileK;
-      cp_async16(slot, row_lo + k0, bytes_lo);
-      cp_async16(slot + 32, row_lo + k0 + 32, bytes_lo);
-      cp_async16(slot + 64, row_hi + k0, bytes_hi);
-      cp_async16(slot + 96, row_hi + k0 + 32, bytes_hi);
+      cp_async16(slot, row_lo + k0, bytes_lo, policy);
+      cp_async16(slot + 32, row_lo + k0 + 32, bytes_lo, policy);
+      cp_async16(slot + 64, row_hi + k0, bytes_hi, policy);
+      cp_async16(slot + 96, row_hi + k0 + 32, bytes_hi, policy);
       if (++next_tile == tile_end) {
         next_tile = tile_begin;
         next_band += gridDim.x;

@@ -79,8 +79,9 @@ template <> __device__ __forceinline__ uint32_t sub_pair<__half>(uint32_t a, uin
 }
 
 // 8-byte global -> shared copy (cp.async's .cg form takes 16 bytes only).
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src));
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, uint64_t policy) {
+  asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, 8, %2;\n" ::"r"(
+                   smem_addr(dst)), "l"(src), "l"(policy));
 }
 
 // (a & 0x000F000F) | magic in one lop3.
@@ -323,6 +324,7 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   static_assert(D * 8 <= 32, "a lane copies one scale word of a chunk");
   // The scale word this lane copies: row sc_g's of the chunk's position sc_d.
   const int sc_d = lane / 8, sc_g = lane % 8;
+  const uint64_t policy = l2_evict_first_policy();  // the weights' and scales' copies
   // The next chunk into ring slot `slot` (FULL: all its positions are tiles of the band).
   auto copy_chunk = [&](int slot, auto full_chunk) {
     constexpr bool FULL = decltype(full_chunk)::value;
@@ -331,12 +333,13 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
 #pragma unroll
       for (int d = 0; d < D; ++d) {
         if (FULL || copy_j0 + d < per_band) {
-          cp_async16(slots + d * 32, copy_w + (copy_j0 + d) * 32, 16);
+          cp_async16(slots + d * 32, copy_w + (copy_j0 + d) * 32, 16, policy);
         }
       }
       if (sc_d < D && (FULL || copy_j0 + sc_d < per_band)) {
         cp_async8(ring_sc + (slot * D + sc_d) * 8 + sc_g,
-                  copy_sc + ((tile_begin + copy_j0 + sc_d) >> tile_group_shift) * 8 + sc_g);
+                  copy_sc + ((tile_begin + copy_j0 + sc_d) >> tile_group_shift) * 8 + sc_g,
+                  policy);
       }
       copy_j0 += D;
       if (copy_j0 == padded) {
