@@ -1,9 +1,12 @@
 // Launcher for paged decode attention: checks sizes, picks the instantiation.
 //
-// Instantiations: {float16, bfloat16} x cache {same, FP8 E4M3} x head_dim {64, 128} x MAX_G {4, 8}
-// x new token {fused, not} (32 kernels), block size 16. MAX_G is how many query heads of one KV
-// head a CTA serves: 4 covers GQA ratios up to 4 with fewer registers; ratios above 4 use 8 and,
-// above 8, several CTAs per KV head. The reduce kernel does not depend on the cache (2 kernels).
+// Instantiations: {float16, bfloat16} x cache {same, FP8 E4M3} x head_dim {64, 128} x MAX_G
+// {1, 4, 8} x new token {fused, not} (48 kernels), block size 16. MAX_G is how many query heads of
+// one KV head a CTA serves (`heads_per_cta`): 4 covers GQA ratios up to 4 with fewer registers;
+// ratios above 4 use 8 and, above 8, several CTAs per KV head. A launch of few CTAs (a small
+// batch over few partitions: auto_heads_per_cta) takes 1: a CTA per query head, each reading its
+// KV head's K/V (again from L2), since there each warp's work is one dependent chain, not
+// bandwidth, and four heads a warp make it four times as long. The reduce kernel does not depend on the cache (2 kernels).
 #include <cmath>
 
 #include "attention_args.h"
@@ -53,10 +56,26 @@ void launch_decode(DecodeParams p, const DecodeNewToken& nt, int num_seqs, bool 
   }
 }
 
+// Query heads per CTA (MAX_G) when the caller leaves it to the launcher (heads_per_cta 0): one
+// where a CTA per (query head, sequence, partition) makes at most kOneHeadCtasPerSm per SM.
+// H200, 32 / 8 heads, d128, fused new token (cuda/NOTES.md, "Decode attention"): one head a CTA
+// took 4.3 / 5.9 us against 7.7 / 10.1 at batch 1 over 16 partitions (4 CTAs a SM), 27.7
+// against 21.1 at batch 1 over 64 and 10.8 against 9.2 at batch 2 over 16 (8 CTAs a SM).
+constexpr int kOneHeadCtasPerSm = 4;
+
+int auto_heads_per_cta(int num_seqs, int num_heads, int num_splits, int group_size) {
+  if (int64_t(num_seqs) * num_heads * num_splits <= int64_t(kOneHeadCtasPerSm) * num_sms()) {
+    return 1;
+  }
+  return group_size <= 4 ? 4 : 8;
+}
+
 template <typename T, typename Cache, int HEAD_DIM>
-void dispatch_group(const DecodeParams& p, const DecodeNewToken& nt, int num_seqs, bool merge,
-                    cudaStream_t stream) {
-  if (p.group_size <= 4) {
+void dispatch_group(const DecodeParams& p, const DecodeNewToken& nt, int num_seqs,
+                    int heads_per_cta, bool merge, cudaStream_t stream) {
+  if (heads_per_cta == 1) {
+    launch_decode<T, Cache, HEAD_DIM, 1>(p, nt, num_seqs, merge, stream);
+  } else if (heads_per_cta == 4) {
     launch_decode<T, Cache, HEAD_DIM, 4>(p, nt, num_seqs, merge, stream);
   } else {
     launch_decode<T, Cache, HEAD_DIM, 8>(p, nt, num_seqs, merge, stream);
@@ -65,11 +84,11 @@ void dispatch_group(const DecodeParams& p, const DecodeNewToken& nt, int num_seq
 
 template <typename T, typename Cache>
 void dispatch_head_dim(const DecodeParams& p, const DecodeNewToken& nt, int num_seqs,
-                       int head_dim, bool merge, cudaStream_t stream) {
+                       int head_dim, int heads_per_cta, bool merge, cudaStream_t stream) {
   if (head_dim == 64) {
-    dispatch_group<T, Cache, 64>(p, nt, num_seqs, merge, stream);
+    dispatch_group<T, Cache, 64>(p, nt, num_seqs, heads_per_cta, merge, stream);
   } else {
-    dispatch_group<T, Cache, 128>(p, nt, num_seqs, merge, stream);
+    dispatch_group<T, Cache, 128>(p, nt, num_seqs, heads_per_cta, merge, stream);
   }
 }
 
@@ -118,6 +137,7 @@ void paged_attention_decode(
     ptr_t slot_mapping,  // [num_seqs] int64, negative: not written
     ptr_t cos_sin_cache, // [max_position, head_dim] float32; 0: no fused new token
     int merge_splits,    // 0: leave split partitions for paged_decode_merge / gemv_merge
+    int heads_per_cta,   // query heads of one KV head per CTA: 1, 4 or 8; 0: the launcher's choice
     int dtype, int cache_dtype, stream_t stream) {
   DecodeNewToken nt{};
   nt.key = reinterpret_cast<const void*>(new_key);
@@ -155,12 +175,20 @@ void paged_attention_decode(
   p.partition_size = partition_size;
   p.scale_log2 = scale * kLog2e;
   check_decode_args(p, nt, num_seqs, head_dim, block_size, dtype, cache_dtype);
+  require(heads_per_cta == 0 || heads_per_cta == 1 || heads_per_cta == 4 || heads_per_cta == 8,
+          "paged_attention_decode: heads_per_cta=" + std::to_string(heads_per_cta) +
+              " must be 0 (the launcher's choice), 1, 4 or 8");
+  if (heads_per_cta == 0) {
+    heads_per_cta = auto_heads_per_cta(num_seqs, num_heads, num_splits, p.group_size);
+  }
   const cudaStream_t s = as_stream(stream);
   TINYVLLM_DISPATCH_HALF(dtype, "paged_attention_decode", {
     if (cache_dtype == kFloat8E4M3) {
-      dispatch_head_dim<scalar_t, fp8_e4m3>(p, nt, num_seqs, head_dim, merge_splits != 0, s);
+      dispatch_head_dim<scalar_t, fp8_e4m3>(p, nt, num_seqs, head_dim, heads_per_cta,
+                                            merge_splits != 0, s);
     } else {
-      dispatch_head_dim<scalar_t, scalar_t>(p, nt, num_seqs, head_dim, merge_splits != 0, s);
+      dispatch_head_dim<scalar_t, scalar_t>(p, nt, num_seqs, head_dim, heads_per_cta,
+                                            merge_splits != 0, s);
     }
   });
 }

@@ -56,7 +56,7 @@ PYBIND11_MODULE(_cuda, m) {
                "q_stride_token", "q_stride_head", "max_num_blocks_per_seq", "num_splits",
                "partition_size", "scale", "k_scale", "v_scale", "new_key", "new_value",
                "new_kv_stride", "positions", "slot_mapping", "cos_sin_cache", "merge_splits",
-               "dtype", "cache_dtype", "stream");
+               "heads_per_cta", "dtype", "cache_dtype", "stream");
 
   def_launcher(m, "paged_decode_merge", &tinyvllm::paged_decode_merge, "out", "split_out",
                "split_max", "split_sum", "seq_lens", "num_seqs", "num_heads", "head_dim",

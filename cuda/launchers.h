@@ -37,7 +37,7 @@ void paged_attention_decode(ptr_t out, ptr_t query, ptr_t key_cache, ptr_t value
                             float scale, ptr_t k_scale, ptr_t v_scale, ptr_t new_key,
                             ptr_t new_value, int64_t new_kv_stride, ptr_t positions,
                             ptr_t slot_mapping, ptr_t cos_sin_cache, int merge_splits,
-                            int dtype, int cache_dtype, stream_t stream);
+                            int heads_per_cta, int dtype, int cache_dtype, stream_t stream);
 
 // attention_decode.cu: the merge of a split decode's partitions (what paged_attention_decode does
 // itself when merge_splits is set): out [num_seqs, num_heads, head_dim].

@@ -375,6 +375,45 @@ def test_rotary_decode_rejects_prefill(kernels):
                                                    v, cos_sin, cache, meta, 0.1)
 
 
+@pytest.mark.parametrize("kv", ["same", "fp8"])
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((32, 8), 128), ((20, 2), 128)],
+                         ids=["smollm2", "8b", "gqa10"])
+def test_decode_heads_per_cta_give_the_same_bits(kernels, heads, head_dim, kv):
+    """A CTA per query head (the launcher's choice for a small batch) and a CTA per 4 or 8 heads
+    of a KV head (larger batches) compute each head alike: the same output bits, fused new token
+    or not, split contexts or not, and the same cache writes."""
+    num_heads, num_kv_heads = heads
+    batch = make_batch([(1, 2049), (1, 70), (1, 1), (1, 300)], num_heads, num_kv_heads, head_dim,
+                       torch.bfloat16, seed=31, fp8=kv == "fp8")
+    query, cache, meta = batch[:3]
+    k_scale, v_scale = batch[3] if kv == "fp8" else (None, None)
+    _, (q, k, v), positions, cos_sin = make_new_tokens(meta, num_heads, num_kv_heads, head_dim,
+                                                       torch.bfloat16, 31)
+    plain, fused = {}, {}
+    for heads_per_cta in (1, 4, 8):
+        out = torch.full_like(query, float("nan"))
+        attention_cuda.paged_attention_cuda(kernels, query, cache, meta, 0.1, out=out,
+                                            k_scale=k_scale, v_scale=v_scale,
+                                            heads_per_cta=heads_per_cta)
+        plain[heads_per_cta] = out
+        written = cache.clone()
+        fused[heads_per_cta] = (attention_cuda.rotary_paged_attention_cuda(
+            kernels, positions, q, k, v, cos_sin, written, meta, 0.1, k_scale, v_scale,
+            heads_per_cta=heads_per_cta), written)
+    assert torch.isfinite(plain[1]).all() and torch.isfinite(fused[1][0]).all()
+    for heads_per_cta in (4, 8):
+        torch.testing.assert_close(plain[heads_per_cta], plain[1], rtol=0, atol=0)
+        for got, want in zip(fused[heads_per_cta], fused[1]):
+            torch.testing.assert_close(got.view(torch.uint8), want.view(torch.uint8), rtol=0,
+                                       atol=0)
+
+
+def test_decode_rejects_other_heads_per_cta(kernels):
+    query, cache, meta = make_batch([(1, 40)], 8, 2, 64, torch.bfloat16, seed=3)
+    with pytest.raises(ValueError, match="heads_per_cta=3 must be 0"):
+        attention_cuda.paged_attention_cuda(kernels, query, cache, meta, 0.1, heads_per_cta=3)
+
+
 @pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((32, 8), 128)], ids=["smollm2", "8b"])
 def test_rotary_decode_unmerged_partitions(kernels, heads, head_dim):
     """merge=False: a split launch leaves its partitions, and merging them gives the merged

@@ -47,7 +47,8 @@ def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
                          v_scale: Optional[torch.Tensor] = None,
                          prefill_kernel: str = "auto",
                          split_decodes: bool = True, *,
-                         merge: bool = True) -> torch.Tensor | DecodePartitions:
+                         merge: bool = True, heads_per_cta: int = 0
+                         ) -> torch.Tensor | DecodePartitions:
     """Causal attention of new queries over their sequences' paged K/V.
 
     Args:
@@ -65,6 +66,10 @@ def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
         merge: False: a pure-decode launch whose context is split returns its unmerged
             DecodePartitions (for `ops.fused_linear`) instead of the output; under
             `KernelConfig.batch_invariant` every launch merges its partitions itself.
+        heads_per_cta: query heads of one KV head per decode CTA, 1, 4 or 8 (tests); 0: the
+            launcher's choice: 1 where a CTA per (query head, sequence, partition) makes at most
+            4 per multiprocessor (a small batch over few partitions), else 4 up to GQA 4 and 8
+            above. Each gives the same bits.
     Returns:
         [num_tokens, num_heads, head_dim]; on pure decode only the first num_seqs rows are written.
     """
@@ -81,12 +86,13 @@ def paged_attention_cuda(kernel, query: torch.Tensor, kv_cache: torch.Tensor,
         _decode_rows(kernel, out, query, kv_cache, meta.decode_rows, scale, scales)
         return out
     if meta.max_query_len == 1:
-        parts = _decode(kernel, out, query, kv_cache, meta, scale, scales, merge=merge)
+        parts = _decode(kernel, out, query, kv_cache, meta, scale, scales, merge=merge,
+                        heads_per_cta=heads_per_cta)
         return out if parts is None else parts
     num_decodes, longest = meta.leading_decodes if split_decodes else (0, 0)
     if num_decodes:
         _decode(kernel, out, query, kv_cache, meta, scale, scales, num_seqs=num_decodes,
-                max_seq_len=longest)
+                max_seq_len=longest, heads_per_cta=heads_per_cta)
     _prefill(kernel, out, query, kv_cache, meta, scale, scales, PREFILL_KERNELS[prefill_kernel],
              first_seq=num_decodes)
     return out
@@ -135,7 +141,8 @@ def _decode_rows(kernel, out, query, kv_cache, rows: AttentionMetadata, scale: f
 def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
             scales: tuple[int, int], new_token: Optional[dict[str, int]] = None,
             merge: bool = True, num_seqs: Optional[int] = None,
-            max_seq_len: Optional[int] = None, first_seq: int = 0) -> Optional[DecodePartitions]:
+            max_seq_len: Optional[int] = None, first_seq: int = 0,
+            heads_per_cta: int = 0) -> Optional[DecodePartitions]:
     """new_token: the launcher's arguments of a fused new token (rotary_paged_attention_cuda;
     the keys of _NO_NEW_TOKEN), None for none. merge=False: a split launch leaves its partitions
     unmerged and returns them (out is not written). num_seqs: the first num_seqs sequences only
@@ -171,7 +178,7 @@ def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
         q_stride_head=query.stride(1), max_num_blocks_per_seq=meta.block_tables.shape[1],
         num_splits=num_splits, partition_size=partition, scale=scale, k_scale=scales[0],
         v_scale=scales[1], **(new_token or _NO_NEW_TOKEN), merge_splits=int(merge),
-        dtype=dtype_code(query.dtype), cache_dtype=dtype_code(kv_cache.dtype),
+        heads_per_cta=heads_per_cta, dtype=dtype_code(query.dtype), cache_dtype=dtype_code(kv_cache.dtype),
         stream=stream_handle(query.device))
     if merge or num_splits == 1:
         return None
@@ -200,10 +207,12 @@ def rotary_paged_attention_cuda(kernel, positions: torch.Tensor, query: torch.Te
                                 k_scale: Optional[torch.Tensor] = None,
                                 v_scale: Optional[torch.Tensor] = None,
                                 out: Optional[torch.Tensor] = None, *,
-                                merge: bool = True) -> torch.Tensor | DecodePartitions:
+                                merge: bool = True,
+                                heads_per_cta: int = 0) -> torch.Tensor | DecodePartitions:
     """Pure decode with the step's new token fused in, one launch: the kernel rotates q and k,
     writes k and v to their slots and attends. query, key and value are read, not modified.
     merge=False: a context split into partitions comes back as its unmerged DecodePartitions.
+    heads_per_cta: as for paged_attention_cuda.
 
     The kernel reads the cached K/V before it waits on the kernel before it (PDL): that kernel
     (in the model, the qkv projection) must not write this cache.
@@ -241,7 +250,8 @@ def rotary_paged_attention_cuda(kernel, positions: torch.Tensor, query: torch.Te
                  "new_kv_stride": key.stride(0), "positions": positions.data_ptr(),
                  "slot_mapping": slots.data_ptr(), "cos_sin_cache": cos_sin_cache.data_ptr()}
     parts = _decode(kernel, out, q, kv_cache, meta, scale,
-                    kv_scale_ptrs(kv_cache, k_scale, v_scale), new_token, merge)
+                    kv_scale_ptrs(kv_cache, k_scale, v_scale), new_token, merge,
+                    heads_per_cta=heads_per_cta)
     return out if parts is None else parts
 
 
@@ -273,7 +283,9 @@ def decode_partition(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_l
     a small batch split finely, a large batch keeps whole 512-token partitions.
     """
     group = num_heads // num_kv_heads
-    head_chunks = 1 if group <= 4 else -(-group // 8)  # mirrors the launcher's MAX_G choice
+    # CTAs that share a KV head's K/V reads (MAX_G 4 or 8). A launch of few CTAs runs one per
+    # query head instead (the launcher's heads_per_cta 1) over the partitions chosen here.
+    head_chunks = 1 if group <= 4 else -(-group // 8)
     ctas = num_seqs * num_kv_heads * head_chunks
     partition = MAX_PARTITION
     while partition > MIN_PARTITION and ctas * -(-max_seq_len // partition) < CTAS_PER_SM * sm_count:
