@@ -6,7 +6,8 @@
 // ratios above 4 use 8 and, above 8, several CTAs per KV head. A launch of few CTAs (a small
 // batch over few partitions: auto_heads_per_cta) takes 1: a CTA per query head, each reading its
 // KV head's K/V (again from L2), since there each warp's work is one dependent chain, not
-// bandwidth, and four heads a warp make it four times as long. The reduce kernel does not depend on the cache (2 kernels).
+// bandwidth, and four heads a warp make it four times as long. The reduce kernel does not depend
+// on the cache (2 kernels).
 #include <cmath>
 
 #include "attention_args.h"

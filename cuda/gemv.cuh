@@ -43,14 +43,8 @@ constexpr int kGemvWarps = 8;   // warps per CTA
 constexpr int kGemvRows = 2;    // weight rows a warp streams together
 constexpr int kGemvUnroll = 4;  // 16-byte loads per row in flight per lane
 
-// A weight vector is read once: do not keep it in L1.
-__device__ __forceinline__ uint4 load_streaming(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
+// A weight vector is read once: do not keep it in L1, and in L2 under `policy`
+// (l2_evict_first_policy).
 __device__ __forceinline__ uint4 load_streaming(const void* p, uint64_t policy) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"

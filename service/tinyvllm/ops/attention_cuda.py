@@ -178,8 +178,8 @@ def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
         q_stride_head=query.stride(1), max_num_blocks_per_seq=meta.block_tables.shape[1],
         num_splits=num_splits, partition_size=partition, scale=scale, k_scale=scales[0],
         v_scale=scales[1], **(new_token or _NO_NEW_TOKEN), merge_splits=int(merge),
-        heads_per_cta=heads_per_cta, dtype=dtype_code(query.dtype), cache_dtype=dtype_code(kv_cache.dtype),
-        stream=stream_handle(query.device))
+        heads_per_cta=heads_per_cta, dtype=dtype_code(query.dtype),
+        cache_dtype=dtype_code(kv_cache.dtype), stream=stream_handle(query.device))
     if merge or num_splits == 1:
         return None
     return DecodePartitions(split_out, split_max, split_sum,
