@@ -151,17 +151,28 @@ def test_mixed_batch_sends_its_leading_decodes_to_the_decode_kernel(launches):
     assert launches[0][1]["num_seqs"] == 4
 
 
+@pytest.mark.parametrize("batch,tier,want", [
+    (1, 1024, (64, 16, 1)), (1, 4096, (256, 16, 1)), (8, 1024, (512, 2, 1)),
+    (16, 1024, (256, 4, 4)), (256, 2048, (512, 4, 4))])
+def test_decode_partition_takes_a_cta_per_query_head_while_the_launch_is_small(batch, tier, want):
+    """Llama-3-8B's 32 / 8 heads on 132 multiprocessors: a CTA per query head while that makes
+    at most 4 a multiprocessor, its partitions chosen for those CTAs; else 4 heads a CTA."""
+    assert attention_cuda.decode_partition(batch, 32, 8, tier, 132) == want
+
+
 def test_batch_invariant_decode_partitions_follow_the_context(launches):
     """Under batch_invariant every decode launch splits into 64-token partitions (at least 2, so
     every row is merged alike), whatever the batch: here 64 sequences of 300 tokens, which
-    otherwise take 128-token partitions (enough CTAs without finer ones)."""
+    otherwise take 256-token partitions at a CTA per query head (enough CTAs without finer
+    ones)."""
     from tinyvllm import ops
     from tinyvllm.config import KernelConfig
     meta = metadata([1] * 64, [300] * 64)
     query = torch.randn(64, 4, 16, dtype=torch.bfloat16)
     cache = torch.zeros(2, 1300, 16, 2, 16, dtype=torch.bfloat16)
     attention_cuda.paged_attention_cuda(launches.kernels, query, cache, meta, 0.25)
-    assert launches.only("paged_attention_decode")["partition_size"] == 128
+    args = launches.only("paged_attention_decode")
+    assert (args["partition_size"], args["heads_per_cta"]) == (256, 1)
     ops.configure(KernelConfig(batch_invariant=True))
     try:
         for lens in ([300] * 64, [40]):

@@ -158,8 +158,9 @@ def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
         # context or the graph's tier: a row's output depends on its own context only.
         partition, num_splits = MIN_PARTITION, max(2, -(-max_seq_len // MIN_PARTITION))
     else:
-        partition, num_splits = decode_partition(num_seqs, num_heads, num_kv_heads, max_seq_len,
-                                                 _sm_count(query.device))
+        partition, num_splits, chosen = decode_partition(num_seqs, num_heads, num_kv_heads,
+                                                         max_seq_len, _sm_count(query.device))
+        heads_per_cta = heads_per_cta or chosen
     split_out = split_max = split_sum = None
     if num_splits > 1:
         split_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
@@ -275,22 +276,35 @@ def _prefill(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float
         prefill_kernel=prefill_kernel, stream=stream_handle(query.device))
 
 
+ONE_HEAD_CTAS_PER_SM = 4
+"""A decode launch runs a CTA per query head (heads_per_cta 1) where that makes at most this many
+CTAs per multiprocessor (cuda/attention_decode.cu, `auto_heads_per_cta`)."""
+
+
 def decode_partition(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int,
-                     sm_count: int) -> tuple[int, int]:
-    """(tokens per partition, number of partitions) for a decode launch.
+                     sm_count: int) -> tuple[int, int, int]:
+    """(tokens per partition, number of partitions, query heads per CTA) for a decode launch.
 
     The largest partition that still gives CTAS_PER_SM CTAs per multiprocessor: long contexts of
-    a small batch split finely, a large batch keeps whole 512-token partitions.
+    a small batch split finely, a large batch keeps whole 512-token partitions. First with a CTA
+    per query head, taken where that launch has at most ONE_HEAD_CTAS_PER_SM CTAs a
+    multiprocessor (a small batch: each warp's work is a dependent chain, which four heads make
+    four times as long); else with the CTAs that share a KV head's K/V reads (4 query heads a CTA
+    up to GQA 4, 8 above).
     """
+    def split(ctas: int) -> tuple[int, int]:
+        partition = MAX_PARTITION
+        while (partition > MIN_PARTITION
+               and ctas * -(-max_seq_len // partition) < CTAS_PER_SM * sm_count):
+            partition //= 2
+        return partition, max(1, -(-max_seq_len // partition))
+
+    partition, splits = split(num_seqs * num_heads)
+    if num_seqs * num_heads * splits <= ONE_HEAD_CTAS_PER_SM * sm_count:
+        return partition, splits, 1
     group = num_heads // num_kv_heads
-    # CTAs that share a KV head's K/V reads (MAX_G 4 or 8). A launch of few CTAs runs one per
-    # query head instead (the launcher's heads_per_cta 1) over the partitions chosen here.
-    head_chunks = 1 if group <= 4 else -(-group // 8)
-    ctas = num_seqs * num_kv_heads * head_chunks
-    partition = MAX_PARTITION
-    while partition > MIN_PARTITION and ctas * -(-max_seq_len // partition) < CTAS_PER_SM * sm_count:
-        partition //= 2
-    return partition, max(1, -(-max_seq_len // partition))
+    heads_per_cta = 4 if group <= 4 else 8
+    return (*split(num_seqs * num_kv_heads * -(-group // heads_per_cta)), heads_per_cta)
 
 
 @functools.cache
