@@ -102,8 +102,9 @@ PYBIND11_MODULE(_cuda, m) {
   def_launcher(m, "quant_tile_gemv", &tinyvllm::quant_tile_gemv, "out", "x", "tiles",
                "tile_scales", "bias", "residual", "norm_weight", "m", "n", "k", "x_stride",
                "out_stride", "residual_stride", "eps", "group_size", "interleaved", "prologue",
-               "silu_mul_out", "dtype", "stream");
-  def_launcher(m, "quant_tile_rows", &tinyvllm::quant_tile_rows, "k");
+               "silu_mul_out", "splits", "split_sums", "split_sums_len", "split_counts",
+               "split_counts_len", "dtype", "stream");
+  def_launcher(m, "quant_tile_rows", &tinyvllm::quant_tile_rows, "k", "rms_norm");
   def_launcher(m, "quant_tile_dequantize", &tinyvllm::quant_tile_dequantize, "out", "tiles",
                "tile_scales", "n", "k", "group_size", "interleaved", "dtype", "stream");
   def_launcher(m, "gguf_gemv", &tinyvllm::gguf_gemv, "out", "x", "qweight", "bias", "residual",

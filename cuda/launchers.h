@@ -12,7 +12,7 @@ namespace tinyvllm {
 // The interface version of these launchers. bindings.cpp exports it as `abi_version` and
 // ops/_dispatch.py refuses a module whose version is not its CUDA_ABI_VERSION: bump both when a
 // launcher's arguments change or a function is added, removed or renamed.
-constexpr int kAbiVersion = 11;
+constexpr int kAbiVersion = 12;
 
 using ptr_t = std::uintptr_t;  // a device pointer, as torch's data_ptr() gives it
 using stream_t = std::uintptr_t;  // a cudaStream_t, as torch's cuda_stream gives it
@@ -134,18 +134,22 @@ void quant_dequantize(ptr_t out, ptr_t qweight, ptr_t scales, ptr_t zeros, int64
 // quant_tiles.cu: W4A16 over the tile layout of ops/quant_tiles.py (tiles uint4 [bands][k / 64]
 // [32], tile_scales uint2 [bands][k / group_size][8]; group_size k or a power of two >= 64;
 // interleaved: band b holds gate rows 8b .. 8b + 7 and up rows n / 2 + 8b ..). quant_tile_gemv:
-// out[m, n] = act(x) . w^T (+ bias) on tensor cores for m <= quant_tile_rows(k) (at most 16:
-// the staged rows of x fit the device's shared memory per block), with gemv's prologues
-// (prologue, norm_weight, eps) and epilogues (residual in place; silu_mul_out over an
-// interleaved layout: out[m, n / 2]).
+// out[m, n] = act(x) . w^T (+ bias) on tensor cores for m <= quant_tile_rows(k, rms_norm) (at
+// most 16), with gemv's prologues (prologue, norm_weight, eps) and epilogues (residual in place;
+// silu_mul_out over an interleaved layout: out[m, n / 2]). Where m rows of the whole k do not fit
+// a CTA's shared memory, k is split across `splits` CTAs a band (0: the fewest that fit; not with
+// rmsnorm), which add their sums through split_sums (float32, split_sums_len of them; at most
+// ceil(n / 16) * splits * 256) and split_counts (uint32 [split_counts_len >= ceil(n / 16)], zero
+// before the first launch; each launch leaves them zero).
 void quant_tile_gemv(ptr_t out, ptr_t x, ptr_t tiles, ptr_t tile_scales, ptr_t bias,
                      ptr_t residual, ptr_t norm_weight, int64_t m, int64_t n, int64_t k,
                      int64_t x_stride, int64_t out_stride, int64_t residual_stride, float eps,
-                     int group_size, int interleaved, int prologue, int silu_mul_out, int dtype,
-                     stream_t stream);
+                     int group_size, int interleaved, int prologue, int silu_mul_out,
+                     int splits, ptr_t split_sums, int64_t split_sums_len, ptr_t split_counts,
+                     int64_t split_counts_len, int dtype, stream_t stream);
 // quant_tile_rows: the most rows of x (16, 8, 4, 2 or 1; 0 for none) one quant_tile_gemv launch
-// serves at k on the current device.
-int quant_tile_rows(int64_t k);
+// serves at k on the current device (rms_norm: with the RMSNorm prologue, k unsplit).
+int quant_tile_rows(int64_t k, int rms_norm);
 // quant_tile_dequantize: the weight as dtype [n, k] in logical row order (prefill-sized batches).
 void quant_tile_dequantize(ptr_t out, ptr_t tiles, ptr_t tile_scales, int64_t n, int64_t k,
                            int group_size, int interleaved, int dtype, stream_t stream);

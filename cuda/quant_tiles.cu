@@ -1,7 +1,8 @@
 // Launchers of the W4A16 tile-layout GEMV and its dequantize (quant_tiles.cuh): size checks and
 // the choice of instantiation, {float16, bfloat16} x M {1, 2, 4, 8, 16} x prologue {none,
 // rmsnorm, silu_mul}, and the SwiGLU-product epilogue after {none, rmsnorm}, each with its
-// groups checked per tile or (group_size 128 where every warp's slice allows) at fixed positions.
+// groups checked per tile or (group_size 128 where every warp's slice allows) at fixed positions;
+// and the split of k across CTAs where the staged rows of the whole k do not fit.
 #include <algorithm>
 #include <mutex>
 #include <string>
@@ -14,6 +15,7 @@ namespace {
 
 constexpr int kTileMaxM = 16;  // two n-tiles of the mma's 8 columns
 constexpr int kStages = kTileStages;
+constexpr int kMaxSplits = 16;  // CTAs sharing a band, each over its own slice of k
 
 // Dynamic shared memory of a launch of M rows: the staged activations (M x k), the warps' rings
 // of `chunks` chunks of kStages tiles (512 bytes of weights and 64 of scales each) and x's sums
@@ -58,12 +60,13 @@ int tile_smem_cap() {
 }
 
 // Tiles per group where every group sits at fixed positions of each warp's chunks (the kernel's
-// G): group_size 128 and every warp's slice of k a multiple of kStages tiles (so also of 2);
-// else 0 (the group of each tile is checked).
-int fixed_group_tiles(int k, int group_size) {
+// G): group_size 128 and every warp's slice of a split's k a multiple of kStages tiles (so also
+// of 2); else 0 (the group of each tile is checked).
+int fixed_group_tiles(int k, int group_size, int splits) {
   constexpr int kG = 2;
   if (group_size != kG * kTileK || k / group_size < 2) return 0;
-  const int k_tiles = k / kTileK;
+  const int k_tiles = k / kTileK / splits;
+  if (k_tiles % kG != 0) return 0;
   for (int w = 0; w < kTileWarps; ++w) {
     const int begin = k_tiles * w / kTileWarps, end = k_tiles * (w + 1) / kTileWarps;
     if (end == begin || (end - begin) % kStages != 0 || begin % kG != 0) return 0;
@@ -71,13 +74,70 @@ int fixed_group_tiles(int k, int group_size) {
   return kG;
 }
 
-// Each CTA takes ceil(bands / resident CTAs) bands (strided), so that all CTAs are resident at
-// once and none has a band more than the others but the last few.
+// Where k is split, each split's CTAs add their sums for a band into split_sums; the band's
+// last split adds them all in order. What a launch of M rows split `splits` ways needs there.
+template <int M>
+int64_t split_sum_floats(int n, int splits) {
+  return splits > 1 ? int64_t((n + kTileRows - 1) / kTileRows) * splits * 4 * (M > 8 ? 2 : 1) * 32
+                    : 0;
+}
+
+// CTAs of M rows an SM holds at `smem` bytes of dynamic shared memory, by shared memory alone.
+template <int M>
+int tile_ctas_per_sm(int64_t smem) {
+  static const int64_t per_cta = [] {  // static shared memory and the block's reserved bytes
+    int device = 0, reserved = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    check_cuda(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device),
+               "quant_tile_gemv: reserved shared memory");
+    cudaFuncAttributes attr{};
+    check_cuda(cudaFuncGetAttributes(
+                   &attr, quant_tile_gemv_kernel<__nv_bfloat16, M, kGemvNone, false, 0, kStages>),
+               "quant_tile_gemv: attributes");
+    return int64_t(attr.sharedSizeBytes) + reserved;
+  }();
+  static const int per_sm = [] {
+    int device = 0, bytes = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    check_cuda(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device),
+               "quant_tile_gemv: shared memory per SM");
+    return bytes;
+  }();
+  return int(per_sm / (smem + per_cta));
+}
+
+// The ways to split k for a launch of M rows (requested: 1 .. kMaxSplits, or 0 to choose): it
+// must divide k's tiles and leave each CTA's staged rows within the device's shared memory
+// (RMSNorm's row scale needs the whole row: no split). Chosen: 1 where the whole k fits, else
+// the fewest splits that leave two CTAs an SM (llama3-8b-shape down_proj at 8 rows: 4 splits,
+// two CTAs an SM, 25.0 us against 31.8 for 2 splits, one CTA an SM; H200), else the fewest
+// that fit. 0: none fits.
+template <int M>
+int tile_splits(int64_t k, int prologue, int requested) {
+  const int64_t k_tiles = k / kTileK;
+  auto fits = [&](int s) {
+    return k_tiles % s == 0 && tile_smem_bytes<M>(k / s) <= tile_smem_cap<M>();
+  };
+  if (requested) return fits(requested) ? requested : 0;
+  if (fits(1)) return 1;
+  if (prologue == kGemvRmsNorm) return 0;
+  int fewest = 0;
+  for (int s = 2; s <= kMaxSplits; ++s) {
+    if (!fits(s)) continue;
+    if (tile_ctas_per_sm<M>(tile_smem_bytes<M>(k / s)) >= 2) return s;
+    if (!fewest) fewest = s;
+  }
+  return fewest;
+}
+
+// Each CTA takes ceil(bands / resident CTAs of its split) bands (strided), so that all CTAs are
+// resident at once and none has a band more than the others but the last few.
 template <typename T, int M, int P, bool S, int G, int R = 2>
 void launch_g(T* out, const T* x, const uint4* tiles, const uint2* scales, const T* bias,
               const T* residual, const T* norm_weight, int m, int n, int k, int64_t x_stride,
               int64_t out_stride, int64_t residual_stride, float eps, int groups, int shift,
-              bool interleaved, cudaStream_t stream) {
+              bool interleaved, int splits, float* split_sums, unsigned* split_counts,
+              cudaStream_t stream) {
   auto kernel = quant_tile_gemv_kernel<T, M, P, S, G, kStages, R>;
   static std::once_flag once;
   std::call_once(once, [&] {
@@ -85,19 +145,26 @@ void launch_g(T* out, const T* x, const uint4* tiles, const uint2* scales, const
                                     kernel_smem_cap<T, M, P, S>()),
                "quant_tile_gemv: cudaFuncSetAttribute");
   });
-  const int smem = int(tile_smem_bytes<M>(k, R));
-  const int grid = resident_grid(kernel, kTileWarps * 32, smem, (n + kTileRows - 1) / kTileRows,
-                                 "quant_tile_gemv: occupancy");
-  launch_pdl(kernel, dim3(grid), dim3(kTileWarps * 32), smem, stream, out, x, tiles, scales,
-             bias, residual, norm_weight, m, n, k, x_stride, out_stride, residual_stride, eps,
-             groups, shift, interleaved);
+  const int smem = int(tile_smem_bytes<M>(k / splits, R));
+  const int bands = (n + kTileRows - 1) / kTileRows;
+  int resident = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kTileWarps * 32,
+                                                           smem),
+             "quant_tile_gemv: occupancy");
+  const int slots = std::max(1, num_sms() * std::max(resident, 1) / splits);
+  const int per_cta = (bands + slots - 1) / slots;
+  const int grid = (bands + per_cta - 1) / per_cta;
+  launch_pdl(kernel, dim3(grid, splits), dim3(kTileWarps * 32), smem, stream, out, x, tiles,
+             scales, bias, residual, norm_weight, m, n, k, x_stride, out_stride, residual_stride,
+             eps, groups, shift, interleaved, split_sums, split_counts);
 }
 
 template <typename T, int M, int P, bool S>
 void launch(T* out, const T* x, const uint4* tiles, const uint2* scales, const T* bias,
             const T* residual, const T* norm_weight, int m, int n, int k, int64_t x_stride,
             int64_t out_stride, int64_t residual_stride, float eps, int group_size,
-            bool interleaved, cudaStream_t stream) {
+            bool interleaved, int splits, float* split_sums, unsigned* split_counts,
+            cudaStream_t stream) {
   const int groups = k / group_size;
   // Power-of-two groups: the group of tile i is (64 i) >> shift; one group: any shift > log2(k).
   int shift = 31;
@@ -108,17 +175,18 @@ void launch(T* out, const T* x, const uint4* tiles, const uint2* scales, const T
   auto go = [&](auto g, auto r) {
     launch_g<T, M, P, S, decltype(g)::value, decltype(r)::value>(
         out, x, tiles, scales, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
-        residual_stride, eps, groups, shift, interleaved, stream);
+        residual_stride, eps, groups, shift, interleaved, splits, split_sums, split_counts,
+        stream);
   };
   using G0 = std::integral_constant<int, 0>;
   using G2 = std::integral_constant<int, 2>;
-  const bool fixed = fixed_group_tiles(k, group_size) == 2;
+  const bool fixed = fixed_group_tiles(k, group_size, splits) == 2;
   // One row (batch-1 decode): a ring of three chunks where it fits, so that a third more of the
   // weight is requested before the PDL wait (llama3-8b-shape TPOT 2.26 -> 2.20 ms on an H200;
   // at two rows the isolated down_proj was slower with three, 13.7 against 12.9 us).
   if constexpr (M == 1) {
     using R3 = std::integral_constant<int, 3>;
-    if (tile_smem_bytes<M>(k, 3) <= tile_smem_cap<M>()) {
+    if (splits == 1 && tile_smem_bytes<M>(k, 3) <= tile_smem_cap<M>()) {
       fixed ? go(G2{}, R3{}) : go(G0{}, R3{});
       return;
     }
@@ -131,11 +199,13 @@ template <typename T, int P, bool S = false>
 void launch_m(int m, T* out, const T* x, const uint4* tiles, const uint2* scales, const T* bias,
               const T* residual, const T* norm_weight, int n, int k, int64_t x_stride,
               int64_t out_stride, int64_t residual_stride, float eps, int group_size,
-              bool interleaved, cudaStream_t s) {
+              bool interleaved, int splits, float* split_sums, unsigned* split_counts,
+              cudaStream_t s) {
   with_tile_rows(m, [&](auto rows) {
     launch<T, decltype(rows)::value, P, S>(out, x, tiles, scales, bias, residual, norm_weight, m,
                                            n, k, x_stride, out_stride, residual_stride, eps,
-                                           group_size, interleaved, s);
+                                           group_size, interleaved, splits, split_sums,
+                                           split_counts, s);
   });
 }
 
@@ -160,25 +230,46 @@ void check_tiles(const std::string& where, int64_t n, int64_t k, int group_size,
 void quant_tile_gemv(ptr_t out, ptr_t x, ptr_t tiles, ptr_t tile_scales, ptr_t bias,
                      ptr_t residual, ptr_t norm_weight, int64_t m, int64_t n, int64_t k,
                      int64_t x_stride, int64_t out_stride, int64_t residual_stride, float eps,
-                     int group_size, int interleaved, int prologue, int silu_mul_out, int dtype,
-                     stream_t stream) {
+                     int group_size, int interleaved, int prologue, int silu_mul_out,
+                     int splits, ptr_t split_sums, int64_t split_sums_len, ptr_t split_counts,
+                     int64_t split_counts_len, int dtype, stream_t stream) {
   const std::string where = "quant_tile_gemv: ";
   check_tiles(where, n, k, group_size, interleaved != 0, tiles, tile_scales);
   require(m >= 0 && m <= kTileMaxM, where + "m=" + std::to_string(m) + " rows; at most " +
                                         std::to_string(kTileMaxM) + " are served");
+  require(prologue >= kGemvNone && prologue <= kGemvSiluMul,
+          where + "prologue=" + std::to_string(prologue) + " unknown");
+  require(splits >= 0 && splits <= kMaxSplits && (splits <= 1 || (k / kTileK) % splits == 0),
+          where + "splits=" + std::to_string(splits) + " must be 0 (the launcher's choice) or 1-" +
+              std::to_string(kMaxSplits) + " dividing k / 64=" + std::to_string(k / kTileK));
+  require(splits <= 1 || prologue != kGemvRmsNorm,
+          where + "rmsnorm needs the whole row of x in one CTA: splits=" +
+              std::to_string(splits) + " must be 0 or 1");
   if (m > 0) {
     with_tile_rows(int(m), [&](auto rows) {
       constexpr int M = decltype(rows)::value;
-      require(tile_smem_bytes<M>(k) <= tile_smem_cap<M>(),
-              where + "m=" + std::to_string(m) + " rows of k=" + std::to_string(k) +
-                  " (m rounded up to 1, 2, 4, 8 or 16) take " +
-                  std::to_string(tile_smem_bytes<M>(k)) +
-                  " bytes of shared memory, the device allows " +
-                  std::to_string(tile_smem_cap<M>()) + "; quant_tile_rows(k) rows fit");
+      const int chosen = tile_splits<M>(k, prologue, splits);
+      const int64_t least = tile_smem_bytes<M>(k / std::max(splits, 1));
+      require(chosen > 0, where + "m=" + std::to_string(m) + " rows of k=" + std::to_string(k) +
+                              " (m rounded up to 1, 2, 4, 8 or 16)" +
+                              (splits ? " split " + std::to_string(splits) + " ways take " +
+                                            std::to_string(least) + " bytes"
+                                      : std::string(" fit no split of k")) +
+                              " of shared memory, the device allows " +
+                              std::to_string(tile_smem_cap<M>()) +
+                              "; quant_tile_rows(k, rms_norm) rows fit");
+      splits = chosen;
+      const int64_t need = split_sum_floats<M>(int(n), splits);
+      require(splits == 1 ||
+                  (split_sums != 0 && split_counts != 0 && need <= split_sums_len &&
+                   (n + kTileRows - 1) / kTileRows <= split_counts_len),
+              where + "k split " + std::to_string(splits) + " ways needs split_sums of " +
+                  std::to_string(need) + " floats and split_counts of " +
+                  std::to_string((n + kTileRows - 1) / kTileRows) + " (got " +
+                  std::to_string(split_sums_len) + " and " + std::to_string(split_counts_len) +
+                  ")");
     });
   }
-  require(prologue >= kGemvNone && prologue <= kGemvSiluMul,
-          where + "prologue=" + std::to_string(prologue) + " unknown");
   require(!silu_mul_out || (interleaved && residual == 0 && prologue != kGemvSiluMul),
           where + "silu_mul_out needs an interleaved layout, no residual and no silu_mul "
                   "prologue");
@@ -199,32 +290,38 @@ void quant_tile_gemv(ptr_t out, ptr_t x, ptr_t tiles, ptr_t tile_scales, ptr_t b
     auto* nw = reinterpret_cast<const scalar_t*>(norm_weight);
     const int mi = int(m), ni = int(n), ki = int(k);
     const bool il = interleaved != 0;
+    auto* ss = reinterpret_cast<float*>(split_sums);
+    auto* sn = reinterpret_cast<unsigned*>(split_counts);
+    auto go = [&](auto prologue_c, auto silu_mul_out_c) {
+      launch_m<scalar_t, decltype(prologue_c)::value, decltype(silu_mul_out_c)::value>(
+          mi, o, xi, tl, sc, b, r, nw, ni, ki, x_stride, out_stride, residual_stride, eps,
+          group_size, il, splits, ss, sn, s);
+    };
+    using None = std::integral_constant<int, kGemvNone>;
+    using Norm = std::integral_constant<int, kGemvRmsNorm>;
+    using Silu = std::integral_constant<int, kGemvSiluMul>;
     if (silu_mul_out && prologue == kGemvNone) {
-      launch_m<scalar_t, kGemvNone, true>(mi, o, xi, tl, sc, b, r, nw, ni, ki, x_stride,
-                                          out_stride, residual_stride, eps, group_size, il, s);
+      go(None{}, std::true_type{});
     } else if (silu_mul_out) {
-      launch_m<scalar_t, kGemvRmsNorm, true>(mi, o, xi, tl, sc, b, r, nw, ni, ki, x_stride,
-                                             out_stride, residual_stride, eps, group_size, il, s);
+      go(Norm{}, std::true_type{});
     } else if (prologue == kGemvNone) {
-      launch_m<scalar_t, kGemvNone>(mi, o, xi, tl, sc, b, r, nw, ni, ki, x_stride, out_stride,
-                                    residual_stride, eps, group_size, il, s);
+      go(None{}, std::false_type{});
     } else if (prologue == kGemvRmsNorm) {
-      launch_m<scalar_t, kGemvRmsNorm>(mi, o, xi, tl, sc, b, r, nw, ni, ki, x_stride, out_stride,
-                                       residual_stride, eps, group_size, il, s);
+      go(Norm{}, std::false_type{});
     } else {
-      launch_m<scalar_t, kGemvSiluMul>(mi, o, xi, tl, sc, b, r, nw, ni, ki, x_stride, out_stride,
-                                       residual_stride, eps, group_size, il, s);
+      go(Silu{}, std::false_type{});
     }
   });
 }
 
-int quant_tile_rows(int64_t k) {
+int quant_tile_rows(int64_t k, int rms_norm) {
   require(k > 0 && k % kTileK == 0 && k <= INT32_MAX / 2,
           "quant_tile_rows: k=" + std::to_string(k) + " must be a positive multiple of 64");
   int rows = 0;
+  const int prologue = rms_norm ? kGemvRmsNorm : kGemvNone;
   auto fits = [&](auto m) {
     constexpr int M = decltype(m)::value;
-    if (rows == 0 && tile_smem_bytes<M>(k) <= tile_smem_cap<M>()) rows = M;
+    if (rows == 0 && tile_splits<M>(k, prologue, 0) > 0) rows = M;
   };
   fits(std::integral_constant<int, 16>{});
   fits(std::integral_constant<int, 8>{});

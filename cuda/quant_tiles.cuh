@@ -282,11 +282,16 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
     const T* __restrict__ norm_weight,    // [k] (kGemvRmsNorm)
     int m, int n, int k, int64_t x_stride, int64_t out_stride, int64_t residual_stride, float eps,
     int groups, int group_shift,          // group of tile i: (64 i) >> group_shift
-    bool interleaved) {
-  // Dynamic shared memory: act [M][k / 8 + kTileRowPad] (x after the prologue); per warp a ring
-  // of R chunks of D tiles (32 lanes x 16 bytes) and of their scale words (8 rows g x 8
-  // bytes); sx [k / 64 / max(G, 1)][kTileSumCols] (x's sum over each tile, or each group for
-  // G > 0).
+    bool interleaved,
+    float* split_sums,                    // gridDim.y > 1: [bands][gridDim.y][4 * NT][32]
+    unsigned* split_counts) {             // gridDim.y > 1: [bands], zero between launches
+  // Split k (gridDim.y = S > 1, the launcher's choice where M rows of the whole k do not fit in
+  // shared memory): CTA (c, s) multiplies tiles [s k_tiles / S, (s + 1) k_tiles / S) of bands c,
+  // c + gridDim.x, ...; below, k_tiles, tile_begin, tile_end, act and sx are of that split.
+  // Dynamic shared memory: act [M][split_k / 8 + kTileRowPad] (x after the prologue); per warp a
+  // ring of R chunks of D tiles (32 lanes x 16 bytes) and of their scale words (8 rows g x 8
+  // bytes); sx [split_k / 64 / max(G, 1)][kTileSumCols] (x's sum over each tile, or each group
+  // for G > 0).
   constexpr int NT = M > 8 ? 2 : 1;  // n-tiles: 8 rows of x each
   static_assert(M <= 16, "two n-tiles of 8 rows at most");
   extern __shared__ uint4 act[];
@@ -294,7 +299,10 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   __shared__ float partial[2][kTileWarps][4 * NT][32];  // double-buffered: one barrier per band
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane >> 2, t = lane & 3;
-  const int k8 = k / 8, k_tiles = k / kTileK;
+  const int splits = gridDim.y, all_tiles = k / kTileK;
+  const int k_tiles = all_tiles / splits;       // the split's (the launcher checks it divides)
+  const int tile_offset = blockIdx.y * k_tiles;  // its first tile in the weight's k
+  const int k8 = k_tiles * (kTileK / 8);
   constexpr int kPad = kTileRowPad<M>;
   const int act_vectors = M * (k8 + kPad);
   uint4* ring = act + act_vectors + warp * R * D * 32;
@@ -312,14 +320,15 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   // fall between chunks, and a chunk's slots and sources are offsets from one base.
   const int padded = (per_band + D - 1) / D * D;
   const bool full = per_band > 0 && padded == per_band;  // (k < 512: some warps have no tiles)
-  const int64_t w_step = int64_t(gridDim.x) * k_tiles * 32;  // one band of this CTA to the next
+  const int64_t w_step = int64_t(gridDim.x) * all_tiles * 32;  // one band of this CTA to the next
   const int64_t sc_step = int64_t(gridDim.x) * groups * 8;
   // Group of tile i: i >> tile_group_shift (one group: a shift past any tile index).
   const int tile_group_shift = group_shift - 6;
   // The copy cursor: band copy_band of this CTA's and position copy_j0 in it, with that band's
   // words (w: this lane's of the slice's first tile; sc: the band's scale words).
   int copy_band = 0, copy_j0 = 0;
-  const uint4* copy_w = tiles + (int64_t(blockIdx.x) * k_tiles + tile_begin) * 32 + lane;
+  const uint4* copy_w =
+      tiles + (int64_t(blockIdx.x) * all_tiles + tile_offset + tile_begin) * 32 + lane;
   const uint2* copy_sc = tile_scales + int64_t(blockIdx.x) * groups * 8;
   static_assert(D * 8 <= 32, "a lane copies one scale word of a chunk");
   // The scale word this lane copies: row sc_g's of the chunk's position sc_d.
@@ -338,7 +347,8 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
       }
       if (sc_d < D && (FULL || copy_j0 + sc_d < per_band)) {
         cp_async8(ring_sc + (slot * D + sc_d) * 8 + sc_g,
-                  copy_sc + ((tile_begin + copy_j0 + sc_d) >> tile_group_shift) * 8 + sc_g,
+                  copy_sc + ((tile_offset + tile_begin + copy_j0 + sc_d) >> tile_group_shift) * 8 +
+                      sc_g,
                   policy);
       }
       copy_j0 += D;
@@ -372,8 +382,9 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   wait_for_previous_grid();
 
   // Each warp stages, and sums, the slice of x it multiplies: no barrier but RMSNorm's.
-  tile_stage_slice<T, M, P>(act, k8 + kPad, v0, v1, x, x_stride, norm_weight, norm_held, m, k,
-                            eps, row_sum_sq);
+  // (x from the split's first column; the RMSNorm prologue runs unsplit)
+  tile_stage_slice<T, M, P>(act, k8 + kPad, v0, v1, x + tile_offset * kTileK, x_stride,
+                            norm_weight, norm_held, m, k, eps, row_sum_sq);
   __syncwarp();
   allow_next_grid();
   tile_slice_sums<T, M>(sx, act, k8 + kPad, tile_begin, tile_end, G > 0 ? G : 1);
@@ -393,7 +404,7 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
 #pragma unroll
   for (int h = 0; h < NT; ++h) {
     const int row = 8 * h + g;
-    xrow[h] = reinterpret_cast<const T*>(act) + (row < M ? row : 0) * (k + 8 * kPad) + 4 * t;
+    xrow[h] = reinterpret_cast<const T*>(act) + (row < M ? row : 0) * (8 * (k8 + kPad)) + 4 * t;
   }
   float acc[NT][4] = {};  // this group's, per n-tile: rows g, g + 8 x columns 2t, 2t + 1
   float sum[NT][4] = {};  // this band's, scaled
@@ -535,7 +546,8 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
         const T* xd[NT];
 #pragma unroll
         for (int h = 0; h < NT; ++h) xd[h] = xt[h] + d * kTileK;
-        multiply(slots[d * 32], slots_sc + d * 8, tile0 + d, xd, sxt + d * kSumCols);
+        multiply(slots[d * 32], slots_sc + d * 8, tile_offset + tile0 + d, xd,
+                 sxt + d * kSumCols);
       }
     }
     __syncwarp();  // every lane has read the slot before any refills it
@@ -569,24 +581,68 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
     }
     __syncthreads();
     if (warp == bi % kTileWarps) {
+      const int band = blockIdx.x + bi * gridDim.x;
+      float y[NT][4];
 #pragma unroll
-      for (int h = 0; h < NT; ++h) {  // n-tile h: rows 8h .. 8h + 7 of x and out
-        if (8 * h >= m) break;
-        float y[4];
+      for (int h = 0; h < NT; ++h) {
 #pragma unroll
         for (int c4 = 0; c4 < 4; ++c4) {
-          y[c4] = 0.f;
+          y[h][c4] = 0.f;
 #pragma unroll
-          for (int w = 0; w < kTileWarps; ++w) y[c4] += partial[bi & 1][w][4 * h + c4][lane];
+          for (int w = 0; w < kTileWarps; ++w) y[h][c4] += partial[bi & 1][w][4 * h + c4][lane];
         }
-        quant_tile_epilogue<T, SILU_MUL>(
-            y, blockIdx.x + bi * gridDim.x, g, t, out + 8 * h * out_stride, bias,
-            residual ? residual + 8 * h * residual_stride : nullptr, m - 8 * h, n, out_stride,
-            residual_stride, interleaved);
+      }
+      if (splits > 1) {  // split k: the sums go out, the band's last split adds them (below)
+        float* mine = split_sums + (int64_t(band) * splits + blockIdx.y) * (4 * NT * 32) + lane;
+#pragma unroll
+        for (int h = 0; h < NT; ++h) {
+#pragma unroll
+          for (int c4 = 0; c4 < 4; ++c4) mine[(4 * h + c4) * 32] = y[h][c4];
+        }
+      } else {
+#pragma unroll
+        for (int h = 0; h < NT; ++h) {  // n-tile h: rows 8h .. 8h + 7 of x and out
+          if (8 * h >= m) break;
+          quant_tile_epilogue<T, SILU_MUL>(
+              y[h], band, g, t, out + 8 * h * out_stride, bias,
+              residual ? residual + 8 * h * residual_stride : nullptr, m - 8 * h, n, out_stride,
+              residual_stride, interleaved);
+        }
       }
     }
   }
   cp_async_wait<0>();  // no copy outlives the kernel
+  if (splits == 1) return;
+  // Split k, once all of this CTA's bands are done (a fence per band would hold its warp until
+  // the ring's copies land): each band's warp counts its split in, and the band's last split
+  // to arrive adds the splits' sums in split order (the same bits whichever arrives last) and
+  // writes the outputs.
+  __threadfence();  // this warp's sums are visible before its counts say so
+  for (int bi = warp; bi < my_bands; bi += kTileWarps) {
+    const int band = blockIdx.x + bi * gridDim.x;
+    unsigned arrived = 0;
+    if (lane == 0) arrived = atomicAdd(split_counts + band, 1u);
+    if (__shfl_sync(0xffffffffu, arrived, 0) != unsigned(splits - 1)) continue;
+    __threadfence();  // the other splits' sums (read past L1)
+    const float* sums = split_sums + int64_t(band) * splits * (4 * NT * 32) + lane;
+    float y[NT][4] = {};
+    for (int sp = 0; sp < splits; ++sp) {
+#pragma unroll
+      for (int h = 0; h < NT; ++h) {
+#pragma unroll
+        for (int c4 = 0; c4 < 4; ++c4) y[h][c4] += __ldcg(sums + (sp * 4 * NT + 4 * h + c4) * 32);
+      }
+    }
+    if (lane == 0) split_counts[band] = 0;  // ready for the next launch
+#pragma unroll
+    for (int h = 0; h < NT; ++h) {
+      if (8 * h >= m) break;
+      quant_tile_epilogue<T, SILU_MUL>(
+          y[h], band, g, t, out + 8 * h * out_stride, bias,
+          residual ? residual + 8 * h * residual_stride : nullptr, m - 8 * h, n, out_stride,
+          residual_stride, interleaved);
+    }
+  }
 }
 
 // The weight as T [n, k] (logical row order), one thread per 8 consecutive values of a row:

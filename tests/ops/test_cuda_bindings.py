@@ -389,11 +389,20 @@ def test_quantized_tiles(launches):
             args["residual_stride"], args["group_size"], args["interleaved"], args["prologue"],
             args["silu_mul_out"], args["dtype"], args["stream"]) == (
         2, 48, 128, 128, 24, 24, 64, 1, 1, 1, 2, STREAM)
+    sums, counts = quant_tiles.split_workspace(x.device)  # k split across CTAs: their scratch
+    assert (args["splits"], args["split_sums"], args["split_sums_len"], args["split_counts"],
+            args["split_counts_len"]) == (0, ptr(sums), quant_tiles.SPLIT_SUMS, ptr(counts),
+                                          quant_tiles.SPLIT_COUNTS)
+    assert not counts.any()
     launches.clear()
-    quant_tiles._rows_per_launch.cache_clear()
-    quant_tiles.rows_per_launch(tiles)
-    quant_tiles._rows_per_launch.cache_clear()
-    assert launches.only("quant_tile_rows") == {"k": 128}
+    quant_tiles._launch(x, tiles, out, None, None, 1e-5, False, False, True, splits=2)
+    assert launches.only("quant_tile_gemv")["splits"] == 2
+    for rms_norm in (False, True):
+        launches.clear()
+        quant_tiles._rows_per_launch.cache_clear()
+        quant_tiles.rows_per_launch(tiles, rms_norm)
+        quant_tiles._rows_per_launch.cache_clear()
+        assert launches.only("quant_tile_rows") == {"k": 128, "rms_norm": int(rms_norm)}
     launches.clear()
     weight = quant_tiles.dequantize_tiles_cuda(tiles)
     args = launches.only("quant_tile_dequantize")

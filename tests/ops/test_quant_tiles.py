@@ -165,26 +165,90 @@ def test_rms_norm_over_warp_slices_of_any_length(m, k):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("k", [4096, 14336])
 def test_one_launch_serves_the_rows_that_fit_and_refuses_more(k):
-    """`rows_per_launch` rows of x go in one launch (16 at k = 4096 on an H100: two n-tiles over
-    one read of the weight); one row more than fits the device's shared memory is refused with
-    an error that says so, rather than launched."""
+    """`rows_per_launch` rows of x go in one launch: 16 at both of Llama-3-8B's k on an H100 (two
+    n-tiles over one read of the weight; at k = 14336 the launch splits k across CTAs). With the
+    RMSNorm prologue k is not split, and one row more than fits the device's shared memory is
+    refused with an error that says so, rather than launched."""
     n, dtype = 64, torch.bfloat16
     qweight, scales, zeros = make_weight(n, k, 128, dtype, 5, "cuda")
     tiles = qt.repack(qweight, scales, zeros, 128)
-    rows = qt.rows_per_launch(tiles)
-    assert rows in (1, 2, 4, 8, 16)
+    rows, norm_rows = qt.rows_per_launch(tiles), qt.rows_per_launch(tiles, rms_norm=True)
+    assert rows in (1, 2, 4, 8, 16) and norm_rows in (1, 2, 4, 8, 16) and norm_rows <= rows
     if torch.cuda.get_device_capability() == (9, 0):
-        assert rows == {4096: 16, 14336: 4}[k]
-    x = torch.randn(rows, k, device="cuda").to(dtype)
+        assert (rows, norm_rows) == {4096: (16, 16), 14336: (16, 4)}[k]
+    gen = torch.Generator(device="cuda").manual_seed(k)
+    x = torch.randn(rows, k, generator=gen, device="cuda").to(dtype)
     out = torch.empty(rows, n, dtype=dtype, device="cuda")
     qt._launch(x, tiles, out, None, None, 1e-6, False, False, False)
     ref = ql.quant_linear_ref(x.float(), qweight, scales.float(), zeros.float(), 4, 128)
     assert rel_err(out, ref) < 1e-2
-    if rows < 16:
-        more = torch.randn(2 * rows, k, device="cuda").to(dtype)
+    if norm_rows < 16:
+        norm = torch.randn(k, generator=gen, device="cuda").to(dtype)
+        more = torch.randn(2 * norm_rows, k, device="cuda").to(dtype)
         with pytest.raises(ValueError, match=r"shared memory.*quant_tile_rows"):
-            qt._launch(more, tiles, torch.empty(2 * rows, n, dtype=dtype, device="cuda"), None,
-                       None, 1e-6, False, False, False)
+            qt._launch(more, tiles, torch.empty(2 * norm_rows, n, dtype=dtype, device="cuda"),
+                       None, norm, 1e-6, False, False, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("splits", [1, 2, 4, 7, 14])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("fusion", ["plain", "silu_mul+residual", "silu_mul_out", "bias"])
+def test_k_split_across_ctas_matches_reference(splits, m, fusion):
+    """k split across the CTAs of a band (down_proj's k = 14336 at 16 rows does not fit one CTA's
+    shared memory): each split sums its slice, the band's last split adds them in split order
+    and runs the epilogue. Every split count gives the reference, the same bits on every run,
+    and leaves the workspace's counts at zero for the next launch."""
+    dtype, group_size = torch.bfloat16, 128
+    k = 14336 if fusion.startswith("silu_mul+") else 1792  # 1792: 28 tiles, groups straddle
+    n = 1000 if fusion == "bias" else 512
+    staged_rows = next(r for r in (1, 2, 4, 8, 16) if r >= m)
+    if staged_rows * k // splits * 2 > 180_000:
+        pytest.skip("the staged rows of one split do not fit an H100's shared memory")
+    seed = splits * 101 + m * 7 + k
+    qweight, scales, zeros = make_weight(n, k, group_size, dtype, seed, "cuda")
+    tiles = qt.repack(qweight, scales, zeros, group_size, fusion == "silu_mul_out")
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    x = torch.randn(m, 2 * k if fusion.startswith("silu_mul+") else k, generator=gen,
+                    device="cuda").to(dtype)
+    bias = torch.randn(n, generator=gen, device="cuda").to(dtype) if fusion == "bias" else None
+    weight = ql.dequantize(qweight, scales, zeros, 4, group_size)
+    kwargs = {"silu_mul_out": True} if fusion == "silu_mul_out" else {}
+    if fusion.startswith("silu_mul+"):
+        res = torch.randn(m, n, generator=gen, device="cuda").to(dtype)
+        want = fused_linear_ref(x, weight, silu_mul=True, residual=res.clone())
+        runs = []
+        for _ in range(2):
+            out = res.clone()
+            qt._launch(x, tiles, out, None, None, 1e-6, True, True, False, splits=splits)
+            runs.append(out)
+    else:
+        want = fused_linear_ref(x, weight, bias, **kwargs)
+        runs = []
+        for _ in range(2):
+            out = torch.empty_like(want)
+            qt._launch(x, tiles, out, bias, None, 1e-6, False, False,
+                       fusion == "silu_mul_out", splits=splits)
+            runs.append(out)
+    assert rel_err(runs[0], want) < 2e-2
+    assert torch.equal(runs[0], runs[1])
+    assert not qt.split_workspace(x.device)[1].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_k_split_refuses_what_it_cannot_split():
+    n, k, dtype = 64, 1024, torch.bfloat16
+    qweight, scales, zeros = make_weight(n, k, 128, dtype, 3, "cuda")
+    tiles = qt.repack(qweight, scales, zeros, 128)
+    x = torch.randn(2, k, device="cuda").to(dtype)
+    out = torch.empty(2, n, dtype=dtype, device="cuda")
+    with pytest.raises(ValueError, match=r"splits=3 must be .* dividing k / 64=16"):
+        qt._launch(x, tiles, out, None, None, 1e-6, False, False, False, splits=3)
+    with pytest.raises(ValueError, match=r"rmsnorm needs the whole row.*splits=2"):
+        qt._launch(x, tiles, out, None, torch.ones(k, dtype=dtype, device="cuda"), 1e-6, False,
+                   False, False, splits=2)
 
 
 @pytest.mark.gpu

@@ -73,7 +73,7 @@ KERNEL_FUNCTIONS: dict[str, tuple[str, ...]] = {
 }
 """Op -> the module's functions its CUDA path calls (same keys as KERNEL_MIN_CAPABILITY)."""
 
-CUDA_ABI_VERSION = 11
+CUDA_ABI_VERSION = 12
 """The launcher interface this package calls; a module must report it as its `abi_version`
 (cuda/launchers.h kAbiVersion: the two are bumped together)."""
 

@@ -40,6 +40,9 @@ two reads of 4-bit weights cost less than one of the bf16 weight."""
 _MAGIC = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 _NIBBLE = (0, 4, 2, 6)  # nibble of value e = 0..3 of a lane's four in a word (row g; +1: row g + 8)
 _PROLOGUE = {None: 0, "rms_norm": 1, "silu_mul": 2}
+SPLIT_SUMS, SPLIT_COUNTS = 1 << 21, 1 << 16
+"""The per-device scratch of launches that split k across CTAs (`split_workspace`): float32 sums
+(8 MiB: ceil(n / 16) x splits x 256 of them a launch) and a uint32 count per band of 16 rows."""
 
 
 class QuantTiles(NamedTuple):
@@ -135,23 +138,33 @@ def dequantize_tiles_cuda(w: QuantTiles) -> torch.Tensor:
 
 
 @functools.cache
-def _rows_per_launch(k: int, device: torch.device) -> int:
+def _rows_per_launch(k: int, rms_norm: bool, device: torch.device) -> int:
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        return cuda_ops().quant_tile_rows(k=k)
+        return cuda_ops().quant_tile_rows(k=k, rms_norm=int(rms_norm))
 
 
-def rows_per_launch(w: QuantTiles) -> int:
+def rows_per_launch(w: QuantTiles, rms_norm: bool = False) -> int:
     """Rows of x one GEMV launch serves over w on its GPU: 16, 8, 4, 2, 1 or 0, as the staged
-    activations fit the device's shared memory per block (16 at Llama-3-8B's k = 4096 on an
-    H100, 4 at its down projection's k = 14336)."""
-    return _rows_per_launch(w.k, w.tiles.device)
+    activations fit the device's shared memory per block, k split across CTAs where the whole
+    of it does not (16 at Llama-3-8B's k = 4096 and 14336 on an H100). With the RMSNorm prologue
+    (rms_norm) k is not split: 4 rows at k = 14336."""
+    return _rows_per_launch(w.k, rms_norm, w.tiles.device)
 
 
-def gemv_serves(x: torch.Tensor, w: QuantTiles) -> bool:
+@functools.cache
+def split_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sums, counts): the scratch the GEMV adds split sums through on `device` (SPLIT_SUMS
+    float32, SPLIT_COUNTS int32 zeros; each launch leaves the counts zero). Made by the first
+    launch on the device, before any CUDA graph is captured (the engine's warm-up runs first)."""
+    return (torch.empty(SPLIT_SUMS, dtype=torch.float32, device=device),
+            torch.zeros(SPLIT_COUNTS, dtype=torch.int32, device=device))
+
+
+def gemv_serves(x: torch.Tensor, w: QuantTiles, rms_norm: bool = False) -> bool:
     """Whether `tile_linear` over x [m, k] (or [m, 2k] with silu_mul) runs the GEMV kernel: at
     most MAX_LAUNCHES launches of `rows_per_launch` rows, each reading the whole weight."""
     return (x.is_cuda and x.dtype == w.tile_scales.dtype and kernel_enabled("quant_linear")
-            and 1 <= x.shape[0] <= MAX_LAUNCHES * rows_per_launch(w))
+            and 1 <= x.shape[0] <= MAX_LAUNCHES * rows_per_launch(w, rms_norm))
 
 
 def tile_linear(x: torch.Tensor, w: QuantTiles, bias: Optional[torch.Tensor] = None, *,
@@ -165,7 +178,7 @@ def tile_linear(x: torch.Tensor, w: QuantTiles, bias: Optional[torch.Tensor] = N
     """
     if silu_mul_out and not w.interleaved:  # gate and up rows apart: the product afterwards
         return silu_and_mul(tile_linear(x, w, bias, norm_weight=norm_weight, eps=eps))
-    if not gemv_serves(x, w):
+    if not gemv_serves(x, w, norm_weight is not None):
         weight = (dequantize_tiles_cuda(w) if x.is_cuda and kernel_enabled("quant_linear")
                   else dequantize_tiles(w)).to(x.dtype)
         return fused_linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps,
@@ -176,7 +189,7 @@ def tile_linear(x: torch.Tensor, w: QuantTiles, bias: Optional[torch.Tensor] = N
     n_out = w.n // 2 if silu_mul_out else w.n
     out = residual if residual is not None else torch.empty(m, n_out, dtype=x.dtype,
                                                              device=x.device)
-    rows = rows_per_launch(w)
+    rows = rows_per_launch(w, norm_weight is not None)
     for start in range(0, m, rows):
         _launch(x[start:start + rows], w, out[start:start + rows], bias, norm_weight, eps,
                 silu_mul, residual is not None, silu_mul_out)
@@ -185,10 +198,12 @@ def tile_linear(x: torch.Tensor, w: QuantTiles, bias: Optional[torch.Tensor] = N
 
 def _launch(x: torch.Tensor, w: QuantTiles, out: torch.Tensor, bias: Optional[torch.Tensor],
             norm_weight: Optional[torch.Tensor], eps: float, silu_mul: bool, residual: bool,
-            silu_mul_out: bool) -> None:
-    """One GEMV over x [m, k] into out [m, n] (out itself the residual when `residual`)."""
+            silu_mul_out: bool, splits: int = 0) -> None:
+    """One GEMV over x [m, k] into out [m, n] (out itself the residual when `residual`); splits:
+    CTAs a band splits k across (0: the launcher's choice)."""
     m = x.shape[0]
     out_stride = out.stride(0) if m > 1 else out.shape[1]
+    sums, counts = split_workspace(x.device)
     cuda_ops().quant_tile_gemv(
         out=out.data_ptr(), x=x.data_ptr(), tiles=w.tiles.data_ptr(),
         tile_scales=w.tile_scales.data_ptr(), bias=0 if bias is None else bias.data_ptr(),
@@ -199,5 +214,7 @@ def _launch(x: torch.Tensor, w: QuantTiles, out: torch.Tensor, bias: Optional[to
         interleaved=int(w.interleaved),
         prologue=_PROLOGUE["rms_norm" if norm_weight is not None else
                            "silu_mul" if silu_mul else None],
-        silu_mul_out=int(silu_mul_out), dtype=dtype_code(x.dtype),
+        silu_mul_out=int(silu_mul_out), splits=splits, split_sums=sums.data_ptr(),
+        split_sums_len=sums.numel(), split_counts=counts.data_ptr(),
+        split_counts_len=counts.numel(), dtype=dtype_code(x.dtype),
         stream=stream_handle(x.device))
