@@ -153,10 +153,11 @@ def test_mixed_batch_sends_its_leading_decodes_to_the_decode_kernel(launches):
 
 @pytest.mark.parametrize("batch,tier,want", [
     (1, 1024, (64, 16, 1)), (1, 4096, (256, 16, 1)), (8, 1024, (512, 2, 1)),
-    (16, 1024, (256, 4, 4)), (256, 2048, (512, 4, 4))])
+    (16, 1024, (512, 2, 1)), (32, 1024, (512, 2, 1)), (64, 1024, (512, 2, 4)),
+    (256, 2048, (512, 4, 4))])
 def test_decode_partition_takes_a_cta_per_query_head_while_the_launch_is_small(batch, tier, want):
     """Llama-3-8B's 32 / 8 heads on 132 multiprocessors: a CTA per query head while that makes
-    at most 4 a multiprocessor, its partitions chosen for those CTAs; else 4 heads a CTA."""
+    at most 16 a multiprocessor, its partitions chosen for those CTAs; else 4 heads a CTA."""
     assert attention_cuda.decode_partition(batch, 32, 8, tier, 132) == want
 
 

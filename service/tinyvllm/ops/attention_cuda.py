@@ -276,9 +276,12 @@ def _prefill(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float
         prefill_kernel=prefill_kernel, stream=stream_handle(query.device))
 
 
-ONE_HEAD_CTAS_PER_SM = 4
-"""A decode launch runs a CTA per query head (heads_per_cta 1) where that makes at most this many
-CTAs per multiprocessor (cuda/attention_decode.cu, `auto_heads_per_cta`)."""
+ONE_HEAD_CTAS_PER_SM = 16
+"""A decode launch runs a CTA per query head (heads_per_cta 1), over partitions chosen for those
+CTAs, where that makes at most this many CTAs per multiprocessor. On an H200 (8B heads, us a
+launch, cuda/NOTES.md) 16 against 4 took batch 16 x 1000 tokens from 47.4 to 37.7 and 32 x 1000
+from 84.4 to 70.8; 32 (batch 64 at one head) lost, 135.6 against 128.4. The launcher's own choice
+(`auto_heads_per_cta`, heads_per_cta 0) keeps the partitions it is given and allows 4."""
 
 
 def decode_partition(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int,
@@ -288,8 +291,8 @@ def decode_partition(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_l
     The largest partition that still gives CTAS_PER_SM CTAs per multiprocessor: long contexts of
     a small batch split finely, a large batch keeps whole 512-token partitions. First with a CTA
     per query head, taken where that launch has at most ONE_HEAD_CTAS_PER_SM CTAs a
-    multiprocessor (a small batch: each warp's work is a dependent chain, which four heads make
-    four times as long); else with the CTAs that share a KV head's K/V reads (4 query heads a CTA
+    multiprocessor (up to batch 32 at 1024 tokens for Llama-3-8B's heads: each warp's work is a
+    dependent chain, which four heads make four times as long); else with the CTAs that share a KV head's K/V reads (4 query heads a CTA
     up to GQA 4, 8 above).
     """
     def split(ctas: int) -> tuple[int, int]:
