@@ -154,8 +154,10 @@ def rows_per_launch(w: QuantTiles, rms_norm: bool = False) -> int:
 @functools.cache
 def split_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(sums, counts): the scratch the GEMV adds split sums through on `device` (SPLIT_SUMS
-    float32, SPLIT_COUNTS int32 zeros; each launch leaves the counts zero). Made by the first
-    launch on the device, before any CUDA graph is captured (the engine's warm-up runs first)."""
+    float32, SPLIT_COUNTS int32 zeros; each launch leaves the counts zero). Made when a weight
+    is repacked (`QuantLinear.use_tiles`, at load), else by the first launch on the device: it
+    must exist before a CUDA graph is captured, since zeros made during a capture are only
+    written when the graph replays."""
     return (torch.empty(SPLIT_SUMS, dtype=torch.float32, device=device),
             torch.zeros(SPLIT_COUNTS, dtype=torch.int32, device=device))
 

@@ -12,8 +12,8 @@ from torch import nn
 from tinyvllm.model.quantization.schemes import QuantizationConfig, WeightScheme
 from tinyvllm.ops._dispatch import use_kernel
 from tinyvllm.ops.quant_linear import pack_factor, quant_linear
-from tinyvllm.ops.quant_tiles import (QuantTiles, gemv_serves, repack, tile_linear,
-                                      tiles_supported)
+from tinyvllm.ops.quant_tiles import (QuantTiles, gemv_serves, repack, split_workspace,
+                                      tile_linear, tiles_supported)
 from tinyvllm.ops.w8a8_linear import (ACT_SCALE_DIVISORS, FP8_DTYPE, QMAX, QuantizedRows,
                                       input_quant_fusable, w8a8_linear)
 
@@ -86,6 +86,7 @@ class QuantLinear(nn.Module):
                    interleave and self.out_features % 16 == 0)
         self.tiles, self.tile_scales, self.interleaved = t.tiles, t.tile_scales, t.interleaved
         self.qweight = self.scales = self.zeros = None
+        split_workspace(self.tiles.device)  # made (and zeroed) here, before any graph capture
         return True
 
     def _tiles(self) -> QuantTiles:
