@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -275,14 +276,16 @@ inline int num_sms() {
 
 // Grid of persistent CTAs over `units` units of work (bands of weight rows), each CTA taking
 // ceil(units / resident slots) of them, strided: all CTAs resident at once, none with a unit more
-// than the others but the last few. `what` names the kernel in errors.
+// than the others but the last few. With `copies` > 1 the launch runs that many such grids side
+// by side (gridDim.y: each over its own part of every unit), sharing the resident slots. `what`
+// names the kernel in errors.
 template <typename... Params>
 int resident_grid(void (*kernel)(Params...), int threads, int smem, int units,
-                  const char* what) {
+                  const char* what, int copies = 1) {
   int resident = 0;
   check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, smem),
              what);
-  const int slots = num_sms() * (resident > 1 ? resident : 1);
+  const int slots = std::max(1, num_sms() * (resident > 1 ? resident : 1) / copies);
   const int per_cta = (units + slots - 1) / slots;
   return (units + per_cta - 1) / per_cta;
 }

@@ -146,14 +146,8 @@ void launch_g(T* out, const T* x, const uint4* tiles, const uint2* scales, const
                "quant_tile_gemv: cudaFuncSetAttribute");
   });
   const int smem = int(tile_smem_bytes<M>(k / splits, R));
-  const int bands = (n + kTileRows - 1) / kTileRows;
-  int resident = 0;
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kTileWarps * 32,
-                                                           smem),
-             "quant_tile_gemv: occupancy");
-  const int slots = std::max(1, num_sms() * std::max(resident, 1) / splits);
-  const int per_cta = (bands + slots - 1) / slots;
-  const int grid = (bands + per_cta - 1) / per_cta;
+  const int grid = resident_grid(kernel, kTileWarps * 32, smem, (n + kTileRows - 1) / kTileRows,
+                                 "quant_tile_gemv: occupancy", splits);
   launch_pdl(kernel, dim3(grid, splits), dim3(kTileWarps * 32), smem, stream, out, x, tiles,
              scales, bias, residual, norm_weight, m, n, k, x_stride, out_stride, residual_stride,
              eps, groups, shift, interleaved, split_sums, split_counts);
@@ -248,26 +242,29 @@ void quant_tile_gemv(ptr_t out, ptr_t x, ptr_t tiles, ptr_t tile_scales, ptr_t b
   if (m > 0) {
     with_tile_rows(int(m), [&](auto rows) {
       constexpr int M = decltype(rows)::value;
+      // (the messages are built only on failure: this runs at every launch)
       const int chosen = tile_splits<M>(k, prologue, splits);
-      const int64_t least = tile_smem_bytes<M>(k / std::max(splits, 1));
-      require(chosen > 0, where + "m=" + std::to_string(m) + " rows of k=" + std::to_string(k) +
-                              " (m rounded up to 1, 2, 4, 8 or 16)" +
-                              (splits ? " split " + std::to_string(splits) + " ways take " +
-                                            std::to_string(least) + " bytes"
-                                      : std::string(" fit no split of k")) +
-                              " of shared memory, the device allows " +
-                              std::to_string(tile_smem_cap<M>()) +
-                              "; quant_tile_rows(k, rms_norm) rows fit");
+      if (chosen == 0) {
+        throw std::invalid_argument(
+            where + "m=" + std::to_string(m) + " rows of k=" + std::to_string(k) +
+            " (m rounded up to 1, 2, 4, 8 or 16)" +
+            (splits ? " split " + std::to_string(splits) + " ways take " +
+                          std::to_string(tile_smem_bytes<M>(k / splits)) + " bytes"
+                    : std::string(" fit no split of k")) +
+            " of shared memory, the device allows " + std::to_string(tile_smem_cap<M>()) +
+            "; quant_tile_rows(k, rms_norm) rows fit");
+      }
       splits = chosen;
       const int64_t need = split_sum_floats<M>(int(n), splits);
-      require(splits == 1 ||
-                  (split_sums != 0 && split_counts != 0 && need <= split_sums_len &&
-                   (n + kTileRows - 1) / kTileRows <= split_counts_len),
-              where + "k split " + std::to_string(splits) + " ways needs split_sums of " +
-                  std::to_string(need) + " floats and split_counts of " +
-                  std::to_string((n + kTileRows - 1) / kTileRows) + " (got " +
-                  std::to_string(split_sums_len) + " and " + std::to_string(split_counts_len) +
-                  ")");
+      const int64_t bands = (n + kTileRows - 1) / kTileRows;
+      if (splits > 1 && (split_sums == 0 || split_counts == 0 || need > split_sums_len ||
+                         bands > split_counts_len)) {
+        throw std::invalid_argument(
+            where + "k split " + std::to_string(splits) + " ways needs split_sums of " +
+            std::to_string(need) + " floats and split_counts of " + std::to_string(bands) +
+            " (got " + std::to_string(split_sums_len) + " and " +
+            std::to_string(split_counts_len) + ")");
+      }
     });
   }
   require(!silu_mul_out || (interleaved && residual == 0 && prologue != kGemvSiluMul),

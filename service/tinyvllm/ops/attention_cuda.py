@@ -292,8 +292,8 @@ def decode_partition(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_l
     a small batch split finely, a large batch keeps whole 512-token partitions. First with a CTA
     per query head, taken where that launch has at most ONE_HEAD_CTAS_PER_SM CTAs a
     multiprocessor (up to batch 32 at 1024 tokens for Llama-3-8B's heads: each warp's work is a
-    dependent chain, which four heads make four times as long); else with the CTAs that share a KV head's K/V reads (4 query heads a CTA
-    up to GQA 4, 8 above).
+    dependent chain, which four heads make four times as long); else with the CTAs that share a
+    KV head's K/V reads (4 query heads a CTA up to GQA 4, 8 above).
     """
     def split(ctas: int) -> tuple[int, int]:
         partition = MAX_PARTITION
