@@ -77,6 +77,8 @@ def test_step_sizes_chosen_for_the_device_unless_given():
     assert given.for_device("cuda", 80) == given
     with pytest.raises(ValueError, match="max_num_batched_tokens must be positive"):
         SchedulerConfig(max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="max_piecewise_graph_tokens must be 0 or more"):
+        EngineConfig.from_kwargs(max_piecewise_graph_tokens=-1)
 
 
 def test_engine_schedules_with_the_runners_sizes(tiny_model):

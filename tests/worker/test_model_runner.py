@@ -18,7 +18,7 @@ from tinyvllm.scheduling.output import NewRequest, ScheduledRequest, SchedulerOu
 from tinyvllm.model.loader import LoadedModel
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_sizes,
-                                        decode_seq_len_tiers)
+                                        decode_seq_len_tiers, piecewise_token_sizes)
 from tinyvllm.worker.model_runner import ModelRunner
 from tinyvllm.worker.requests import CachedRequest, RequestRecords, apply_scheduler_output
 
@@ -88,6 +88,21 @@ def test_decode_batch_sizes():
     assert decode_batch_sizes(4096) == decode_batch_sizes(1024)
     assert decode_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
     assert decode_batch_sizes(6) == [1, 2, 4, 6]
+
+
+def test_piecewise_token_sizes():
+    # at most half a step of padding, ending at the limit (512 by default)
+    assert piecewise_token_sizes(512) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    assert piecewise_token_sizes(100) == [16, 24, 32, 48, 64, 96, 100]
+    assert piecewise_token_sizes(16) == [16]
+    assert piecewise_token_sizes(0) == []
+
+
+def test_piecewise_graphs_only_on_cuda(tiny_model):
+    """The CPU runs every step eagerly: no piecewise graphs, whatever the limit."""
+    config = EngineConfig.from_kwargs(device="cpu", dtype="float32",
+                                      max_piecewise_graph_tokens=256)
+    assert ModelRunner(config, loaded=tiny_model).piecewise is None
 
 
 def test_decode_seq_len_tiers():

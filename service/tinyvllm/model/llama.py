@@ -67,14 +67,6 @@ class LlamaAttention(nn.Module):
     def shard_sizes(self, name: str) -> list[int]:
         return [self.arch.q_size, self.arch.kv_size, self.arch.kv_size]
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                meta: ops.AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-        """hidden: [num_tokens, hidden] (QuantizedRows for a W8A8 qkv_proj that asks for them,
-        see `_rms_norm`) -> [num_tokens, hidden]; writes this step's K/V first."""
-        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
-        out = self.o_proj(self.attend(positions, qkv, kv_cache, meta, cos_sin_cache))
-        return self.tp.all_reduce(out)  # each rank's heads' share of o_proj
-
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor,
                meta: ops.AttentionMetadata, cos_sin_cache: torch.Tensor, *,
                merge: bool = True) -> torch.Tensor | ops.DecodePartitions:
@@ -130,10 +122,25 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions, hidden, residual: Optional[torch.Tensor], kv_cache, meta,
                 cos_sin_cache):
-        """Pre-norm block; the residual add is fused into the next norm (returns both streams)."""
+        """Pre-norm block; the residual add is fused into the next norm (returns both streams).
+        Writes this step's K/V before attending."""
+        qkv, residual = self.before_attention(hidden, residual)
+        out = self.self_attn.attend(positions, qkv, kv_cache, meta, cos_sin_cache)
+        return self.after_attention(out, residual)
+
+    def before_attention(self, hidden: torch.Tensor, residual: Optional[torch.Tensor]
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block up to the attention: (qkv [T, q_size + 2 * kv_size], residual). Without a
+        residual (the first layer) hidden is the next one."""
         hidden, residual = _rms_norm(hidden, self.input_layernorm, self.eps, residual,
                                      self.self_attn.qkv_proj)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin_cache)
+        return self.self_attn.qkv_proj(hidden), residual
+
+    def after_attention(self, attn: torch.Tensor, residual: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block after the attention output attn [T, q_size]: o_proj (summed over the
+        ranks), the residual add and norm, the MLP -> (hidden, residual)."""
+        hidden = self.tp.all_reduce(self.self_attn.o_proj(attn))  # each rank's heads' share
         hidden, residual = _rms_norm(hidden, self.post_attention_layernorm, self.eps, residual,
                                      self.mlp.gate_up_proj)
         return self.mlp(hidden), residual
@@ -278,12 +285,27 @@ class LlamaForCausalLM(nn.Module):
             for layer, kv_cache in zip(layers, kv_caches, strict=True):
                 layer.forward_fused(positions, hidden, kv_cache, meta, self.cos_sin_cache)
             return ops.rms_norm(hidden, self.model.norm, self.arch.rms_norm_eps)
-        residual = None
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta,
-                                     self.cos_sin_cache)
-        hidden, _ = ops.rms_norm(hidden, self.model.norm, self.arch.rms_norm_eps, residual)
-        return hidden
+        x, residual = self.forward_piece(0, hidden, None, len(layers))
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            attn = layer.self_attn.attend(positions, x, kv_cache, meta, self.cos_sin_cache)
+            x, residual = self.forward_piece(i + 1, attn, residual, len(layers))
+        return x
+
+    def forward_piece(self, index: int, x: torch.Tensor, residual: Optional[torch.Tensor],
+                      num_layers: Optional[int] = None
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The unfused forward between two attentions (piecewise CUDA graphs capture these,
+        `worker/cuda_graph.py`). Piece 0 takes the embedded tokens x to layer 0's qkv; piece i
+        takes layer i - 1's attention output x through the rest of that layer to layer i's
+        qkv; the last (num_layers) ends with the final norm. Returns (qkv or, from the last,
+        the normed hidden states; the residual stream, None from the last)."""
+        layers = self.model.layers
+        last = len(layers) if num_layers is None else num_layers
+        if index > 0:
+            x, residual = layers[index - 1].after_attention(x, residual)
+        if index < last:
+            return layers[index].before_attention(x, residual)
+        return ops.rms_norm(x, self.model.norm, self.arch.rms_norm_eps, residual)[0], None
 
     def uses_fused_decode(self, hidden: torch.Tensor) -> bool:
         """Whether the layers run `forward_fused` (ops decides: decode-sized CUDA batches)."""

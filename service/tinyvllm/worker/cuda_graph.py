@@ -12,7 +12,8 @@ num_seqs are padding (slot -1: no KV write; block table all null block 0; contex
 tier matters because the split-K decode kernel's partition count is fixed at capture by the
 metadata's max_seq_len (cuda/NOTES.md): capturing everything at max_model_len would launch
 mostly-empty partitions for short contexts. Prefill and mixed steps, larger batches and longer
-contexts run eagerly.
+contexts run eagerly, or, up to `max_piecewise_graph_tokens` tokens, through the piecewise graphs
+at the end of this module (everything but the attention).
 
 Verification steps (speculative decoding) are captured too, as decode rows: a request verifying k
 drafts becomes k + 1 rows, row j its query at position p + j with a context of p + j + 1 tokens
@@ -174,3 +175,117 @@ class DecodeGraphs:
         b.block_table_rows(bs, width)
         b.pad_decode_rows(0, bs)
         b.upload()
+
+
+_PIECEWISE_SIZES = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+"""Token-count buckets of the piecewise graphs: at most half a step of padding."""
+
+
+def piecewise_token_sizes(max_tokens: int) -> list[int]:
+    """The buckets up to max_tokens, ascending; max_tokens itself is always the last."""
+    sizes = [t for t in _PIECEWISE_SIZES if t < max_tokens]
+    return sizes + [max_tokens] if max_tokens > 0 else []
+
+
+class PiecewiseGraphs:
+    """Piecewise CUDA graphs for the steps the decode graphs do not serve (prefill chunks, mixed
+    steps of chunks and decodes, decodes past the context tiers): per token-count bucket, one
+    graph per piece of the unfused forward between two attentions (`forward_piece`: the
+    embedding to layer 0's qkv, then o_proj, MLP, norms and the next layer's qkv, the last ending
+    with the final norm). The attention runs eagerly between the pieces over the step's real
+    tokens and its own metadata, so a step's shape is free (any mix of prompt chunks, contexts
+    and decodes); the pieces are row-wise, so padding rows change nothing of the real rows.
+
+    The pieces read and write static buffers that live outside the graph pool: the token ids,
+    the residual stream, the qkv and the attention output [max_tokens, ...]; the step's final
+    hidden states land in `hidden`. A step of T tokens replays the bucket's graphs with T real
+    rows; its padding rows hold what earlier steps left there (finite values, never read by the
+    attention). Steps small enough for the fused decode layers (`uses_fused_decode`) stay eager:
+    their layers are five launches already.
+    """
+
+    def __init__(self, model, kv_caches: list[torch.Tensor], max_tokens: int):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = piecewise_token_sizes(max_tokens)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self._fused: dict[int, bool] = {}  # by token count: whether the fused layers serve it
+        arch, device = model.rank_arch, kv_caches[0].device
+        dtype = model.model.norm.dtype
+        qkv = arch.q_size + 2 * arch.kv_size
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.residual = torch.zeros(max_tokens, arch.hidden_size, dtype=dtype, device=device)
+        self.qkv = torch.zeros(max_tokens, qkv, dtype=dtype, device=device)
+        self.attn = torch.zeros(max_tokens, arch.q_size, dtype=dtype, device=device)
+        self.hidden = torch.zeros(max_tokens, arch.hidden_size, dtype=dtype, device=device)
+        self.num_pieces = len(model.model.layers) + 1
+
+    def pick(self, num_tokens: int) -> Optional[int]:
+        """The bucket of a step of num_tokens tokens, or None when it runs eagerly."""
+        size = next((t for t in self.sizes if t >= num_tokens), None)
+        if size is None or self.fused(num_tokens) or size not in self.graphs:
+            return None
+        return size
+
+    def fused(self, num_tokens: int) -> bool:
+        fused = self._fused.get(num_tokens)
+        if fused is None:
+            fused = self._fused[num_tokens] = self.model.uses_fused_decode(
+                self.residual[:num_tokens])
+        return fused
+
+    @torch.inference_mode()
+    def capture(self, pool=None):
+        """Capture every bucket's pieces, largest first, into `pool` (shared with the decode
+        graphs: never replayed at the same time); buckets the fused layers serve are skipped.
+        Returns the pool."""
+        start = time.perf_counter()
+        before = torch.cuda.memory_reserved()
+        sizes = [t for t in reversed(self.sizes) if not self.fused(t)]
+        for size in sizes:  # warm-up: cuBLAS handles and algorithm choices for these shapes
+            for index in range(self.num_pieces):
+                self._piece(index, size)
+        torch.cuda.synchronize()
+        for size in sizes:
+            graphs = []
+            for index in range(self.num_pieces):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._piece(index, size)
+                pool = graph.pool() if pool is None else pool
+                graphs.append(graph)
+            self.graphs[size] = graphs
+        torch.cuda.synchronize()
+        logger.info("captured piecewise CUDA graphs for %s tokens (%d pieces each) in %.1f s, "
+                    "%.0f MiB", sorted(sizes), self.num_pieces, time.perf_counter() - start,
+                    (torch.cuda.memory_reserved() - before) / 2**20)
+        return pool
+
+    def _piece(self, index: int, size: int) -> None:
+        """Piece `index` over the first `size` rows of the static buffers."""
+        model = self.model
+        if index == 0:
+            x, residual = model.model.embed_tokens(self.input_ids[:size]), None
+        else:
+            x, residual = self.attn[:size], self.residual[:size]
+        out, residual = model.forward_piece(index, x, residual)
+        if index + 1 < self.num_pieces:
+            self.qkv[:size].copy_(out)
+            self.residual[:size].copy_(residual)
+        else:
+            self.hidden[:size].copy_(out)
+
+    def run(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
+        """One step of input_ids [T] in the graphs of bucket `size` (`pick`), the attention of
+        each layer between them. Returns the final hidden states [T, hidden_size] (a view of the
+        static buffer, valid until the next step)."""
+        n = input_ids.shape[0]
+        graphs = self.graphs[size]
+        self.input_ids[:n].copy_(input_ids)
+        graphs[0].replay()
+        qkv, attn, cos_sin_cache = self.qkv[:n], self.attn[:n], self.model.cos_sin_cache
+        for layer, kv_cache, graph in zip(self.model.model.layers, self.kv_caches, graphs[1:]):
+            attn.copy_(layer.self_attn.attend(positions, qkv, kv_cache, meta, cos_sin_cache))
+            graph.replay()
+        return self.hidden[:n]

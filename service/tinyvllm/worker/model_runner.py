@@ -31,7 +31,8 @@ from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.draft_model import (DraftModelProposer, check_draft,
                                          draft_kv_bytes_per_block, separate_draft,
                                          truncated_self_draft)
-from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_sizes,
+from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, PiecewiseGraphs,
+                                        decode_batch_sizes,
                                         decode_seq_len_tiers)
 from tinyvllm.worker.input_buffers import InputBuffers
 from tinyvllm.worker.prompt_logprobs import (PromptLogprobsJob, StepPromptLogprobs,
@@ -213,7 +214,7 @@ class ModelRunner:
         self.drafter = self._make_drafter()
         # A separate draft runs every step's batch after the target (`catch_up`), which the
         # decode graphs do not capture: its steps run eagerly.
-        self.graphs = self.verify_graphs = None
+        self.graphs = self.verify_graphs = self.piecewise = None
         if self.use_cuda_graphs and self.draft_loaded is None:
             self._capture_graphs()
         logger.info("KV cache: %d blocks of %d tokens on %s (%s, %d bytes per block)",
@@ -286,6 +287,7 @@ class ModelRunner:
                                    decode_batch_sizes(min(self.max_num_seqs, self.max_num_tokens)),
                                    tiers, self.block_size)
         pool = self.graphs.capture()
+        pool = self._capture_piecewise(pool)
         spec = self.config.speculative
         if not spec.enabled:
             return
@@ -297,6 +299,16 @@ class ModelRunner:
         pool = self.verify_graphs.capture(pool)
         if self.drafter is not None:
             self.drafter.capture_graphs(decode_batch_sizes(seqs), tiers, pool)
+
+    def _capture_piecewise(self, pool):
+        """The piecewise graphs of the steps the decode graphs miss, up to
+        max_piecewise_graph_tokens tokens; none under batch invariance (a step padded to its
+        bucket would change its GEMMs' row counts)."""
+        max_tokens = min(self.config.model.max_piecewise_graph_tokens, self.max_num_tokens)
+        if max_tokens <= 0 or self.config.kernel.batch_invariant:
+            return pool
+        self.piecewise = PiecewiseGraphs(self.model, self.kv_caches, max_tokens)
+        return self.piecewise.capture(pool)
 
     # --- sizing ---------------------------------------------------------------------------------
 
@@ -479,7 +491,11 @@ class ModelRunner:
         b = self.buffers
         input_ids = b.input_ids_device(inputs.num_tokens)
         positions = b.positions_device(inputs.num_tokens)
-        hidden = self.model(input_ids, positions, self.kv_caches, inputs.meta)
+        size = self.piecewise.pick(inputs.num_tokens) if self.piecewise is not None else None
+        if size is not None:  # all but the attention in graphs
+            hidden = self.piecewise.run(size, input_ids, positions, inputs.meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, inputs.meta)
         if self.drafter is not None:
             self.drafter.catch_up(input_ids, positions, inputs.meta)
         if not num_sampled:
