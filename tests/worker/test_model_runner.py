@@ -17,8 +17,9 @@ from tinyvllm.engine.executor import UniProcExecutor
 from tinyvllm.scheduling.output import NewRequest, ScheduledRequest, SchedulerOutput
 from tinyvllm.model.loader import LoadedModel
 from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, decode_batch_sizes,
-                                        decode_seq_len_tiers, piecewise_token_sizes)
+from tinyvllm.worker.cuda_graph import (DecodeGraphs, GraphKey, PiecewiseGraphs,
+                                        decode_batch_sizes, decode_seq_len_tiers,
+                                        piecewise_token_sizes)
 from tinyvllm.worker.model_runner import ModelRunner
 from tinyvllm.worker.requests import CachedRequest, RequestRecords, apply_scheduler_output
 
@@ -103,6 +104,41 @@ def test_piecewise_graphs_only_on_cuda(tiny_model):
     config = EngineConfig.from_kwargs(device="cpu", dtype="float32",
                                       max_piecewise_graph_tokens=256)
     assert ModelRunner(config, loaded=tiny_model).piecewise is None
+
+
+def test_piecewise_pieces_equal_the_forward(tiny_model):
+    """PiecewiseGraphs' dataflow without the graphs (on the CPU its pieces run eagerly over the
+    static buffers, each layer's attention between them): every step of prompts, chunks and
+    decodes gives the forward's hidden states, whatever earlier, larger steps left in the
+    padding rows."""
+    import torch
+
+    config = EngineConfig.from_kwargs(device="cpu", dtype="float32", max_num_seqs=8,
+                                      max_num_batched_tokens=48)
+    core = EngineCore(config, UniProcExecutor(config, ModelRunner(config, loaded=tiny_model)))
+    runner = core.runner
+    pieces = PiecewiseGraphs(runner.model, runner.kv_caches, 48)
+    forward = runner._forward
+    sizes = []
+
+    def checked(inputs):
+        n = inputs.num_tokens
+        size = next(t for t in pieces.sizes if t >= n)
+        b = runner.buffers
+        hidden = pieces.run(size, b.input_ids_device(n), b.positions_device(n),
+                            inputs.meta).clone()
+        logits, rows = forward(inputs)  # over the same cache: the K/V it wrote again
+        torch.testing.assert_close(hidden, rows, atol=1e-4, rtol=1e-4)
+        sizes.append(n)
+        return logits, rows
+
+    runner._forward = checked
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 500, (n,), generator=g).tolist() for n in (40, 7, 70, 12, 3)]
+    outputs = run_to_completion(core, prompts, [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (5, 9, 4, 6, 8)])
+    assert [len(o) for o in outputs] == [5, 9, 4, 6, 8]
+    assert max(sizes) == 48 and min(sizes) < 8 and len(set(sizes)) >= 4
 
 
 def test_decode_seq_len_tiers():
