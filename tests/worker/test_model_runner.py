@@ -141,6 +141,41 @@ def test_piecewise_pieces_equal_the_forward(tiny_model):
     assert max(sizes) == 48 and min(sizes) < 8 and len(set(sizes)) >= 4
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_seeded_rows_keep_their_tokens_beside_unseeded_decodes(tiny_model, async_scheduling):
+    """A decode step sets the sample offsets (each row's output index) only while a seeded
+    request is among the records (`RequestRecords.num_seeded`): a seeded request's tokens are
+    the same alone and beside unseeded ones, with its tokens in flight or not."""
+    config = EngineConfig.from_kwargs(device="cpu", dtype="float32",
+                                      async_scheduling=async_scheduling)
+    core = EngineCore(config, UniProcExecutor(config, ModelRunner(config, loaded=tiny_model)))
+    records = core.runner.requests
+    sample = core.runner.sampler.sample
+    offsets: list[int] = []  # the seeded row's sample offset, step by step (the kernel's Philox)
+
+    def recorded(logits, states):
+        offsets.extend(s.sample_index for s in states if s.generator is not None)
+        return sample(logits, states)
+
+    core.runner.sampler.sample = recorded
+
+    def run(num_unseeded: int) -> list[int]:
+        offsets.clear()
+        params = [SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)]
+        params += [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+                   for _ in range(num_unseeded)]
+        prompts = [[5, 6, 7, 8]] + [[9 + i, 10, 11] for i in range(num_unseeded)]
+        tokens = run_to_completion(core, prompts, params)[0]
+        assert offsets == list(range(12))
+        return tokens
+
+    alone = run(0)
+    assert len(alone) == 12 and records.num_seeded == 1
+    assert run(5) == alone  # the first run's records went with this run's first step
+    assert records.num_seeded == sum(r.sampling.generator is not None for r in records.values())
+    assert run(5) == alone
+
+
 def test_decode_seq_len_tiers():
     assert decode_seq_len_tiers(131072) == [1024, 4096, 8192]
     assert decode_seq_len_tiers(8192) == [1024, 4096, 8192]

@@ -97,7 +97,6 @@ _request_id = attrgetter("request_id")
 _row = attrgetter("row")
 _num_blocks = attrgetter("num_blocks")
 _sampling = attrgetter("sampling")
-_prompt_token_ids = attrgetter("prompt_token_ids")
 _output_token_ids = attrgetter("output_token_ids")
 
 _ARRAY_MIN_ROWS = 256
@@ -596,9 +595,13 @@ class ModelRunner:
         positions = b.positions.np[:n]
         positions[:] = starts
         pool, rows = self._gather_tables(records, tables)
-        prompt_lens = np.fromiter(map(len, map(_prompt_token_ids, records)), np.int64, n)
-        for state, index in zip(map(_sampling, records), (positions + 1 - prompt_lens).tolist()):
-            state.output_index = index
+        prompt_lens = self.requests.tables.prompt_lens[rows]
+        # The sampled token's index in the output: a seeded row's Philox offset (the others
+        # draw a fresh seed, so theirs is never read in a decode step).
+        if self.requests.num_seeded:
+            for state, index in zip(map(_sampling, records),
+                                    (positions + 1 - prompt_lens).tolist()):
+                state.output_index = index
         num_prev = self._queue_in_flight_tokens(records, positions, prompt_lens, rows)
         if num_prev is None:  # some input known on the host (or a verification in flight)
             ids, num_prev = self._last_tokens(records, starts, range(n))

@@ -23,22 +23,26 @@ _MIN_WIDTH = 16
 
 class BlockTables:
     """Every record's block table as a row of one int32 array [rows, width], so that a step's
-    tables are one gather (`ModelRunner._fill_host_decodes`) rather than a copy per request.
+    tables are one gather (`ModelRunner._fill_host_decodes`) rather than a copy per request;
+    beside it each row's prompt length (`prompt_lens`, gathered the same way).
     Rows are handed out as records are made and back when they finish; a row's entries past
     its record's blocks are 0 (the null block), as a step's tables are. The array grows (rows or
     width doubled) when it must, which leaves earlier views stale: take them per use."""
 
     def __init__(self, width: int = _MIN_WIDTH):
         self.array = np.zeros((_MIN_ROWS, max(width, 1)), dtype=np.int32)
+        self.prompt_lens = np.zeros(_MIN_ROWS, dtype=np.int64)
         self._free = list(range(_MIN_ROWS - 1, -1, -1))
 
-    def acquire(self) -> int:
+    def acquire(self, prompt_len: int = 0) -> int:
         if not self._free:
             rows, width = self.array.shape
             self.array = np.concatenate([self.array, np.zeros_like(self.array)])
+            self.prompt_lens = np.concatenate([self.prompt_lens, np.zeros_like(self.prompt_lens)])
             self._free = list(range(2 * rows - 1, rows - 1, -1))
         row = self._free.pop()
         self.array[row] = 0
+        self.prompt_lens[row] = prompt_len
         return row
 
     def release(self, row: int) -> None:
@@ -53,23 +57,25 @@ class BlockTables:
 
 
 class RequestRecords(dict):
-    """The worker's records by request id, and the block-table rows they hold."""
+    """The worker's records by request id, the block-table rows they hold, and how many have a
+    seeded generator (`num_seeded`: a decode step without one skips their sample offsets)."""
 
     def __init__(self, table_width: int = _MIN_WIDTH):
         super().__init__()
         self.tables = BlockTables(table_width)
+        self.num_seeded = 0
 
     def add(self, new: NewRequest, device: torch.device) -> "CachedRequest":
-        old = self.pop(new.request_id, None)
-        if old is not None:
-            self.tables.release(old.row)
+        self.forget(new.request_id)
         record = self[new.request_id] = CachedRequest(new, device, self.tables)
+        self.num_seeded += record.sampling.generator is not None
         return record
 
     def forget(self, request_id: str) -> None:
         record = self.pop(request_id, None)
         if record is not None:
             self.tables.release(record.row)
+            self.num_seeded -= record.sampling.generator is not None
 
 
 class CachedRequest:
@@ -89,7 +95,7 @@ class CachedRequest:
                                              self.output_token_ids,
                                              frozenset(new.eos_token_ids), device)
         self._tables = tables if tables is not None else BlockTables()
-        self.row = self._tables.acquire()
+        self.row = self._tables.acquire(len(self.prompt_token_ids))
         self.num_blocks = 0
         # Prompt logprobs (worker/prompt_logprobs.py): the next position whose logits score a
         # prompt token (-1: the first token's None is still to report), up to the prompt's last
