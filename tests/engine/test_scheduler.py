@@ -1,6 +1,8 @@
 """Scheduler + KVCacheManager on CPU, without a model: exact block ids and token counts."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tinyvllm.config import SchedulerConfig
 from tinyvllm.scheduling.kv_cache_manager import KVCacheManager
@@ -255,3 +257,15 @@ def test_the_step_message_carries_what_changed_only():
     finished += s.schedule().finished_request_ids
     assert sorted(finished) == ["a", "b"]
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=SchedulerOutput) == out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 20), st.integers(0, 20), st.data())
+def test_token_ids_between_slices_prompt_then_output(n_prompt, n_output, data):
+    """A block's tokens for its hash, without the whole sequence concatenated."""
+    r = make_request("r", n_prompt)
+    r.output_token_ids.extend(range(500, 500 + n_output))
+    whole = r.prompt_token_ids + r.output_token_ids
+    start = data.draw(st.integers(0, len(whole)))
+    end = data.draw(st.integers(start, len(whole)))
+    assert r.token_ids_between(start, end) == whole[start:end]

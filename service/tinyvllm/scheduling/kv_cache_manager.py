@@ -174,7 +174,7 @@ class KVCacheManager:
         want = num_tokens // self.block_size
         if want <= have:
             return
-        tokens = request.all_token_ids[have * self.block_size:want * self.block_size]
+        tokens = request.token_ids_between(have * self.block_size, want * self.block_size)
         parent = entry.block_hashes[-1] if have else None
         salt = request.cache_salt.encode() if request.cache_salt else b""
         entry.block_hashes.extend(self.hasher.hash_blocks(tokens, parent, salt))

@@ -160,9 +160,16 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """(prompt + output)[start:end] without concatenating the whole sequence (a block's
+        tokens, hashed as it fills: per request per block)."""
+        prompt = self.prompt_token_ids
+        n = len(prompt)
+        if end <= n:
+            return prompt[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return prompt[start:] + self.output_token_ids[:end - n]
 
     @property
     def is_finished(self) -> bool:
