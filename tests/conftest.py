@@ -79,3 +79,17 @@ def hf_prompt_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         logits = model(torch.tensor([token_ids])).logits[0, :-1].float()
     return logits.log_softmax(-1).gather(1, torch.tensor(token_ids[1:]).unsqueeze(1)).squeeze(1)
+
+
+def small_cuda_model(seed: int):
+    """`LoadedModel` of a small random Llama in bf16 on the GPU (head_dim 64, the CUDA kernels'
+    shapes; vocab 1024) with a synthetic tokenizer, for the GPU engine tests."""
+    from tinyvllm.model.loader import LoadedModel
+    from tinyvllm.model.synthetic import make_random_model, tiny_arch
+    from tinyvllm.tokenization.synthetic import synthetic_tokenizer
+
+    arch = tiny_arch(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                     intermediate_size=512, vocab_size=1024, max_position_embeddings=1024)
+    model = make_random_model(arch, seed=seed, dtype=torch.bfloat16, device=torch.device("cuda"))
+    return LoadedModel(model=model, arch=arch, tokenizer=synthetic_tokenizer(1024, "small"),
+                       name="small", path=None, max_model_len=arch.max_position_embeddings)

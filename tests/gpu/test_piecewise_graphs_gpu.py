@@ -12,14 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import small_cuda_model
 from tests.engine.conftest import assert_all_blocks_free, run_to_completion
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.engine_core import EngineCore
 from tinyvllm.engine.executor import UniProcExecutor
 from tinyvllm.model.loader import LoadedModel
-from tinyvllm.model.synthetic import make_random_model, tiny_arch
 from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.tokenization.synthetic import synthetic_tokenizer
 from tinyvllm.worker import cuda_graph
 from tinyvllm.worker.model_runner import ModelRunner
 
@@ -29,11 +28,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture(scope="module")
 def small() -> LoadedModel:
-    arch = tiny_arch(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
-                     intermediate_size=512, vocab_size=1024, max_position_embeddings=1024)
-    model = make_random_model(arch, seed=7, dtype=torch.bfloat16, device=torch.device("cuda"))
-    return LoadedModel(model=model, arch=arch, tokenizer=synthetic_tokenizer(1024, "small"),
-                       name="small", path=None, max_model_len=arch.max_position_embeddings)
+    return small_cuda_model(seed=7)
 
 
 def make_core(small, **kwargs) -> EngineCore:
