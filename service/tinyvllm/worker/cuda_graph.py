@@ -210,6 +210,7 @@ class PiecewiseGraphs:
         self.kv_caches = kv_caches
         self.sizes = piecewise_token_sizes(max_tokens)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self._replays: dict[int, list] = {}  # by bucket: its graphs' bound replay methods
         self._fused: dict[int, bool] = {}  # by token count: whether the fused layers serve it
         arch, device = model.rank_arch, kv_caches[0].device
         dtype = model.model.norm.dtype
@@ -256,6 +257,7 @@ class PiecewiseGraphs:
                 pool = graph.pool() if pool is None else pool
                 graphs.append(graph)
             self.graphs[size] = graphs
+            self._replays[size] = [graph.replay for graph in graphs]
         torch.cuda.synchronize()
         logger.info("captured piecewise CUDA graphs for %s tokens (%d pieces each) in %.1f s, "
                     "%.0f MiB", sorted(sizes), self.num_pieces, time.perf_counter() - start,
@@ -282,11 +284,10 @@ class PiecewiseGraphs:
         each layer between them. Returns the final hidden states [T, hidden_size] (a view of the
         static buffer, valid until the next step)."""
         n = input_ids.shape[0]
-        graphs = self.graphs.get(size)
-        # Without graphs (a bucket not captured; the CPU tests), the same pieces run eagerly.
-        pieces = ([graph.replay for graph in graphs] if graphs is not None else
-                  [functools.partial(self._piece, index, size)
-                   for index in range(self.num_pieces)])
+        pieces = self._replays.get(size)
+        if pieces is None:  # no graphs for the bucket (the CPU tests): the same pieces, eagerly
+            pieces = [functools.partial(self._piece, index, size)
+                      for index in range(self.num_pieces)]
         self.input_ids[:n].copy_(input_ids)
         pieces[0]()
         qkv, attn, cos_sin_cache = self.qkv[:n], self.attn[:n], self.model.cos_sin_cache
