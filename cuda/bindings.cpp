@@ -104,6 +104,9 @@ PYBIND11_MODULE(_cuda, m) {
                "out_stride", "residual_stride", "eps", "group_size", "interleaved", "prologue",
                "silu_mul_out", "splits", "split_sums", "split_sums_len", "split_counts",
                "split_counts_len", "dtype", "stream");
+  def_launcher(m, "quant_tile_gemm", &tinyvllm::quant_tile_gemm, "out", "partial", "x", "tiles",
+               "tile_scales", "bias", "m", "n", "k", "x_stride", "out_stride", "group_size",
+               "interleaved", "block_rows", "splits", "dtype", "stream");
   def_launcher(m, "quant_tile_rows", &tinyvllm::quant_tile_rows, "k", "rms_norm");
   def_launcher(m, "quant_tile_dequantize", &tinyvllm::quant_tile_dequantize, "out", "tiles",
                "tile_scales", "n", "k", "group_size", "interleaved", "dtype", "stream");

@@ -147,6 +147,13 @@ void quant_tile_gemv(ptr_t out, ptr_t x, ptr_t tiles, ptr_t tile_scales, ptr_t b
                      int group_size, int interleaved, int prologue, int silu_mul_out,
                      int splits, ptr_t split_sums, int64_t split_sums_len, ptr_t split_counts,
                      int64_t split_counts_len, int dtype, stream_t stream);
+// quant_tile_gemm: out[m, n] = x . w^T (+ bias) on tensor cores for any m (quant_tile_gemm.cuh),
+// block_rows (32, 64, 128) rows of x a CTA; k split `splits` ways, each split's float32 sums into
+// partial [splits, m, n] (given exactly when splits > 1, with no bias) for the caller to add.
+void quant_tile_gemm(ptr_t out, ptr_t partial, ptr_t x, ptr_t tiles, ptr_t tile_scales,
+                     ptr_t bias, int64_t m, int64_t n, int64_t k, int64_t x_stride,
+                     int64_t out_stride, int group_size, int interleaved, int block_rows,
+                     int splits, int dtype, stream_t stream);
 // quant_tile_rows: the most rows of x (16, 8, 4, 2 or 1; 0 for none) one quant_tile_gemv launch
 // serves at k on the current device (rms_norm: with the RMSNorm prologue, k unsplit).
 int quant_tile_rows(int64_t k, int rms_norm);

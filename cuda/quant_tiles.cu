@@ -1,4 +1,5 @@
-// Launchers of the W4A16 tile-layout GEMV and its dequantize (quant_tiles.cuh): size checks and
+// Launchers of the W4A16 tile-layout GEMV, GEMM (quant_tile_gemm.cuh) and dequantize
+// (quant_tiles.cuh): size checks and
 // the choice of instantiation, {float16, bfloat16} x M {1, 2, 4, 8, 16} x prologue {none,
 // rmsnorm, silu_mul}, and the SwiGLU-product epilogue after {none, rmsnorm}, each with its
 // groups checked per tile or (group_size 128 where every warp's slice allows) at fixed positions;
@@ -8,6 +9,7 @@
 #include <string>
 
 #include "launchers.h"
+#include "quant_tile_gemm.cuh"
 #include "quant_tiles.cuh"
 
 namespace tinyvllm {
@@ -346,6 +348,66 @@ void quant_tile_dequantize(ptr_t out, ptr_t tiles, ptr_t tile_scales, int64_t n,
         reinterpret_cast<const uint32_t*>(tile_scales), int(n), int(k), group_size,
         interleaved != 0);
     check_launch("quant_tile_dequantize");
+  });
+}
+
+void quant_tile_gemm(ptr_t out, ptr_t partial, ptr_t x, ptr_t tiles, ptr_t tile_scales,
+                     ptr_t bias, int64_t m, int64_t n, int64_t k, int64_t x_stride,
+                     int64_t out_stride, int group_size, int interleaved, int block_rows,
+                     int splits, int dtype, stream_t stream) {
+  const std::string where = "quant_tile_gemm: ";
+  check_tiles(where, n, k, group_size, interleaved != 0, tiles, tile_scales);
+  require(block_rows == 32 || block_rows == 64 || block_rows == 128,
+          where + "block_rows=" + std::to_string(block_rows) + " must be 32, 64 or 128");
+  require(m >= 0 && m <= int64_t(65535) * block_rows,
+          where + "m=" + std::to_string(m) + " out of range (at most 65535 blocks of " +
+              std::to_string(block_rows) + " rows)");
+  require(splits >= 1 && splits <= k / kTileK && splits <= 65535,
+          where + "splits=" + std::to_string(splits) + " must be 1 to k / 64=" +
+              std::to_string(k / kTileK));
+  require((splits == 1) == (partial == 0) && (splits == 1 || bias == 0),
+          where + "partial (float32 [splits, m, n]) is given exactly when splits > 1, and bias "
+                  "only when splits == 1");
+  require(x_stride % 8 == 0 && x_stride >= k && aligned16(reinterpret_cast<void*>(x)),
+          where + "x must be 16-byte aligned with x_stride >= k a multiple of 8 (got " +
+              std::to_string(x_stride) + ")");
+  require(out_stride >= n, where + "out_stride=" + std::to_string(out_stride) + " < n");
+  if (m == 0) return;
+  const int groups = int(k / group_size);
+  int shift = 31;  // one group: any shift past log2(k)
+  if (groups > 1) {
+    shift = 0;
+    while ((1 << shift) < group_size) ++shift;
+  }
+  const int bands = int((n + kTileRows - 1) / kTileRows);
+  const cudaStream_t s = as_stream(stream);
+  TINYVLLM_DISPATCH_HALF(dtype, "quant_tile_gemm", {
+    auto go = [&](auto rows) {
+      constexpr int BM = decltype(rows)::value;
+      auto kernel = quant_tile_gemm_kernel<scalar_t, BM>;
+      constexpr int smem = gemm_smem_bytes<BM>();
+      static std::once_flag once;
+      std::call_once(once, [&] {
+        check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        smem),
+                   "quant_tile_gemm: cudaFuncSetAttribute");
+      });
+      const dim3 grid((bands + kGemmWarps - 1) / kGemmWarps, unsigned((m + BM - 1) / BM),
+                      unsigned(splits));
+      kernel<<<grid, kGemmWarps * 32, smem, s>>>(
+          reinterpret_cast<scalar_t*>(out), reinterpret_cast<float*>(partial),
+          reinterpret_cast<const scalar_t*>(x), reinterpret_cast<const uint4*>(tiles),
+          reinterpret_cast<const uint2*>(tile_scales), reinterpret_cast<const scalar_t*>(bias),
+          int(m), int(n), int(k), x_stride, out_stride, groups, shift, interleaved != 0);
+      check_launch("quant_tile_gemm");
+    };
+    if (block_rows == 32) {
+      go(std::integral_constant<int, 32>{});
+    } else if (block_rows == 64) {
+      go(std::integral_constant<int, 64>{});
+    } else {
+      go(std::integral_constant<int, 128>{});
+    }
   });
 }
 

@@ -86,7 +86,7 @@ def rel_err(out, ref):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 12, 16, 17, 32])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 12, 16, 17, 32, 33, 100, 300])
 @pytest.mark.parametrize("n,k,group_size", [(7, 64, 64), (1001, 576, 64), (4104, 4096, 128),
                                             (96, 14336, 14336), (333, 4160, 64),
                                             (6144, 4096, 128), (4096, 14336, 128),
@@ -108,7 +108,7 @@ def test_gemv_matches_reference(dtype, m, n, k, group_size):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 4, 11, 16])
+@pytest.mark.parametrize("m", [1, 2, 4, 11, 16, 40, 130])
 @pytest.mark.parametrize("fusion", ["rms_norm", "silu_mul", "residual", "silu_mul_out",
                                     "rms_norm+silu_mul_out", "silu_mul_out_plain_layout"])
 @pytest.mark.parametrize("k", [1024, 4096])  # 4096: the groups at fixed chunk positions
@@ -249,6 +249,63 @@ def test_k_split_refuses_what_it_cannot_split():
     with pytest.raises(ValueError, match=r"rmsnorm needs the whole row.*splits=2"):
         qt._launch(x, tiles, out, None, torch.ones(k, dtype=dtype, device="cuda"), 1e-6, False,
                    False, False, splits=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_rows", [32, 64, 128])
+@pytest.mark.parametrize("splits", [1, 3, 16])
+@pytest.mark.parametrize("interleave", [False, True])
+def test_gemm_multiplies_the_exactly_dequantized_weight(dtype, block_rows, splits, interleave):
+    """The GEMM dequantizes each weight in registers exactly as `dequantize_tiles` does: rows of
+    x that pick one column of k (x = e_c) give that column of the dequantized weight bit for bit,
+    in any block of rows, any split of k and either row order (interleaved gate_up rows land in
+    their logical columns). Rows past a block's end, and past m, are not written."""
+    n, k, group_size, m = 96, 1024, 128, 70
+    qweight, scales, zeros = make_weight(n, k, group_size, dtype, block_rows + splits, "cuda")
+    tiles = qt.repack(qweight, scales, zeros, group_size, interleave)
+    cols = torch.randperm(k, generator=torch.Generator().manual_seed(splits))[:m].cuda()
+    x = torch.zeros(m, k, dtype=dtype, device="cuda")
+    x[torch.arange(m, device="cuda"), cols] = 1
+    out = qt.tile_gemm(x, tiles, block_rows=block_rows, splits=splits)
+    weight = ql.dequantize(qweight, scales, zeros, 4, group_size)
+    assert out.dtype == dtype and torch.equal(out, weight[:, cols].t())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("m,block_rows,splits", [(1, 32, 1), (31, 32, 5), (64, 64, 2),
+                                                 (65, 64, 1), (200, 128, 9), (513, 128, 1)])
+@pytest.mark.parametrize("group_size", [64, 128, 4096])
+def test_gemm_matches_reference(m, block_rows, splits, group_size):
+    """Random rows of x against F.linear over the dequantized weight in float32: the same
+    products, summed in another order (split sums added in float32, then rounded once), with a
+    bias and an x whose rows are strided."""
+    n, k, dtype = 1040, 4096, torch.bfloat16
+    qweight, scales, zeros = make_weight(n, k, group_size, dtype, m + group_size, "cuda")
+    tiles = qt.repack(qweight, scales, zeros, group_size)
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k + 64, generator=gen, device="cuda").to(dtype)[:, :k]
+    bias = torch.randn(n, generator=gen, device="cuda").to(dtype)
+    out = qt.tile_gemm(x, tiles, bias, block_rows=block_rows, splits=splits)
+    ref = torch.nn.functional.linear(x.float(), qt.dequantize_tiles(tiles).float(), bias.float())
+    assert out.shape == (m, n) and rel_err(out, ref) < 4e-3
+    want = ref.to(dtype)  # one rounding of the exact-order sum: most elements agree bit for bit
+    assert (out == want).float().mean().item() > 0.9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gemm_refuses_bad_launches():
+    """Arguments the kernel cannot take are refused with the argument named, not launched."""
+    qweight, scales, zeros = make_weight(64, 256, 64, torch.bfloat16, 3, "cuda")
+    tiles = qt.repack(qweight, scales, zeros, 64)
+    x = torch.randn(40, 256, device="cuda").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="block_rows=48"):
+        qt.tile_gemm(x, tiles, block_rows=48)
+    with pytest.raises(ValueError, match="splits=5 must be 1 to k / 64=4"):
+        qt.tile_gemm(x, tiles, splits=5)
 
 
 @pytest.mark.gpu

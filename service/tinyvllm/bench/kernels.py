@@ -326,9 +326,9 @@ def _int4pack_mm(q: torch.Tensor, group_size: int, copies: int, gen) -> Optional
 
 
 def bench_quant_linear(m, name, n, k, bits, group_size, copy_gbps, gen) -> Row:
-    """The W4A16 tile GEMV (ops.quant_tiles, what a QuantLinear runs after load where it serves),
-    else ops.quant_linear (the group layout: its GEMV up to 8 / 16 rows, dequantize + cuBLAS
-    above), against cuBLAS over the bf16 weight, torch's int4 GEMM and the group layout's
+    """The W4A16 tile GEMV or GEMM (ops.quant_tiles, what a QuantLinear runs after load where
+    they serve), else ops.quant_linear (the group layout: its GEMV up to 8 / 16 rows, dequantize
+    + cuBLAS above), against cuBLAS over the bf16 weight, torch's int4 GEMM and the group layout's
     kernels, as CUDA-graph replays over weight copies L2 cannot hold."""
     from tinyvllm.ops import quant_linear as ql
     from tinyvllm.ops import quant_tiles as qt
@@ -354,8 +354,14 @@ def bench_quant_linear(m, name, n, k, bits, group_size, copy_gbps, gen) -> Row:
                                                        bits, group_size), calls=copies)
     tiles = ([qt.repack(w, scales, zeros, group_size) for w in qweights]
              if qt.tiles_supported(qweights[0], scales, zeros, bits, group_size) else None)
-    if tiles is not None and qt.gemv_serves(x, tiles[0]):  # what QuantLinear runs after load
+    if tiles is not None and (qt.gemv_serves(x, tiles[0]) or qt.gemm_serves(x, tiles[0])):
+        # what QuantLinear runs after load: the GEMV, else the GEMM (against the tiles
+        # dequantized for cuBLAS, which it replaces)
         baselines["group_layout"] = group_us
+        if not qt.gemv_serves(x, tiles[0]):
+            baselines["tile_dequant_cublas"] = time_graph_us(
+                lambda i: torch.matmul(x, qt.dequantize_tiles_cuda(tiles[i % copies]).t(),
+                                       out=out), calls=copies)
         if m <= 8:  # the other kernel of the group layout, to show the auto choice
             from tinyvllm.ops.quant_linear_cuda import quant_linear_cuda
             other = "simt" if m >= 3 else "mma"
@@ -684,7 +690,7 @@ def gemv_rows(quick: bool, copy_gbps: float, gen) -> list[Row]:
 def quant_rows(quick: bool, copy_gbps: float, gen) -> list[Row]:
     rows = []
     for bits in ([4] if quick else [4, 8]):
-        for m in ([1, 2, 4, 8, 16] if quick else [1, 2, 4, 8, 16, 64, 256]):
+        for m in ([1, 2, 4, 8, 16, 64] if quick else [1, 2, 4, 8, 16, 32, 64, 128, 256]):
             for name, n, k in QUANT_SHAPES:
                 rows.append(bench_quant_linear(m, name, n, k, bits, 128, copy_gbps, gen))
     for m in [1, 2]:

@@ -16,8 +16,10 @@ once at load from `ops.quant_linear`'s integer-group layout where the zero point
 
 Rows past n (n not a multiple of 16) are zero. `dequantize_tiles` is the torch inverse (equal to
 `quant_linear.dequantize` of the source); `tile_linear` runs a projection over the layout, with
-`ops.fused_linear`'s prologues and epilogues: the GEMV kernel where it serves, else the weight
-dequantized and the torch reference of the fused ops.
+`ops.fused_linear`'s prologues and epilogues: the GEMV kernel where it serves (up to 16 rows a
+launch), the GEMM kernel (`tile_gemm`) for larger batches up to GEMM_MAX_ROWS, else the weight
+dequantized for cuBLAS; the fused ops the GEMV does not take run as their own kernels around the
+GEMM, and as the torch reference around the dequantized weight.
 """
 
 from __future__ import annotations
@@ -30,13 +32,17 @@ import torch
 
 from tinyvllm.ops._dispatch import cuda_ops, dtype_code, kernel_enabled, stream_handle
 from tinyvllm.ops.layers import silu_and_mul
-from tinyvllm.ops.linear import fused_linear_ref
+from tinyvllm.ops.linear import fused_linear_ref, linear_unfused
 from tinyvllm.ops.quant_linear import unpack
 
 TILE_K, TILE_ROWS = 64, 16
 MAX_LAUNCHES = 2
 """Launches over the same weight (slices of x's rows) before dequantizing for cuBLAS pays:
 two reads of 4-bit weights cost less than one of the bf16 weight."""
+GEMM_MAX_ROWS = 128
+"""Rows of x up to which the GEMM kernel runs where the GEMV does not; above, the weight is
+dequantized for cuBLAS (compute-bound there: cuBLAS's GEMM is the faster one)."""
+_GEMM_BLOCK_ROWS = (32, 64, 128)
 _MAGIC = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 _NIBBLE = (0, 4, 2, 6)  # nibble of value e = 0..3 of a lane's four in a word (row g; +1: row g + 8)
 _PROLOGUE = {None: 0, "rms_norm": 1, "silu_mul": 2}
@@ -169,6 +175,58 @@ def gemv_serves(x: torch.Tensor, w: QuantTiles, rms_norm: bool = False) -> bool:
             and 1 <= x.shape[0] <= MAX_LAUNCHES * rows_per_launch(w, rms_norm))
 
 
+def gemm_serves(x: torch.Tensor, w: QuantTiles) -> bool:
+    """Whether `tile_linear` over x [m, k] runs the GEMM kernel where the GEMV does not serve."""
+    return (x.is_cuda and x.dtype == w.tile_scales.dtype and kernel_enabled("quant_linear")
+            and 1 <= x.shape[0] <= GEMM_MAX_ROWS)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def gemm_plan(m: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
+    """(rows of x a CTA, ways k is split) of a GEMM launch: the smallest block that holds m rows
+    (at most 128), and where the CTAs would not fill the device, k split into up to 8 slices of
+    at least 8 tiles of 64, about four CTAs an SM, so that every SM streams weight (the fastest
+    of the splits 1, 2, 4, 8 at Llama-3-8B's shapes and 32, 64, 128 rows on an H200 but for qkv
+    at 128 rows, 49 us against 43 at 4 splits; cuda/NOTES.md)."""
+    block = next((b for b in _GEMM_BLOCK_ROWS if b >= m), _GEMM_BLOCK_ROWS[-1])
+    ctas = -(-n // (TILE_ROWS * 8)) * -(-m // block)
+    sms = _num_sms(device)
+    splits = 1 if ctas >= sms else max(1, min(-(-4 * sms // ctas), k // TILE_K // 8, 8))
+    return block, splits
+
+
+def tile_gemm(x: torch.Tensor, w: QuantTiles, bias: Optional[torch.Tensor] = None, *,
+              block_rows: int = 0, splits: int = 0) -> torch.Tensor:
+    """x [m, k] . w^T (+ bias) -> [m, n] in x's dtype, by the tensor-core GEMM kernel over the
+    tile layout (the weight dequantized in registers, exactly as `dequantize_tiles`).
+    block_rows, splits: the launch's (0: `gemm_plan`'s)."""
+    m = x.shape[0]
+    if x.stride(-1) != 1 or (m > 1 and x.stride(0) % 8) or x.data_ptr() % 16:
+        x = x.contiguous()
+    plan = gemm_plan(m, w.n, w.k, x.device)
+    block_rows, splits = block_rows or plan[0], splits or plan[1]
+    out = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
+    partial = (torch.empty(splits, m, w.n, dtype=torch.float32, device=x.device)
+               if splits > 1 else None)
+    cuda_ops().quant_tile_gemm(
+        out=out.data_ptr(), partial=0 if partial is None else partial.data_ptr(),
+        x=x.data_ptr(), tiles=w.tiles.data_ptr(), tile_scales=w.tile_scales.data_ptr(),
+        bias=0 if bias is None or partial is not None else bias.data_ptr(), m=m, n=w.n, k=w.k,
+        x_stride=x.stride(0) if m > 1 else w.k, out_stride=w.n, group_size=w.group_size,
+        interleaved=int(w.interleaved), block_rows=block_rows, splits=splits,
+        dtype=dtype_code(x.dtype), stream=stream_handle(x.device))
+    if partial is None:
+        return out
+    y = partial.sum(0)
+    if bias is not None:
+        y += bias.float()
+    return out.copy_(y)
+
+
 def tile_linear(x: torch.Tensor, w: QuantTiles, bias: Optional[torch.Tensor] = None, *,
                 norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
                 silu_mul: bool = False, residual: Optional[torch.Tensor] = None,
@@ -181,6 +239,10 @@ def tile_linear(x: torch.Tensor, w: QuantTiles, bias: Optional[torch.Tensor] = N
     if silu_mul_out and not w.interleaved:  # gate and up rows apart: the product afterwards
         return silu_and_mul(tile_linear(x, w, bias, norm_weight=norm_weight, eps=eps))
     if not gemv_serves(x, w, norm_weight is not None):
+        if gemm_serves(x, w):
+            return linear_unfused(x, lambda a: tile_gemm(a, w, bias), norm_weight=norm_weight,
+                                  eps=eps, silu_mul=silu_mul, residual=residual,
+                                  silu_mul_out=silu_mul_out)
         weight = (dequantize_tiles_cuda(w) if x.is_cuda and kernel_enabled("quant_linear")
                   else dequantize_tiles(w)).to(x.dtype)
         return fused_linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps,

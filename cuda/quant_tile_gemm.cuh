@@ -1,0 +1,152 @@
+// W4A16 GEMM on tensor cores over the tile layout (quant_tiles.cuh, ops/quant_tiles.py) for
+// batches past the GEMV's rows (prompt chunks, mixed steps, decode batches of 17 rows or more),
+// where dequantizing the whole weight for cuBLAS would write and read it in 16 bits every call.
+//
+// A CTA of kGemmWarps warps owns kGemmWarps bands (16 weight rows each, one a warp) and BM rows of
+// x, over the tiles [s k_tiles / S, (s + 1) k_tiles / S) of k (split s of gridDim.z = S). Per tile
+// (64 values of k) the CTA copies x's BM x 64 block into shared memory and each warp its band's
+// 512 bytes (one 16-byte cp.async a lane), kGemmStages tiles ahead (one commit group per tile, a
+// barrier per tile). The lane's word j of the tile is its A fragment of k-step j as (magic + q)
+// pairs (quant_tiles.cuh); here it is dequantized in registers, ((magic + q) - (magic + zero)) *
+// scale per pair, which is exact before the one rounding of the product: the weight the mma
+// multiplies is the reference's dequantized weight bit for bit, so the result is cuBLAS's over
+// `quant_tile_dequantize` but for the order of the fp32 sums. The same A fragments go to BM / 8
+// mmas, one per 8 rows of x (B: lane (g, t) reads x at k0 + 16j + 4t .. + 3 of row g, one 8-byte
+// load; the staged rows are padded by 32 bytes so that a half-warp's loads fall on distinct banks).
+// With S = 1 the CTA writes out (+ bias) rounded to T; with S > 1, float32 sums per split into
+// `partial` [S][m][n], added by the caller. Rows are in logical order (tile_row): an interleaved
+// gate_up writes gate in [0, n / 2) and up in [n / 2, n).
+#pragma once
+
+#include "quant_tiles.cuh"
+
+namespace tinyvllm {
+
+constexpr int kGemmWarps = 8;    // bands a CTA: 128 weight rows
+constexpr int kGemmStages = 4;   // tiles of k in flight
+constexpr int kGemmRowPad = 16;  // elements after each staged row of x (32 bytes)
+
+template <int BM>
+constexpr int gemm_smem_bytes() {
+  return kGemmStages * (BM * (kTileK + kGemmRowPad) * 2 + kGemmWarps * 32 * 16);
+}
+
+template <typename T> __device__ __forceinline__ uint32_t mul_pair(uint32_t a, uint32_t b);
+template <> __device__ __forceinline__ uint32_t mul_pair<__nv_bfloat16>(uint32_t a, uint32_t b) {
+  __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a),
+                             *reinterpret_cast<__nv_bfloat162*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+template <> __device__ __forceinline__ uint32_t mul_pair<__half>(uint32_t a, uint32_t b) {
+  __half2 r = __hmul2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+template <typename T, int BM>
+__global__ void __launch_bounds__(kGemmWarps * 32) quant_tile_gemm_kernel(
+    T* __restrict__ out,                   // [m, out_stride] (S = 1)
+    float* __restrict__ partial,           // [S][m][n] (S > 1), else null
+    const T* __restrict__ x,               // [m, x_stride]
+    const uint4* __restrict__ tiles,       // [bands][k / 64][32]
+    const uint2* __restrict__ tile_scales,  // [bands][groups][8]
+    const T* __restrict__ bias,            // [n] or null (S = 1 only)
+    int m, int n, int k, int64_t x_stride, int64_t out_stride, int groups, int group_shift,
+    bool interleaved) {
+  constexpr int NT = BM / 8;  // n-tiles of 8 rows of x
+  constexpr int kRow = kTileK + kGemmRowPad;
+  extern __shared__ uint4 smem[];
+  T* xs = reinterpret_cast<T*>(smem);                   // [stages][BM][kRow]
+  uint4* ws = smem + kGemmStages * BM * kRow / 8;       // [stages][warps][32]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int bands = (n + kTileRows - 1) / kTileRows;
+  const int band = blockIdx.x * kGemmWarps + warp;
+  const bool has_band = band < bands;  // (warps past the last band copy x and wait with the rest)
+  const int row0 = blockIdx.y * BM;
+  const int all_tiles = k / kTileK;
+  const int tile_begin = int(int64_t(all_tiles) * blockIdx.z / gridDim.z);
+  const int num_tiles = int(int64_t(all_tiles) * (blockIdx.z + 1) / gridDim.z) - tile_begin;
+  const uint64_t policy = l2_evict_first_policy();
+  const uint4* wsrc = tiles + (int64_t(has_band ? band : 0) * all_tiles + tile_begin) * 32 + lane;
+  const uint2* scsrc = tile_scales + int64_t(has_band ? band : 0) * groups * 8 + g;
+  const int tile_group_shift = group_shift - 6;  // group of tile i: i >> this
+  const T* xsrc = x + int64_t(tile_begin) * kTileK;
+
+  // Tile i of the split into slot i % stages: x's block (rows past m zero) and the warps' bands.
+  auto load_tile = [&](int i) {
+    if (i < num_tiles) {
+      const int slot = i % kGemmStages;
+      T* xd = xs + slot * BM * kRow;
+      for (int v = threadIdx.x; v < BM * (kTileK / 8); v += kGemmWarps * 32) {
+        const int r = v / (kTileK / 8), c = v % (kTileK / 8);
+        const bool ok = row0 + r < m;
+        cp_async16(xd + r * kRow + c * 8,
+                   xsrc + int64_t(ok ? row0 + r : 0) * x_stride + int64_t(i) * kTileK + c * 8,
+                   ok ? 16 : 0);
+      }
+      if (has_band) {
+        cp_async16(ws + (slot * kGemmWarps + warp) * 32 + lane, wsrc + int64_t(i) * 32, 16,
+                   policy);
+      }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < kGemmStages - 1; ++i) load_tile(i);
+
+  constexpr uint32_t kMagic = TileMagic<T>::kPair;
+  float acc[NT][4] = {};
+  const T* xlane = xs + g * kRow + 4 * t;
+  // The tile's group scale words, read one tile ahead: .x row g's, .y row g + 8's, each
+  // scale | (magic + zero) << 16.
+  auto scale_words = [&](int i) { return scsrc[((tile_begin + i) >> tile_group_shift) * 8]; };
+  uint2 sc = has_band && num_tiles > 0 ? scale_words(0) : make_uint2(0, 0);
+  for (int i = 0; i < num_tiles; ++i) {
+    cp_async_wait<kGemmStages - 2>();
+    __syncthreads();  // tile i landed for all; slot (i - 1) % stages free to refill
+    load_tile(i + kGemmStages - 1);
+    if (!has_band) continue;
+    const uint2 sc_next = i + 1 < num_tiles ? scale_words(i + 1) : sc;
+    const uint32_t s_lo = __byte_perm(sc.x, 0, 0x1010), z_lo = __byte_perm(sc.x, 0, 0x3232);
+    const uint32_t s_hi = __byte_perm(sc.y, 0, 0x1010), z_hi = __byte_perm(sc.y, 0, 0x3232);
+    const int slot = i % kGemmStages;
+    const uint4 wq = ws[(slot * kGemmWarps + warp) * 32 + lane];
+    const uint32_t words[4] = {wq.x, wq.y, wq.z, wq.w};
+    const T* xt = xlane + slot * BM * kRow;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t q = words[j];
+      // Registers 0 / 2: row g's values (4t, 4t + 1) / (4t + 2, 4t + 3); 1 / 3: row g + 8's.
+      uint32_t f[4];
+      f[0] = mul_pair<T>(sub_pair<T>(nibble_pair(q, kMagic), z_lo), s_lo);
+      f[1] = mul_pair<T>(sub_pair<T>(nibble_pair(q >> 4, kMagic), z_hi), s_hi);
+      f[2] = mul_pair<T>(sub_pair<T>(nibble_pair(q >> 8, kMagic), z_lo), s_lo);
+      f[3] = mul_pair<T>(sub_pair<T>(nibble_pair(q >> 12, kMagic), z_hi), s_hi);
+#pragma unroll
+      for (int h = 0; h < NT; ++h) {
+        const uint2 b = *reinterpret_cast<const uint2*>(xt + h * 8 * kRow + 16 * j);
+        mma_16816<T>(acc[h], f, b.x, b.y);
+      }
+    }
+    sc = sc_next;
+  }
+  if (!has_band) return;
+#pragma unroll
+  for (int h = 0; h < NT; ++h) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int col = row0 + 8 * h + 2 * t + (c & 1);  // row of x and out
+      const int row = tile_row(band, g + (c >= 2 ? 8 : 0), n, interleaved);  // of the weight
+      if (col < m && row < n) {
+        if (partial != nullptr) {
+          partial[(int64_t(blockIdx.z) * m + col) * n + row] = acc[h][c];
+        } else {
+          out[col * out_stride + row] =
+              from_float<T>(acc[h][c] + (bias ? to_float(bias[row]) : 0.f));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace tinyvllm
