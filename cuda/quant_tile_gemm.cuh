@@ -31,17 +31,6 @@ constexpr int gemm_smem_bytes() {
   return kGemmStages * (BM * (kTileK + kGemmRowPad) * 2 + kGemmWarps * 32 * 16);
 }
 
-template <typename T> __device__ __forceinline__ uint32_t mul_pair(uint32_t a, uint32_t b);
-template <> __device__ __forceinline__ uint32_t mul_pair<__nv_bfloat16>(uint32_t a, uint32_t b) {
-  __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a),
-                             *reinterpret_cast<__nv_bfloat162*>(&b));
-  return *reinterpret_cast<uint32_t*>(&r);
-}
-template <> __device__ __forceinline__ uint32_t mul_pair<__half>(uint32_t a, uint32_t b) {
-  __half2 r = __hmul2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
-  return *reinterpret_cast<uint32_t*>(&r);
-}
-
 template <typename T, int BM>
 __global__ void __launch_bounds__(kGemmWarps * 32) quant_tile_gemm_kernel(
     T* __restrict__ out,                   // [m, out_stride] (S = 1)

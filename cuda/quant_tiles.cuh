@@ -67,15 +67,24 @@ template <> struct TileMagic<__half> {
   static constexpr bool kSubtract = true;
 };
 
-template <typename T> __device__ __forceinline__ uint32_t sub_pair(uint32_t a, uint32_t b);
-template <> __device__ __forceinline__ uint32_t sub_pair<__nv_bfloat16>(uint32_t a, uint32_t b) {
-  __nv_bfloat162 r = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&a),
-                             *reinterpret_cast<__nv_bfloat162*>(&b));
+template <typename T> struct HalfPair;
+template <> struct HalfPair<__nv_bfloat16> { using type = __nv_bfloat162; };
+template <> struct HalfPair<__half> { using type = __half2; };
+
+// f (a pair intrinsic: __hsub2, __hmul2) over the two T lanes of a and b, as one register.
+template <typename T, typename F>
+__device__ __forceinline__ uint32_t pair_op(uint32_t a, uint32_t b, F f) {
+  using P = typename HalfPair<T>::type;
+  P r = f(*reinterpret_cast<P*>(&a), *reinterpret_cast<P*>(&b));
   return *reinterpret_cast<uint32_t*>(&r);
 }
-template <> __device__ __forceinline__ uint32_t sub_pair<__half>(uint32_t a, uint32_t b) {
-  __half2 r = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
-  return *reinterpret_cast<uint32_t*>(&r);
+template <typename T>
+__device__ __forceinline__ uint32_t sub_pair(uint32_t a, uint32_t b) {
+  return pair_op<T>(a, b, [](auto x, auto y) { return __hsub2(x, y); });
+}
+template <typename T>
+__device__ __forceinline__ uint32_t mul_pair(uint32_t a, uint32_t b) {
+  return pair_op<T>(a, b, [](auto x, auto y) { return __hmul2(x, y); });
 }
 
 // 8-byte global -> shared copy (cp.async's .cg form takes 16 bytes only).
