@@ -227,10 +227,9 @@ def test_fused_linear_rejects_what_it_cannot_serve():
         fused_linear(x16, w16, silu_mul=True)
 
 
-def fused_and_unfused_logits(model, batch: int, dtype: torch.dtype
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits of one decode step of `model` (each sequence at context 37, the same random
-    cache contents) with the fused projections and without them."""
+def decode_step_logits(model, batch: int, dtype: torch.dtype) -> torch.Tensor:
+    """The logits of one decode step of `model` under the current kernel configuration: each
+    sequence at context 37 over the same random cache contents at every call."""
     arch = model.arch
     block_size, context = 16, 37
     num_blocks = batch * 3 + 1
@@ -245,15 +244,22 @@ def fused_and_unfused_logits(model, batch: int, dtype: torch.dtype
         seq_lens=torch.full((batch,), context + 1, dtype=torch.int32, device="cuda"),
         block_tables=tables, max_query_len=1, max_seq_len=context + 1,
         query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[context + 1] * batch)
+    caches = ops.allocate_kv_caches(arch.num_layers, num_blocks, block_size, arch.num_kv_heads,
+                                    arch.head_dim, dtype, "cuda")
+    for c in caches:
+        c.copy_(rand(*c.shape, dtype=dtype, seed=c.numel() % 1000))
+    return model.compute_logits(model(ids, positions, caches, meta))
+
+
+def fused_and_unfused_logits(model, batch: int, dtype: torch.dtype
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_step_logits` with the fused projections and without them."""
+    probe = torch.zeros(batch, model.arch.hidden_size, dtype=dtype, device="cuda")
 
     def step(fused: bool) -> torch.Tensor:
         ops.configure(KernelConfig(fused_gemv=fused))
-        caches = ops.allocate_kv_caches(arch.num_layers, num_blocks, block_size,
-                                        arch.num_kv_heads, arch.head_dim, dtype, "cuda")
-        for c in caches:  # the same random context for both runs
-            c.copy_(rand(*c.shape, dtype=dtype, seed=c.numel() % 1000))
-        assert model.uses_fused_decode(model.model.embed_tokens(ids)) == fused
-        return model.compute_logits(model(ids, positions, caches, meta))
+        assert model.uses_fused_decode(probe) == fused
+        return decode_step_logits(model, batch, dtype)
 
     try:
         return step(True), step(False)
