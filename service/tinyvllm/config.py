@@ -49,8 +49,8 @@ class ModelConfig:
         "tiers): everything but the attention replays from graphs captured per token-count "
         "bucket at start (512 is vLLM's largest capture size). Pays where launches outlast the "
         "kernels: SmolLM2-shape TTFT of a 128-token prompt 15.5 -> 5.8 ms, and 1000 x 128/128 "
-        "at --max-num-batched-tokens 512 2-3x the output tokens/s (H200). 0: such steps run "
-        "eagerly. Capped at max_num_batched_tokens.")
+        "at --max-num-batched-tokens 512 2-3x the output tokens/s (H200). Default 512; 0: such "
+        "steps run eagerly. Capped at max_num_batched_tokens.")
     dequantize: Optional[bool] = _f(
         None, "Dequantize a GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights at "
         "load and run the float path (--dequantize), or keep them packed as in the file "
