@@ -65,7 +65,7 @@ def launches(monkeypatch) -> Launches:
     for wrapper in (kv_cache, attention_cuda, layers_cuda, linear, sampling_cuda,
                     spec_decode_cuda, quant_linear_cuda, quant_tiles, gguf_cuda, w8a8_linear):
         monkeypatch.setattr(wrapper, "stream_handle", lambda device: STREAM)
-    monkeypatch.setattr(attention_cuda, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(attention_cuda, "sm_count", lambda device: 132)
     record.kernels = kernels
     return record
 

@@ -297,5 +297,11 @@ def kernel_config() -> KernelConfig:
     return _kernel_config
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (asked once per device)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def stream_handle(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream

@@ -16,13 +16,13 @@ attends as a decode row of its own (`_decode_rows`).
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 
 from tinyvllm.config import PREFILL_ATTENTION_KERNELS
-from tinyvllm.ops._dispatch import cuda_ops, dtype_code, kernel_config, stream_handle
+from tinyvllm.ops._dispatch import (cuda_ops, dtype_code, kernel_config, sm_count,
+                                    stream_handle)
 from tinyvllm.ops.attention import AttentionMetadata, DecodePartitions
 from tinyvllm.ops.kv_cache import FP8_DTYPE, kv_scale_ptrs
 
@@ -159,7 +159,7 @@ def _decode(kernel, out, query, kv_cache, meta: AttentionMetadata, scale: float,
         partition, num_splits = MIN_PARTITION, max(2, -(-max_seq_len // MIN_PARTITION))
     else:
         partition, num_splits, chosen = decode_partition(num_seqs, num_heads, num_kv_heads,
-                                                         max_seq_len, _sm_count(query.device))
+                                                         max_seq_len, sm_count(query.device))
         heads_per_cta = heads_per_cta or chosen
     split_out = split_max = split_sum = None
     if num_splits > 1:
@@ -308,11 +308,6 @@ def decode_partition(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_l
     group = num_heads // num_kv_heads
     heads_per_cta = 4 if group <= 4 else 8
     return (*split(num_seqs * num_kv_heads * -(-group // heads_per_cta)), heads_per_cta)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:

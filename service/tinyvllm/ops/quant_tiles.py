@@ -30,7 +30,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from tinyvllm.ops._dispatch import cuda_ops, dtype_code, kernel_enabled, stream_handle
+from tinyvllm.ops._dispatch import (cuda_ops, dtype_code, kernel_enabled, sm_count,
+                                    stream_handle)
 from tinyvllm.ops.layers import silu_and_mul
 from tinyvllm.ops.linear import fused_linear_ref, linear_unfused
 from tinyvllm.ops.quant_linear import unpack
@@ -181,11 +182,6 @@ def gemm_serves(x: torch.Tensor, w: QuantTiles) -> bool:
             and 1 <= x.shape[0] <= GEMM_MAX_ROWS)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def gemm_plan(m: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
     """(rows of x a CTA, ways k is split) of a GEMM launch: the smallest block that holds m rows
     (at most 128), and where the CTAs would not fill the device, k split into up to 8 slices of
@@ -194,7 +190,7 @@ def gemm_plan(m: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
     at 128 rows, 49 us against 43 at 4 splits; cuda/NOTES.md)."""
     block = next((b for b in _GEMM_BLOCK_ROWS if b >= m), _GEMM_BLOCK_ROWS[-1])
     ctas = -(-n // (TILE_ROWS * 8)) * -(-m // block)
-    sms = _num_sms(device)
+    sms = sm_count(device)
     splits = 1 if ctas >= sms else max(1, min(-(-4 * sms // ctas), k // TILE_K // 8, 8))
     return block, splits
 
