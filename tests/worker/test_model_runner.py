@@ -141,6 +141,20 @@ def test_piecewise_pieces_equal_the_forward(tiny_model):
     assert max(sizes) == 48 and min(sizes) < 8 and len(set(sizes)) >= 4
 
 
+def test_forward_piece_of_no_layers_is_the_final_norm_of_the_embedding(tiny_model):
+    """The last piece with num_layers 0 (no residual stream yet) is the final RMSNorm over the
+    embedded tokens, all of its rows."""
+    import torch
+
+    from tinyvllm.ops.layers import rms_norm_ref
+
+    model = tiny_model.model
+    x = model.model.embed_tokens(torch.tensor([3, 17, 99, 4]))
+    out, residual = model.forward_piece(0, x, None, num_layers=0)
+    assert residual is None and out.shape == x.shape
+    torch.testing.assert_close(out, rms_norm_ref(x, model.model.norm, model.arch.rms_norm_eps))
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_seeded_rows_keep_their_tokens_beside_unseeded_decodes(tiny_model, async_scheduling):
     """A decode step sets the sample offsets (each row's output index) only while a seeded

@@ -305,6 +305,8 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layers[index - 1].after_attention(x, residual)
         if index < last:
             return layers[index].before_attention(x, residual)
+        if residual is None:  # no layer ran (num_layers 0): the embedding alone
+            return ops.rms_norm(x, self.model.norm, self.arch.rms_norm_eps), None
         return ops.rms_norm(x, self.model.norm, self.arch.rms_norm_eps, residual)[0], None
 
     def uses_fused_decode(self, hidden: torch.Tensor) -> bool:
