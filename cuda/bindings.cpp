@@ -106,7 +106,7 @@ PYBIND11_MODULE(_cuda, m) {
                "split_counts_len", "dtype", "stream");
   def_launcher(m, "quant_tile_gemm", &tinyvllm::quant_tile_gemm, "out", "partial", "x", "tiles",
                "tile_scales", "bias", "m", "n", "k", "x_stride", "out_stride", "group_size",
-               "interleaved", "block_rows", "splits", "dtype", "stream");
+               "interleaved", "block_rows", "splits", "kernel", "dtype", "stream");
   def_launcher(m, "quant_tile_rows", &tinyvllm::quant_tile_rows, "k", "rms_norm");
   def_launcher(m, "quant_tile_dequantize", &tinyvllm::quant_tile_dequantize, "out", "tiles",
                "tile_scales", "n", "k", "group_size", "interleaved", "dtype", "stream");

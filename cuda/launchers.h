@@ -12,7 +12,7 @@ namespace tinyvllm {
 // The interface version of these launchers. bindings.cpp exports it as `abi_version` and
 // ops/_dispatch.py refuses a module whose version is not its CUDA_ABI_VERSION: bump both when a
 // launcher's arguments change or a function is added, removed or renamed.
-constexpr int kAbiVersion = 12;
+constexpr int kAbiVersion = 13;
 
 using ptr_t = std::uintptr_t;  // a device pointer, as torch's data_ptr() gives it
 using stream_t = std::uintptr_t;  // a cudaStream_t, as torch's cuda_stream gives it
@@ -150,10 +150,12 @@ void quant_tile_gemv(ptr_t out, ptr_t x, ptr_t tiles, ptr_t tile_scales, ptr_t b
 // quant_tile_gemm: out[m, n] = x . w^T (+ bias) on tensor cores for any m (quant_tile_gemm.cuh),
 // block_rows (32, 64, 128) rows of x a CTA; k split `splits` ways, each split's float32 sums into
 // partial [splits, m, n] (given exactly when splits > 1, with no bias) for the caller to add.
+// kernel: 1 the mma.sync kernel, 2 / 4 the wgmma kernel with that many warpgroups a CTA (sm_90a
+// image only, block_rows 64 or 128), 0 wgmma with 2 where it runs and block_rows >= 64, else 1.
 void quant_tile_gemm(ptr_t out, ptr_t partial, ptr_t x, ptr_t tiles, ptr_t tile_scales,
                      ptr_t bias, int64_t m, int64_t n, int64_t k, int64_t x_stride,
                      int64_t out_stride, int group_size, int interleaved, int block_rows,
-                     int splits, int dtype, stream_t stream);
+                     int splits, int kernel, int dtype, stream_t stream);
 // quant_tile_rows: the most rows of x (16, 8, 4, 2 or 1; 0 for none) one quant_tile_gemv launch
 // serves at k on the current device (rms_norm: with the RMSNorm prologue, k unsplit).
 int quant_tile_rows(int64_t k, int rms_norm);

@@ -19,6 +19,7 @@
 #pragma once
 
 #include "quant_tiles.cuh"
+#include "wgmma.cuh"
 
 namespace tinyvllm {
 
@@ -29,6 +30,47 @@ constexpr int kGemmRowPad = 16;  // elements after each staged row of x (32 byte
 template <int BM>
 constexpr int gemm_smem_bytes() {
   return kGemmStages * (BM * (kTileK + kGemmRowPad) * 2 + kGemmWarps * 32 * 16);
+}
+
+// The A fragment of one k-step from the lane's word q of a tile and its group's scale words sc
+// (.x row g's, .y row g + 8's, each scale | (magic + zero) << 16): registers 0 / 2 are row g's
+// values (4t, 4t + 1) / (4t + 2, 4t + 3), 1 / 3 row g + 8's, each ((magic + q) - (magic + zero))
+// * scale in 16-bit pairs: exact but for the product's one rounding.
+template <typename T>
+__device__ __forceinline__ void dequantize_word(uint32_t q, uint2 sc, uint32_t (&f)[4]) {
+  constexpr uint32_t kMagic = TileMagic<T>::kPair;
+  const uint32_t s_lo = __byte_perm(sc.x, 0, 0x1010), z_lo = __byte_perm(sc.x, 0, 0x3232);
+  const uint32_t s_hi = __byte_perm(sc.y, 0, 0x1010), z_hi = __byte_perm(sc.y, 0, 0x3232);
+  f[0] = mul_pair<T>(sub_pair<T>(nibble_pair(q, kMagic), z_lo), s_lo);
+  f[1] = mul_pair<T>(sub_pair<T>(nibble_pair(q >> 4, kMagic), z_hi), s_hi);
+  f[2] = mul_pair<T>(sub_pair<T>(nibble_pair(q >> 8, kMagic), z_lo), s_lo);
+  f[3] = mul_pair<T>(sub_pair<T>(nibble_pair(q >> 12, kMagic), z_hi), s_hi);
+}
+
+// Stores one band's sums: acc[4h + c] is row g (c < 2) or g + 8 of the band times row
+// row0 + 8h + 2t + (c & 1) of x (the mma C layout over NT n-tiles, also wgmma's), as out (+ bias)
+// rounded to T, or as split blockIdx.z's float32 sums into partial.
+template <typename T, int NT>
+__device__ __forceinline__ void store_gemm_band(const float* acc, int band, int row0, int g,
+                                                int t, T* out, float* partial, const T* bias,
+                                                int m, int n, int64_t out_stride,
+                                                bool interleaved) {
+#pragma unroll
+  for (int h = 0; h < NT; ++h) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int col = row0 + 8 * h + 2 * t + (c & 1);  // row of x and out
+      const int row = tile_row(band, g + (c >= 2 ? 8 : 0), n, interleaved);  // of the weight
+      if (col < m && row < n) {
+        const float y = acc[4 * h + c];
+        if (partial != nullptr) {
+          partial[(int64_t(blockIdx.z) * m + col) * n + row] = y;
+        } else {
+          out[col * out_stride + row] = from_float<T>(y + (bias ? to_float(bias[row]) : 0.f));
+        }
+      }
+    }
+  }
 }
 
 template <typename T, int BM>
@@ -83,7 +125,6 @@ __global__ void __launch_bounds__(kGemmWarps * 32) quant_tile_gemm_kernel(
 #pragma unroll
   for (int i = 0; i < kGemmStages - 1; ++i) load_tile(i);
 
-  constexpr uint32_t kMagic = TileMagic<T>::kPair;
   float acc[NT][4] = {};
   const T* xlane = xs + g * kRow + 4 * t;
   // The tile's group scale words, read one tile ahead: .x row g's, .y row g + 8's, each
@@ -96,8 +137,6 @@ __global__ void __launch_bounds__(kGemmWarps * 32) quant_tile_gemm_kernel(
     load_tile(i + kGemmStages - 1);
     if (!has_band) continue;
     const uint2 sc_next = i + 1 < num_tiles ? scale_words(i + 1) : sc;
-    const uint32_t s_lo = __byte_perm(sc.x, 0, 0x1010), z_lo = __byte_perm(sc.x, 0, 0x3232);
-    const uint32_t s_hi = __byte_perm(sc.y, 0, 0x1010), z_hi = __byte_perm(sc.y, 0, 0x3232);
     const int slot = i % kGemmStages;
     const uint4 wq = ws[(slot * kGemmWarps + warp) * 32 + lane];
     const uint32_t words[4] = {wq.x, wq.y, wq.z, wq.w};
@@ -105,12 +144,8 @@ __global__ void __launch_bounds__(kGemmWarps * 32) quant_tile_gemm_kernel(
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const uint32_t q = words[j];
-      // Registers 0 / 2: row g's values (4t, 4t + 1) / (4t + 2, 4t + 3); 1 / 3: row g + 8's.
       uint32_t f[4];
-      f[0] = mul_pair<T>(sub_pair<T>(nibble_pair(q, kMagic), z_lo), s_lo);
-      f[1] = mul_pair<T>(sub_pair<T>(nibble_pair(q >> 4, kMagic), z_hi), s_hi);
-      f[2] = mul_pair<T>(sub_pair<T>(nibble_pair(q >> 8, kMagic), z_lo), s_lo);
-      f[3] = mul_pair<T>(sub_pair<T>(nibble_pair(q >> 12, kMagic), z_hi), s_hi);
+      dequantize_word<T>(q, sc, f);
 #pragma unroll
       for (int h = 0; h < NT; ++h) {
         const uint2 b = *reinterpret_cast<const uint2*>(xt + h * 8 * kRow + 16 * j);
@@ -120,22 +155,135 @@ __global__ void __launch_bounds__(kGemmWarps * 32) quant_tile_gemm_kernel(
     sc = sc_next;
   }
   if (!has_band) return;
+  store_gemm_band<T, NT>(&acc[0][0], band, row0, g, t, out, partial, bias, m, n, out_stride,
+                         interleaved);
+}
+
+// The same product on Hopper (sm_90a) by warpgroup MMA: a CTA of WGS warpgroups owns 4 * WGS bands
+// (warp w of the CTA band blockIdx.x * 4 * WGS + w) and BN rows of x. Per tile, x's BN x 64 block
+// lands in shared memory in the 128-byte swizzle layout (wgmma.cuh) and each warpgroup issues four
+// wgmma.m64nBNk16: A (its 4 bands' 64 weight rows) from registers, dequantized from the lane's word
+// as above; B (x, K-major) read through a descriptor by the tensor cores once for all 4 warps.
+// A tile's MMAs run while the next tile is dequantized (wait_group 1; the A fragments alternate
+// between two register sets); the copies run kWgmmaStages - 2 tiles ahead, so that the slot a
+// copy refills was read by MMAs already waited for.
+constexpr int kWgmmaStages = 6;
+
+// The tile word of lane (g, t) holds k = 4t .. 4t + 3 of a k-step (the mma.sync kernels pair it
+// with x loaded in the same order), but wgmma reads x from shared memory in k's own order, so
+// its A fragment must hold k = 2t, 2t + 1 (registers 0 / 1) and 2t + 8, 2t + 9 (2 / 3). Those
+// are the nibble bytes 0 / 2 (t even) or 1 / 3 (t odd) of the words of lanes (g, t / 2) and
+// (g, t / 2 + 2): two shuffles and one byte permute give the word in the order
+// dequantize_word reads.
+__device__ __forceinline__ uint32_t natural_k_word(uint32_t q, int t) {
+  const int base = (threadIdx.x % 32) & ~3;
+  const uint32_t lo = __shfl_sync(0xffffffffu, q, base + (t >> 1));
+  const uint32_t hi = __shfl_sync(0xffffffffu, q, base + (t >> 1) + 2);
+  return __byte_perm(lo, hi, t & 1 ? 0x7351 : 0x6240);
+}
+
+template <int BN, int WGS>
+constexpr int wgmma_gemm_smem_bytes() {
+  return kWgmmaStages * (BN * kTileK * 2 + WGS * 4 * 32 * 16) + 1024;  // + the atom alignment
+}
+
+template <typename T, int BN, int WGS>
+__global__ void __launch_bounds__(WGS * 128, 1) quant_tile_wgmma_kernel(
+    T* __restrict__ out, float* __restrict__ partial, const T* __restrict__ x,
+    const uint4* __restrict__ tiles, const uint2* __restrict__ tile_scales,
+    const T* __restrict__ bias, int m, int n, int k, int64_t x_stride, int64_t out_stride,
+    int groups, int group_shift, bool interleaved) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kWarps = WGS * 4, kThreads = WGS * 128;
+  constexpr uint32_t kXBytes = BN * kTileK * 2;  // a stage of x: BN swizzled rows of 128 bytes
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t smem0 = (smem_addr(smem_raw) + 1023) & ~1023u;
+  unsigned char* const xs = smem_raw + (smem0 - smem_addr(smem_raw));     // [stages][BN x 64]
+  uint4* const ws = reinterpret_cast<uint4*>(xs + kWgmmaStages * kXBytes);  // [stages][warps][32]
+  // The warp index through a shuffle: known warp-uniform, so no branch splits a warpgroup's MMAs.
+  const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int bands = (n + kTileRows - 1) / kTileRows;
+  const int band = blockIdx.x * kWarps + warp;
+  const bool has_band = band < bands;  // warps past the last band multiply zeros
+  const int row0 = blockIdx.y * BN;
+  const int all_tiles = k / kTileK;
+  const int tile_begin = int(int64_t(all_tiles) * blockIdx.z / gridDim.z);
+  const int num_tiles = int(int64_t(all_tiles) * (blockIdx.z + 1) / gridDim.z) - tile_begin;
+  const uint64_t policy = l2_evict_first_policy();
+  const uint4* wsrc = tiles + (int64_t(has_band ? band : 0) * all_tiles + tile_begin) * 32 + lane;
+  const uint2* scsrc = tile_scales + int64_t(has_band ? band : 0) * groups * 8 + g;
+  const int tile_group_shift = group_shift - 6;
+  const T* xsrc = x + int64_t(tile_begin) * kTileK;
+
+  auto load_tile = [&](int i) {
+    if (i < num_tiles) {
+      const int slot = i % kWgmmaStages;
+      unsigned char* xd = xs + slot * kXBytes;
+      static_assert(BN * 8 % kThreads == 0, "x's 16-byte chunks a tile split evenly");
 #pragma unroll
-  for (int h = 0; h < NT; ++h) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int col = row0 + 8 * h + 2 * t + (c & 1);  // row of x and out
-      const int row = tile_row(band, g + (c >= 2 ? 8 : 0), n, interleaved);  // of the weight
-      if (col < m && row < n) {
-        if (partial != nullptr) {
-          partial[(int64_t(blockIdx.z) * m + col) * n + row] = acc[h][c];
-        } else {
-          out[col * out_stride + row] =
-              from_float<T>(acc[h][c] + (bias ? to_float(bias[row]) : 0.f));
-        }
+      for (int u = 0; u < BN * 8 / kThreads; ++u) {
+        const int v = u * kThreads + threadIdx.x;
+        const int r = v / 8, c = v % 8;
+        const bool ok = row0 + r < m;
+        cp_async16(xd + sw128_offset(r, c, BN),
+                   xsrc + int64_t(ok ? row0 + r : 0) * x_stride + int64_t(i) * kTileK + c * 8,
+                   ok ? 16 : 0);
+      }
+      if (has_band) {
+        cp_async16(ws + (slot * kWarps + warp) * 32 + lane, wsrc + int64_t(i) * 32, 16, policy);
       }
     }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < kWgmmaStages - 2; ++i) load_tile(i);
+
+  float acc[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+  auto scale_words = [&](int i) { return scsrc[((tile_begin + i) >> tile_group_shift) * 8]; };
+  uint2 sc = num_tiles > 0 ? scale_words(0) : make_uint2(0, 0);
+  auto step = [&](int i, uint32_t (&a)[4][4]) {
+    cp_async_wait<kWgmmaStages - 3>();
+    fence_proxy_async_smem();  // the copies are generic-proxy writes; wgmma reads async-proxy
+    __syncthreads();  // tile i landed for all; every warpgroup is done with tile i - 2's slot
+    load_tile(i + kWgmmaStages - 2);
+    const uint2 sc_next = i + 1 < num_tiles ? scale_words(i + 1) : sc;
+    const int slot = i % kWgmmaStages;
+    const uint4 wq = ws[(slot * kWarps + warp) * 32 + lane];
+    const uint32_t words[4] = {wq.x, wq.y, wq.z, wq.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      dequantize_word<T>(natural_k_word(words[j], t), sc, a[j]);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[j][r] = has_band ? a[j][r] : 0u;
+    }
+    sc = sc_next;
+    wgmma_fence();
+    const uint32_t xb = smem0 + slot * kXBytes;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      wgmma_rs<T, BN, 0>(acc, a[j], sw128_desc(xb + 32 * j, 16, 1024));
+    }
+    wgmma_commit();
+    wgmma_wait<1>();  // tile i - 1's MMAs are done: its registers and slot may be reused
+  };
+  uint32_t a0[4][4], a1[4][4];
+  int i = 0;
+  for (; i + 1 < num_tiles; i += 2) {
+    step(i, a0);
+    step(i + 1, a1);
   }
+  if (i < num_tiles) step(i, a0);
+  wgmma_wait<0>();
+  reg_fence(acc);
+  if (!has_band) return;
+  store_gemm_band<T, BN / 8>(acc, band, row0, g, t, out, partial, bias, m, n, out_stride,
+                             interleaved);
+#else
+  __trap();  // launched only where the sm_90a image runs
+#endif
 }
 
 }  // namespace tinyvllm

@@ -354,11 +354,19 @@ void quant_tile_dequantize(ptr_t out, ptr_t tiles, ptr_t tile_scales, int64_t n,
 void quant_tile_gemm(ptr_t out, ptr_t partial, ptr_t x, ptr_t tiles, ptr_t tile_scales,
                      ptr_t bias, int64_t m, int64_t n, int64_t k, int64_t x_stride,
                      int64_t out_stride, int group_size, int interleaved, int block_rows,
-                     int splits, int dtype, stream_t stream) {
+                     int splits, int kernel, int dtype, stream_t stream) {
   const std::string where = "quant_tile_gemm: ";
   check_tiles(where, n, k, group_size, interleaved != 0, tiles, tile_scales);
   require(block_rows == 32 || block_rows == 64 || block_rows == 128,
           where + "block_rows=" + std::to_string(block_rows) + " must be 32, 64 or 128");
+  require(kernel == 0 || kernel == 1 || kernel == 2 || kernel == 4,
+          where + "kernel=" + std::to_string(kernel) +
+              " must be 0 (auto), 1 (mma.sync) or 2 / 4 (wgmma with that many warpgroups)");
+  const bool sm90 = device_has_pdl_code();
+  require(kernel < 2 || (sm90 && block_rows >= 64),
+          where + "the wgmma kernel needs the sm_90a image on this device and block_rows 64 "
+                  "or 128 (got " + std::to_string(block_rows) + ")");
+  const int warpgroups = kernel >= 2 ? kernel : (kernel == 0 && sm90 && block_rows >= 64 ? 2 : 0);
   require(m >= 0 && m <= int64_t(65535) * block_rows,
           where + "m=" + std::to_string(m) + " out of range (at most 65535 blocks of " +
               std::to_string(block_rows) + " rows)");
@@ -382,31 +390,47 @@ void quant_tile_gemm(ptr_t out, ptr_t partial, ptr_t x, ptr_t tiles, ptr_t tile_
   const int bands = int((n + kTileRows - 1) / kTileRows);
   const cudaStream_t s = as_stream(stream);
   TINYVLLM_DISPATCH_HALF(dtype, "quant_tile_gemm", {
-    auto go = [&](auto rows) {
-      constexpr int BM = decltype(rows)::value;
-      auto kernel = quant_tile_gemm_kernel<scalar_t, BM>;
-      constexpr int smem = gemm_smem_bytes<BM>();
-      static std::once_flag once;
+    // One launch of `kernel_fn` with `smem` bytes, `warps` bands a CTA and BM rows of x a CTA.
+    auto go = [&](auto kernel_fn, int smem, int warps, int bm, std::once_flag& once) {
       std::call_once(once, [&] {
-        check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        check_cuda(cudaFuncSetAttribute(kernel_fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         smem),
                    "quant_tile_gemm: cudaFuncSetAttribute");
       });
-      const dim3 grid((bands + kGemmWarps - 1) / kGemmWarps, unsigned((m + BM - 1) / BM),
-                      unsigned(splits));
-      kernel<<<grid, kGemmWarps * 32, smem, s>>>(
+      const dim3 grid((bands + warps - 1) / warps, unsigned((m + bm - 1) / bm), unsigned(splits));
+      kernel_fn<<<grid, warps * 32, smem, s>>>(
           reinterpret_cast<scalar_t*>(out), reinterpret_cast<float*>(partial),
           reinterpret_cast<const scalar_t*>(x), reinterpret_cast<const uint4*>(tiles),
           reinterpret_cast<const uint2*>(tile_scales), reinterpret_cast<const scalar_t*>(bias),
           int(m), int(n), int(k), x_stride, out_stride, groups, shift, interleaved != 0);
       check_launch("quant_tile_gemm");
     };
-    if (block_rows == 32) {
-      go(std::integral_constant<int, 32>{});
+    auto mma_sync = [&](auto rows) {
+      constexpr int BM = decltype(rows)::value;
+      static std::once_flag once;
+      go(quant_tile_gemm_kernel<scalar_t, BM>, gemm_smem_bytes<BM>(), kGemmWarps, BM, once);
+    };
+    auto wgmma = [&](auto rows, auto wgs) {
+      constexpr int BN = decltype(rows)::value, WGS = decltype(wgs)::value;
+      static std::once_flag once;
+      go(quant_tile_wgmma_kernel<scalar_t, BN, WGS>, wgmma_gemm_smem_bytes<BN, WGS>(), 4 * WGS,
+         BN, once);
+    };
+    using R32 = std::integral_constant<int, 32>;
+    using R64 = std::integral_constant<int, 64>;
+    using R128 = std::integral_constant<int, 128>;
+    using W2 = std::integral_constant<int, 2>;
+    using W4 = std::integral_constant<int, 4>;
+    if (warpgroups == 2) {
+      block_rows == 64 ? wgmma(R64{}, W2{}) : wgmma(R128{}, W2{});
+    } else if (warpgroups == 4) {
+      block_rows == 64 ? wgmma(R64{}, W4{}) : wgmma(R128{}, W4{});
+    } else if (block_rows == 32) {
+      mma_sync(R32{});
     } else if (block_rows == 64) {
-      go(std::integral_constant<int, 64>{});
+      mma_sync(R64{});
     } else {
-      go(std::integral_constant<int, 128>{});
+      mma_sync(R128{});
     }
   });
 }

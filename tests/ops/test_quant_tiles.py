@@ -9,6 +9,7 @@ import torch
 
 from tinyvllm.ops import quant_linear as ql
 from tinyvllm.ops import quant_tiles as qt
+from tinyvllm.ops._dispatch import runs_sm90a_code
 from tinyvllm.ops.linear import fused_linear_ref
 
 
@@ -251,24 +252,60 @@ def test_k_split_refuses_what_it_cannot_split():
                    False, False, splits=2)
 
 
+@pytest.mark.parametrize("hopper", [False, True])
+def test_gemm_plan_fills_one_wave(hopper, monkeypatch):
+    """On Hopper, above 32 rows, the wgmma kernel (4 warpgroups: 256 weight rows a CTA) with k
+    split as far as one wave of CTAs allows; elsewhere the mma.sync kernel (128 weight rows a
+    CTA), split for about four CTAs an SM. Llama-3-8B's shapes on a 132-SM device."""
+    monkeypatch.setattr(qt, "runs_sm90a_code", lambda device: hopper)
+    monkeypatch.setattr(qt, "sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    plan = {(m, n, k): qt.gemm_plan(m, n, k, cpu) for m in (32, 64, 128, 256)
+            for n, k in ((6144, 4096), (28672, 4096), (4096, 14336))}
+    if hopper:
+        assert plan[(32, 6144, 4096)] == (32, 8, 1)  # 32 rows: the mma.sync kernel
+        assert plan[(64, 6144, 4096)] == (64, 4, 4)  # 24 CTAs: 96 in four slices of k
+        assert plan[(64, 28672, 4096)] == (64, 1, 4)  # 112 CTAs: one wave unsplit
+        assert plan[(64, 4096, 14336)] == (64, 8, 4)
+        assert plan[(128, 6144, 4096)] == (128, 4, 4)
+        assert plan[(256, 28672, 4096)] == (128, 1, 4)
+        assert plan[(256, 4096, 14336)] == (128, 4, 4)
+    else:
+        assert plan[(64, 6144, 4096)] == (64, 8, 1)
+        assert plan[(64, 28672, 4096)] == (64, 1, 1)
+        assert plan[(128, 4096, 14336)] == (128, 8, 1)
+        assert {p[2] for p in plan.values()} == {1}
+
+
+def skip_without_kernel(kernel, block_rows):
+    """Skips the GEMM test of the Hopper kernel (2 or 4 warpgroups) where it cannot run: off an
+    sm_90a device and build, and at 32 rows a block."""
+    if kernel > 1 and not (block_rows >= 64 and runs_sm90a_code(torch.device("cuda"))):
+        pytest.skip("the wgmma GEMM runs where the sm_90a code does, at 64 or 128 rows a block")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_rows", [32, 64, 128])
 @pytest.mark.parametrize("splits", [1, 3, 16])
 @pytest.mark.parametrize("interleave", [False, True])
-def test_gemm_multiplies_the_exactly_dequantized_weight(dtype, block_rows, splits, interleave):
+@pytest.mark.parametrize("kernel", [1, 2, 4])
+def test_gemm_multiplies_the_exactly_dequantized_weight(dtype, block_rows, splits, interleave,
+                                                        kernel):
     """The GEMM dequantizes each weight in registers exactly as `dequantize_tiles` does: rows of
     x that pick one column of k (x = e_c) give that column of the dequantized weight bit for bit,
     in any block of rows, any split of k and either row order (interleaved gate_up rows land in
-    their logical columns). Rows past a block's end, and past m, are not written."""
+    their logical columns), by the mma.sync kernel (1) and the Hopper one (2 or 4 warpgroups).
+    Rows past a block's end, and past m, are not written; bands past n multiply nothing."""
+    skip_without_kernel(kernel, block_rows)
     n, k, group_size, m = 96, 1024, 128, 70
     qweight, scales, zeros = make_weight(n, k, group_size, dtype, block_rows + splits, "cuda")
     tiles = qt.repack(qweight, scales, zeros, group_size, interleave)
     cols = torch.randperm(k, generator=torch.Generator().manual_seed(splits))[:m].cuda()
     x = torch.zeros(m, k, dtype=dtype, device="cuda")
     x[torch.arange(m, device="cuda"), cols] = 1
-    out = qt.tile_gemm(x, tiles, block_rows=block_rows, splits=splits)
+    out = qt.tile_gemm(x, tiles, block_rows=block_rows, splits=splits, kernel=kernel)
     weight = ql.dequantize(qweight, scales, zeros, 4, group_size)
     assert out.dtype == dtype and torch.equal(out, weight[:, cols].t())
 
@@ -278,17 +315,19 @@ def test_gemm_multiplies_the_exactly_dequantized_weight(dtype, block_rows, split
 @pytest.mark.parametrize("m,block_rows,splits", [(1, 32, 1), (31, 32, 5), (64, 64, 2),
                                                  (65, 64, 1), (200, 128, 9), (513, 128, 1)])
 @pytest.mark.parametrize("group_size", [64, 128, 4096])
-def test_gemm_matches_reference(m, block_rows, splits, group_size):
+@pytest.mark.parametrize("kernel", [1, 2, 4])
+def test_gemm_matches_reference(m, block_rows, splits, group_size, kernel):
     """Random rows of x against F.linear over the dequantized weight in float32: the same
     products, summed in another order (split sums added in float32, then rounded once), with a
     bias and an x whose rows are strided."""
+    skip_without_kernel(kernel, block_rows)
     n, k, dtype = 1040, 4096, torch.bfloat16
     qweight, scales, zeros = make_weight(n, k, group_size, dtype, m + group_size, "cuda")
     tiles = qt.repack(qweight, scales, zeros, group_size)
     gen = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, k + 64, generator=gen, device="cuda").to(dtype)[:, :k]
     bias = torch.randn(n, generator=gen, device="cuda").to(dtype)
-    out = qt.tile_gemm(x, tiles, bias, block_rows=block_rows, splits=splits)
+    out = qt.tile_gemm(x, tiles, bias, block_rows=block_rows, splits=splits, kernel=kernel)
     ref = torch.nn.functional.linear(x.float(), qt.dequantize_tiles(tiles).float(), bias.float())
     assert out.shape == (m, n) and rel_err(out, ref) < 4e-3
     want = ref.to(dtype)  # one rounding of the exact-order sum: most elements agree bit for bit
@@ -306,6 +345,10 @@ def test_gemm_refuses_bad_launches():
         qt.tile_gemm(x, tiles, block_rows=48)
     with pytest.raises(ValueError, match="splits=5 must be 1 to k / 64=4"):
         qt.tile_gemm(x, tiles, splits=5)
+    with pytest.raises(ValueError, match=r"kernel=3 must be 0 \(auto\), 1 \(mma.sync\)"):
+        qt.tile_gemm(x, tiles, kernel=3)
+    with pytest.raises(ValueError, match="the wgmma kernel needs the sm_90a image"):
+        qt.tile_gemm(x, tiles, block_rows=32, kernel=2)  # 32 rows: too few on any device
 
 
 @pytest.mark.gpu
@@ -352,7 +395,7 @@ def test_decoder_step_through_the_gemm_matches_dequantized_cublas(batch, monkeyp
     """A decode step of 33-128 rows of a random W4A16 model runs every projection through the
     tile GEMM (RMSNorm, SwiGLU and the residual adds as their own kernels around it, gate_up
     interleaved): its logits are those of the same step over the weights dequantized for
-    cuBLAS, the path above GEMM_MAX_ROWS."""
+    cuBLAS, the path above the GEMM's rows."""
     from tinyvllm.model.synthetic import make_random_quantized_model, tiny_arch
     from tests.ops.test_linear_cuda import decode_step_logits
 
@@ -366,6 +409,7 @@ def test_decoder_step_through_the_gemm_matches_dequantized_cublas(batch, monkeyp
     through_gemm = decode_step_logits(model, batch, dtype)
     assert len(launches) == 4 * arch.num_layers  # qkv, o, gate_up, down of every layer
     monkeypatch.setattr(qt, "GEMM_MAX_ROWS", 0)
+    monkeypatch.setattr(qt, "WGMMA_MAX_ROWS", 0)
     dequantized = decode_step_logits(model, batch, dtype)
     assert len(launches) == 4 * arch.num_layers
     assert rel_err(through_gemm, dequantized) <= 1e-2

@@ -73,7 +73,7 @@ KERNEL_FUNCTIONS: dict[str, tuple[str, ...]] = {
 }
 """Op -> the module's functions its CUDA path calls (same keys as KERNEL_MIN_CAPABILITY)."""
 
-CUDA_ABI_VERSION = 12
+CUDA_ABI_VERSION = 13
 """The launcher interface this package calls; a module must report it as its `abi_version`
 (cuda/launchers.h kAbiVersion: the two are bumped together)."""
 
@@ -262,6 +262,7 @@ def clear_cache() -> None:
     _cuda_module.cache_clear()
     device_support.cache_clear()
     _dtype_codes.cache_clear()
+    runs_sm90a_code.cache_clear()
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -301,6 +302,16 @@ def kernel_config() -> KernelConfig:
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of a CUDA device (asked once per device)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def runs_sm90a_code(device: torch.device) -> bool:
+    """Whether the module's sm_90a image runs on the device (compute capability 9.0 and a build
+    for 90a): the Hopper-only kernels (wgmma prefill attention, the W4A16 wgmma GEMM)."""
+    module = cuda_ops()
+    archs = module_archs(module) if module is not None else None
+    return (device.type == "cuda" and archs is not None and any(a.startswith("90a") for a in archs)
+            and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 def stream_handle(device: torch.device) -> int:

@@ -17,9 +17,10 @@ once at load from `ops.quant_linear`'s integer-group layout where the zero point
 Rows past n (n not a multiple of 16) are zero. `dequantize_tiles` is the torch inverse (equal to
 `quant_linear.dequantize` of the source); `tile_linear` runs a projection over the layout, with
 `ops.fused_linear`'s prologues and epilogues: the GEMV kernel where it serves (up to 16 rows a
-launch), the GEMM kernel (`tile_gemm`) for larger batches up to GEMM_MAX_ROWS, else the weight
-dequantized for cuBLAS; the fused ops the GEMV does not take run as their own kernels around the
-GEMM, and as the torch reference around the dequantized weight.
+launch), the GEMM kernel (`tile_gemm`) for larger batches up to GEMM_MAX_ROWS (WGMMA_MAX_ROWS
+where the Hopper kernel runs), else the weight dequantized for cuBLAS; the fused ops the GEMV
+does not take run as their own kernels around the GEMM, and as the torch reference around the
+dequantized weight.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from tinyvllm.ops._dispatch import (cuda_ops, dtype_code, kernel_enabled, sm_count,
-                                    stream_handle)
+from tinyvllm.ops._dispatch import (cuda_ops, dtype_code, kernel_enabled, runs_sm90a_code,
+                                    sm_count, stream_handle)
 from tinyvllm.ops.layers import silu_and_mul
 from tinyvllm.ops.linear import fused_linear_ref, linear_unfused
 from tinyvllm.ops.quant_linear import unpack
@@ -41,8 +42,10 @@ MAX_LAUNCHES = 2
 """Launches over the same weight (slices of x's rows) before dequantizing for cuBLAS pays:
 two reads of 4-bit weights cost less than one of the bf16 weight."""
 GEMM_MAX_ROWS = 128
-"""Rows of x up to which the GEMM kernel runs where the GEMV does not; above, the weight is
-dequantized for cuBLAS (compute-bound there: cuBLAS's GEMM is the faster one)."""
+"""Rows of x up to which the mma.sync GEMM kernel runs where the GEMV does not; above, the
+weight is dequantized for cuBLAS (compute-bound there: cuBLAS's GEMM is the faster one)."""
+WGMMA_MAX_ROWS = 256
+"""The same limit for the Hopper (wgmma) GEMM kernel, where the sm_90a code runs."""
 _GEMM_BLOCK_ROWS = (32, 64, 128)
 _MAGIC = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 _NIBBLE = (0, 4, 2, 6)  # nibble of value e = 0..3 of a lane's four in a word (row g; +1: row g + 8)
@@ -177,34 +180,50 @@ def gemv_serves(x: torch.Tensor, w: QuantTiles, rms_norm: bool = False) -> bool:
 
 
 def gemm_serves(x: torch.Tensor, w: QuantTiles) -> bool:
-    """Whether `tile_linear` over x [m, k] runs the GEMM kernel where the GEMV does not serve."""
-    return (x.is_cuda and x.dtype == w.tile_scales.dtype and kernel_enabled("quant_linear")
-            and 1 <= x.shape[0] <= GEMM_MAX_ROWS)
+    """Whether `tile_linear` over x [m, k] runs the GEMM kernel where the GEMV does not."""
+    if not (x.is_cuda and x.dtype == w.tile_scales.dtype and kernel_enabled("quant_linear")):
+        return False
+    return 1 <= x.shape[0] <= (WGMMA_MAX_ROWS if runs_sm90a_code(x.device) else GEMM_MAX_ROWS)
 
 
-def gemm_plan(m: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
-    """(rows of x a CTA, ways k is split) of a GEMM launch: the smallest block that holds m rows
-    (at most 128), and where the CTAs would not fill the device, k split into up to 8 slices of
-    at least 8 tiles of 64, about four CTAs an SM, so that every SM streams weight (the fastest
-    of the splits 1, 2, 4, 8 at Llama-3-8B's shapes and 32, 64, 128 rows on an H200 but for qkv
-    at 128 rows, 49 us against 43 at 4 splits; cuda/NOTES.md)."""
+def gemm_plan(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
+    """(rows of x a CTA, ways k is split, kernel) of a GEMM launch (`tile_gemm`'s arguments).
+
+    Where the sm_90a code runs, above 32 rows: the wgmma kernel with 4 warpgroups (256 weight
+    rows a CTA), 64 rows of x a CTA up to 64 and 128 above, and k split in the most of 1, 2, 4, 8
+    ways that keeps the CTAs within one wave (and slices of at least 8 tiles of 64): the fastest
+    or within 14% of the fastest of the block sizes, splits and warpgroups tried at
+    Llama-3-8B's shapes and 64-256 rows on an H200 (cuda/NOTES.md). Else the mma.sync kernel:
+    the smallest block that holds m rows (at most 128), and where the CTAs would not fill the
+    device, k split into up to 8 slices of at least 8 tiles, about four CTAs an SM."""
+    sms = sm_count(device)
+    k_tiles = k // TILE_K
+    if m > 32 and runs_sm90a_code(device):
+        block = 64 if m <= 64 else 128
+        ctas = -(-n // (TILE_ROWS * 16)) * -(-m // block)
+        splits = 1
+        while splits < 8 and ctas * splits * 2 <= sms and k_tiles // (splits * 2) >= 8:
+            splits *= 2
+        return block, splits, 4
     block = next((b for b in _GEMM_BLOCK_ROWS if b >= m), _GEMM_BLOCK_ROWS[-1])
     ctas = -(-n // (TILE_ROWS * 8)) * -(-m // block)
-    sms = sm_count(device)
-    splits = 1 if ctas >= sms else max(1, min(-(-4 * sms // ctas), k // TILE_K // 8, 8))
-    return block, splits
+    splits = 1 if ctas >= sms else max(1, min(-(-4 * sms // ctas), k_tiles // 8, 8))
+    return block, splits, 1
 
 
 def tile_gemm(x: torch.Tensor, w: QuantTiles, bias: Optional[torch.Tensor] = None, *,
-              block_rows: int = 0, splits: int = 0) -> torch.Tensor:
+              block_rows: int = 0, splits: int = 0, kernel: int = 0) -> torch.Tensor:
     """x [m, k] . w^T (+ bias) -> [m, n] in x's dtype, by the tensor-core GEMM kernel over the
     tile layout (the weight dequantized in registers, exactly as `dequantize_tiles`).
-    block_rows, splits: the launch's (0: `gemm_plan`'s)."""
+    block_rows, splits, kernel: the launch's (0: `gemm_plan`'s); kernel 1 is the mma.sync
+    kernel, 2 / 4 the Hopper (wgmma) kernel with that many warpgroups a CTA."""
     m = x.shape[0]
     if x.stride(-1) != 1 or (m > 1 and x.stride(0) % 8) or x.data_ptr() % 16:
         x = x.contiguous()
     plan = gemm_plan(m, w.n, w.k, x.device)
-    block_rows, splits = block_rows or plan[0], splits or plan[1]
+    if not kernel and 0 < block_rows < 64:
+        kernel = 1  # the wgmma kernel takes blocks of 64 or 128 rows
+    block_rows, splits, kernel = block_rows or plan[0], splits or plan[1], kernel or plan[2]
     out = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
     partial = (torch.empty(splits, m, w.n, dtype=torch.float32, device=x.device)
                if splits > 1 else None)
@@ -213,7 +232,7 @@ def tile_gemm(x: torch.Tensor, w: QuantTiles, bias: Optional[torch.Tensor] = Non
         x=x.data_ptr(), tiles=w.tiles.data_ptr(), tile_scales=w.tile_scales.data_ptr(),
         bias=0 if bias is None or partial is not None else bias.data_ptr(), m=m, n=w.n, k=w.k,
         x_stride=x.stride(0) if m > 1 else w.k, out_stride=w.n, group_size=w.group_size,
-        interleaved=int(w.interleaved), block_rows=block_rows, splits=splits,
+        interleaved=int(w.interleaved), block_rows=block_rows, splits=splits, kernel=kernel,
         dtype=dtype_code(x.dtype), stream=stream_handle(x.device))
     if partial is None:
         return out
