@@ -1,6 +1,8 @@
 // W4A16 GEMM on tensor cores over the tile layout (quant_tiles.cuh, ops/quant_tiles.py) for
 // batches past the GEMV's rows (prompt chunks, mixed steps, decode batches of 17 rows or more),
 // where dequantizing the whole weight for cuBLAS would write and read it in 16 bits every call.
+// Two kernels: quant_tile_gemm_kernel (mma.sync, every GPU) and, where the sm_90a code runs,
+// quant_tile_wgmma_kernel (warpgroup MMA, below), which ops/quant_tiles.gemm_plan prefers there.
 //
 // A CTA of kGemmWarps warps owns kGemmWarps bands (16 weight rows each, one a warp) and BM rows of
 // x, over the tiles [s k_tiles / S, (s + 1) k_tiles / S) of k (split s of gridDim.z = S). Per tile
