@@ -49,6 +49,36 @@ __device__ __forceinline__ void dequantize_word(uint32_t q, uint2 sc, uint32_t (
   f[3] = mul_pair<T>(sub_pair<T>(nibble_pair(q >> 12, kMagic), z_hi), s_hi);
 }
 
+// What warp `warp` of a GEMM CTA reads: its band (16 weight rows; none past the last), the CTA's
+// first row of x (blockIdx.y blocks of `rows`) and its split's tiles [tile_begin, + num_tiles) of
+// k (split blockIdx.z of gridDim.z), with where its words, scale words and x start.
+template <typename T>
+struct GemmWarpSlice {
+  int band, row0, tile_begin, num_tiles, tile_group_shift;
+  bool has_band;
+  const uint4* wsrc;   // the lane's word of the split's first tile
+  const uint2* scsrc;  // row g's (and g + 8's) scale words of the band's first group
+  const T* xsrc;       // x at the split's first tile
+  __device__ __forceinline__ GemmWarpSlice(int warp, int warps, int rows, int n, int k,
+                                           const uint4* tiles, const uint2* tile_scales,
+                                           const T* x, int groups, int group_shift) {
+    const int lane = threadIdx.x % 32, all_tiles = k / kTileK;
+    band = blockIdx.x * warps + warp;
+    has_band = band < (n + kTileRows - 1) / kTileRows;
+    row0 = blockIdx.y * rows;
+    tile_begin = int(int64_t(all_tiles) * blockIdx.z / gridDim.z);
+    num_tiles = int(int64_t(all_tiles) * (blockIdx.z + 1) / gridDim.z) - tile_begin;
+    tile_group_shift = group_shift - 6;  // group of tile i: i >> this
+    wsrc = tiles + (int64_t(has_band ? band : 0) * all_tiles + tile_begin) * 32 + lane;
+    scsrc = tile_scales + int64_t(has_band ? band : 0) * groups * 8 + (lane >> 2);
+    xsrc = x + int64_t(tile_begin) * kTileK;
+  }
+  // Tile i's group scale words: .x row g's, .y row g + 8's, each scale | (magic + zero) << 16.
+  __device__ __forceinline__ uint2 scale_words(int i) const {
+    return scsrc[((tile_begin + i) >> tile_group_shift) * 8];
+  }
+};
+
 // Stores one band's sums: acc[4h + c] is row g (c < 2) or g + 8 of the band times row
 // row0 + 8h + 2t + (c & 1) of x (the mma C layout over NT n-tiles, also wgmma's), as out (+ bias)
 // rounded to T, or as split blockIdx.z's float32 sums into partial.
@@ -92,18 +122,11 @@ __global__ void __launch_bounds__(kGemmWarps * 32) quant_tile_gemm_kernel(
   uint4* ws = smem + kGemmStages * BM * kRow / 8;       // [stages][warps][32]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane >> 2, t = lane & 3;
-  const int bands = (n + kTileRows - 1) / kTileRows;
-  const int band = blockIdx.x * kGemmWarps + warp;
-  const bool has_band = band < bands;  // (warps past the last band copy x and wait with the rest)
-  const int row0 = blockIdx.y * BM;
-  const int all_tiles = k / kTileK;
-  const int tile_begin = int(int64_t(all_tiles) * blockIdx.z / gridDim.z);
-  const int num_tiles = int(int64_t(all_tiles) * (blockIdx.z + 1) / gridDim.z) - tile_begin;
+  // (warps past the last band copy x and wait with the rest)
+  const GemmWarpSlice<T> sl(warp, kGemmWarps, BM, n, k, tiles, tile_scales, x, groups, group_shift);
+  const bool has_band = sl.has_band;
+  const int row0 = sl.row0, num_tiles = sl.num_tiles;
   const uint64_t policy = l2_evict_first_policy();
-  const uint4* wsrc = tiles + (int64_t(has_band ? band : 0) * all_tiles + tile_begin) * 32 + lane;
-  const uint2* scsrc = tile_scales + int64_t(has_band ? band : 0) * groups * 8 + g;
-  const int tile_group_shift = group_shift - 6;  // group of tile i: i >> this
-  const T* xsrc = x + int64_t(tile_begin) * kTileK;
 
   // Tile i of the split into slot i % stages: x's block (rows past m zero) and the warps' bands.
   auto load_tile = [&](int i) {
@@ -114,11 +137,11 @@ __global__ void __launch_bounds__(kGemmWarps * 32) quant_tile_gemm_kernel(
         const int r = v / (kTileK / 8), c = v % (kTileK / 8);
         const bool ok = row0 + r < m;
         cp_async16(xd + r * kRow + c * 8,
-                   xsrc + int64_t(ok ? row0 + r : 0) * x_stride + int64_t(i) * kTileK + c * 8,
+                   sl.xsrc + int64_t(ok ? row0 + r : 0) * x_stride + int64_t(i) * kTileK + c * 8,
                    ok ? 16 : 0);
       }
       if (has_band) {
-        cp_async16(ws + (slot * kGemmWarps + warp) * 32 + lane, wsrc + int64_t(i) * 32, 16,
+        cp_async16(ws + (slot * kGemmWarps + warp) * 32 + lane, sl.wsrc + int64_t(i) * 32, 16,
                    policy);
       }
     }
@@ -129,16 +152,14 @@ __global__ void __launch_bounds__(kGemmWarps * 32) quant_tile_gemm_kernel(
 
   float acc[NT][4] = {};
   const T* xlane = xs + g * kRow + 4 * t;
-  // The tile's group scale words, read one tile ahead: .x row g's, .y row g + 8's, each
-  // scale | (magic + zero) << 16.
-  auto scale_words = [&](int i) { return scsrc[((tile_begin + i) >> tile_group_shift) * 8]; };
-  uint2 sc = has_band && num_tiles > 0 ? scale_words(0) : make_uint2(0, 0);
+  // The tile's group scale words, read one tile ahead.
+  uint2 sc = has_band && num_tiles > 0 ? sl.scale_words(0) : make_uint2(0, 0);
   for (int i = 0; i < num_tiles; ++i) {
     cp_async_wait<kGemmStages - 2>();
     __syncthreads();  // tile i landed for all; slot (i - 1) % stages free to refill
     load_tile(i + kGemmStages - 1);
     if (!has_band) continue;
-    const uint2 sc_next = i + 1 < num_tiles ? scale_words(i + 1) : sc;
+    const uint2 sc_next = i + 1 < num_tiles ? sl.scale_words(i + 1) : sc;
     const int slot = i % kGemmStages;
     const uint4 wq = ws[(slot * kGemmWarps + warp) * 32 + lane];
     const uint32_t words[4] = {wq.x, wq.y, wq.z, wq.w};
@@ -157,7 +178,7 @@ __global__ void __launch_bounds__(kGemmWarps * 32) quant_tile_gemm_kernel(
     sc = sc_next;
   }
   if (!has_band) return;
-  store_gemm_band<T, NT>(&acc[0][0], band, row0, g, t, out, partial, bias, m, n, out_stride,
+  store_gemm_band<T, NT>(&acc[0][0], sl.band, row0, g, t, out, partial, bias, m, n, out_stride,
                          interleaved);
 }
 
@@ -205,18 +226,11 @@ __global__ void __launch_bounds__(WGS * 128, 1) quant_tile_wgmma_kernel(
   // The warp index through a shuffle: known warp-uniform, so no branch splits a warpgroup's MMAs.
   const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
   const int g = lane >> 2, t = lane & 3;
-  const int bands = (n + kTileRows - 1) / kTileRows;
-  const int band = blockIdx.x * kWarps + warp;
-  const bool has_band = band < bands;  // warps past the last band multiply zeros
-  const int row0 = blockIdx.y * BN;
-  const int all_tiles = k / kTileK;
-  const int tile_begin = int(int64_t(all_tiles) * blockIdx.z / gridDim.z);
-  const int num_tiles = int(int64_t(all_tiles) * (blockIdx.z + 1) / gridDim.z) - tile_begin;
+  // (warps past the last band multiply zeros)
+  const GemmWarpSlice<T> sl(warp, kWarps, BN, n, k, tiles, tile_scales, x, groups, group_shift);
+  const bool has_band = sl.has_band;
+  const int row0 = sl.row0, num_tiles = sl.num_tiles;
   const uint64_t policy = l2_evict_first_policy();
-  const uint4* wsrc = tiles + (int64_t(has_band ? band : 0) * all_tiles + tile_begin) * 32 + lane;
-  const uint2* scsrc = tile_scales + int64_t(has_band ? band : 0) * groups * 8 + g;
-  const int tile_group_shift = group_shift - 6;
-  const T* xsrc = x + int64_t(tile_begin) * kTileK;
 
   auto load_tile = [&](int i) {
     if (i < num_tiles) {
@@ -229,11 +243,11 @@ __global__ void __launch_bounds__(WGS * 128, 1) quant_tile_wgmma_kernel(
         const int r = v / 8, c = v % 8;
         const bool ok = row0 + r < m;
         cp_async16(xd + sw128_offset(r, c, BN),
-                   xsrc + int64_t(ok ? row0 + r : 0) * x_stride + int64_t(i) * kTileK + c * 8,
+                   sl.xsrc + int64_t(ok ? row0 + r : 0) * x_stride + int64_t(i) * kTileK + c * 8,
                    ok ? 16 : 0);
       }
       if (has_band) {
-        cp_async16(ws + (slot * kWarps + warp) * 32 + lane, wsrc + int64_t(i) * 32, 16, policy);
+        cp_async16(ws + (slot * kWarps + warp) * 32 + lane, sl.wsrc + int64_t(i) * 32, 16, policy);
       }
     }
     cp_async_commit();
@@ -244,14 +258,13 @@ __global__ void __launch_bounds__(WGS * 128, 1) quant_tile_wgmma_kernel(
   float acc[BN / 2];
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-  auto scale_words = [&](int i) { return scsrc[((tile_begin + i) >> tile_group_shift) * 8]; };
-  uint2 sc = num_tiles > 0 ? scale_words(0) : make_uint2(0, 0);
+  uint2 sc = num_tiles > 0 ? sl.scale_words(0) : make_uint2(0, 0);
   auto step = [&](int i, uint32_t (&a)[4][4]) {
     cp_async_wait<kWgmmaStages - 3>();
     fence_proxy_async_smem();  // the copies are generic-proxy writes; wgmma reads async-proxy
     __syncthreads();  // tile i landed for all; every warpgroup is done with tile i - 2's slot
     load_tile(i + kWgmmaStages - 2);
-    const uint2 sc_next = i + 1 < num_tiles ? scale_words(i + 1) : sc;
+    const uint2 sc_next = i + 1 < num_tiles ? sl.scale_words(i + 1) : sc;
     const int slot = i % kWgmmaStages;
     const uint4 wq = ws[(slot * kWarps + warp) * 32 + lane];
     const uint32_t words[4] = {wq.x, wq.y, wq.z, wq.w};
@@ -281,7 +294,7 @@ __global__ void __launch_bounds__(WGS * 128, 1) quant_tile_wgmma_kernel(
   wgmma_wait<0>();
   reg_fence(acc);
   if (!has_band) return;
-  store_gemm_band<T, BN / 8>(acc, band, row0, g, t, out, partial, bias, m, n, out_stride,
+  store_gemm_band<T, BN / 8>(acc, sl.band, row0, g, t, out, partial, bias, m, n, out_stride,
                              interleaved);
 #else
   __trap();  // launched only where the sm_90a image runs
