@@ -109,7 +109,7 @@ def test_gemv_matches_reference(dtype, m, n, k, group_size):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 4, 11, 16, 40, 130])
+@pytest.mark.parametrize("m", [1, 2, 4, 11, 16, 24, 40, 130])
 @pytest.mark.parametrize("fusion", ["rms_norm", "silu_mul", "residual", "silu_mul_out",
                                     "rms_norm+silu_mul_out", "silu_mul_out_plain_layout"])
 @pytest.mark.parametrize("k", [1024, 4096])  # 4096: the groups at fixed chunk positions
@@ -193,6 +193,35 @@ def test_one_launch_serves_the_rows_that_fit_and_refuses_more(k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("hopper", [False, True])
+def test_gemv_launches_per_call_then_the_gemm(hopper, monkeypatch):
+    """Past one launch's rows, two GEMV launches serve the rest (each reading the weight), and
+    the GEMM what is more; where the Hopper GEMM runs, it serves everything past one launch.
+    Each path gives the reference's result; a Hopper GPU runs both."""
+    if hopper and not runs_sm90a_code(torch.device("cuda")):
+        pytest.skip("the wgmma GEMM runs where the sm_90a code does")
+    monkeypatch.setattr(qt, "runs_sm90a_code", lambda device: hopper)
+    n, k, dtype = 256, 1024, torch.bfloat16
+    qweight, scales, zeros = make_weight(n, k, 128, dtype, 5, "cuda")
+    tiles = qt.repack(qweight, scales, zeros, 128)
+    rows = qt.rows_per_launch(tiles)
+    gemv, gemm = [], []
+    launch, tile_gemm = qt._launch, qt.tile_gemm
+    monkeypatch.setattr(qt, "_launch", lambda *a, **kw: gemv.append(1) or launch(*a, **kw))
+    monkeypatch.setattr(qt, "tile_gemm", lambda *a, **kw: gemm.append(1) or tile_gemm(*a, **kw))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for m, launches in ((rows, (1, 0)), (rows + 1, (0, 1) if hopper else (2, 0)),
+                        (2 * rows, (0, 1) if hopper else (2, 0)), (2 * rows + 1, (0, 1))):
+        gemv.clear(), gemm.clear()
+        x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+        out = qt.tile_linear(x, tiles)
+        ref = ql.quant_linear_ref(x.float(), qweight, scales.float(), zeros.float(), 4, 128)
+        assert (len(gemv), len(gemm)) == launches, m
+        assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("splits", [1, 2, 4, 7, 14])
 @pytest.mark.parametrize("m", [1, 3, 8, 16])
 @pytest.mark.parametrize("fusion", ["plain", "silu_mul+residual", "silu_mul_out", "bias"])
@@ -254,16 +283,17 @@ def test_k_split_refuses_what_it_cannot_split():
 
 @pytest.mark.parametrize("hopper", [False, True])
 def test_gemm_plan_fills_one_wave(hopper, monkeypatch):
-    """On Hopper, above 32 rows, the wgmma kernel (4 warpgroups: 256 weight rows a CTA) with k
+    """On Hopper, above 16 rows, the wgmma kernel (4 warpgroups: 256 weight rows a CTA) with k
     split as far as one wave of CTAs allows; elsewhere the mma.sync kernel (128 weight rows a
     CTA), split for about four CTAs an SM. Llama-3-8B's shapes on a 132-SM device."""
     monkeypatch.setattr(qt, "runs_sm90a_code", lambda device: hopper)
     monkeypatch.setattr(qt, "sm_count", lambda device: 132)
     cpu = torch.device("cpu")
-    plan = {(m, n, k): qt.gemm_plan(m, n, k, cpu) for m in (32, 64, 128, 256)
+    plan = {(m, n, k): qt.gemm_plan(m, n, k, cpu) for m in (16, 32, 64, 128, 256)
             for n, k in ((6144, 4096), (28672, 4096), (4096, 14336))}
     if hopper:
-        assert plan[(32, 6144, 4096)] == (32, 8, 1)  # 32 rows: the mma.sync kernel
+        assert plan[(16, 6144, 4096)] == (32, 8, 1)  # 16 rows: the mma.sync kernel
+        assert plan[(32, 6144, 4096)] == (64, 4, 4)
         assert plan[(64, 6144, 4096)] == (64, 4, 4)  # 24 CTAs: 96 in four slices of k
         assert plan[(64, 28672, 4096)] == (64, 1, 4)  # 112 CTAs: one wave unsplit
         assert plan[(64, 4096, 14336)] == (64, 8, 4)

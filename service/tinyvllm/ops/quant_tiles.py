@@ -39,8 +39,11 @@ from tinyvllm.ops.quant_linear import unpack
 
 TILE_K, TILE_ROWS = 64, 16
 MAX_LAUNCHES = 2
-"""Launches over the same weight (slices of x's rows) before dequantizing for cuBLAS pays:
-two reads of 4-bit weights cost less than one of the bf16 weight."""
+"""GEMV launches over the same weight (slices of x's rows) before the GEMM serves the rest: two
+reads of 4-bit weights cost less than the mma.sync GEMM's one."""
+HOPPER_GEMV_LAUNCHES = 1
+"""The same where the Hopper (wgmma) GEMM runs: past one launch it is the faster (Llama-3-8B's
+layer at 32 rows on an H200: about 117 us against 167 for two GEMV launches; cuda/NOTES.md)."""
 GEMM_MAX_ROWS = 128
 """Rows of x up to which the mma.sync GEMM kernel runs where the GEMV does not; above, the
 weight is dequantized for cuBLAS (compute-bound there: cuBLAS's GEMM is the faster one)."""
@@ -174,9 +177,12 @@ def split_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def gemv_serves(x: torch.Tensor, w: QuantTiles, rms_norm: bool = False) -> bool:
     """Whether `tile_linear` over x [m, k] (or [m, 2k] with silu_mul) runs the GEMV kernel: at
-    most MAX_LAUNCHES launches of `rows_per_launch` rows, each reading the whole weight."""
-    return (x.is_cuda and x.dtype == w.tile_scales.dtype and kernel_enabled("quant_linear")
-            and 1 <= x.shape[0] <= MAX_LAUNCHES * rows_per_launch(w, rms_norm))
+    most MAX_LAUNCHES (HOPPER_GEMV_LAUNCHES where the wgmma GEMM runs) launches of
+    `rows_per_launch` rows, each reading the whole weight."""
+    if not (x.is_cuda and x.dtype == w.tile_scales.dtype and kernel_enabled("quant_linear")):
+        return False
+    launches = HOPPER_GEMV_LAUNCHES if runs_sm90a_code(x.device) else MAX_LAUNCHES
+    return 1 <= x.shape[0] <= launches * rows_per_launch(w, rms_norm)
 
 
 def gemm_serves(x: torch.Tensor, w: QuantTiles) -> bool:
@@ -189,7 +195,7 @@ def gemm_serves(x: torch.Tensor, w: QuantTiles) -> bool:
 def gemm_plan(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
     """(rows of x a CTA, ways k is split, kernel) of a GEMM launch (`tile_gemm`'s arguments).
 
-    Where the sm_90a code runs, above 32 rows: the wgmma kernel with 4 warpgroups (256 weight
+    Where the sm_90a code runs, above 16 rows: the wgmma kernel with 4 warpgroups (256 weight
     rows a CTA), 64 rows of x a CTA up to 64 and 128 above, and k split in the most of 1, 2, 4, 8
     ways that keeps the CTAs within one wave (and slices of at least 8 tiles of 64): the fastest
     or within 14% of the fastest of the block sizes, splits and warpgroups tried at
@@ -198,7 +204,7 @@ def gemm_plan(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, i
     device, k split into up to 8 slices of at least 8 tiles, about four CTAs an SM."""
     sms = sm_count(device)
     k_tiles = k // TILE_K
-    if m > 32 and runs_sm90a_code(device):
+    if m > 16 and runs_sm90a_code(device):
         block = 64 if m <= 64 else 128
         ctas = -(-n // (TILE_ROWS * 16)) * -(-m // block)
         splits = 1
