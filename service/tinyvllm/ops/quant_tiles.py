@@ -42,8 +42,9 @@ MAX_LAUNCHES = 2
 """GEMV launches over the same weight (slices of x's rows) before the GEMM serves the rest: two
 reads of 4-bit weights cost less than the mma.sync GEMM's one."""
 HOPPER_GEMV_LAUNCHES = 1
-"""The same where the Hopper (wgmma) GEMM runs: past one launch it is the faster (Llama-3-8B's
-layer at 32 rows on an H200: about 117 us against 167 for two GEMV launches; cuda/NOTES.md)."""
+"""The same where the Hopper (wgmma) GEMM runs: past one launch it is the faster, though it runs
+the layer unfused (a Llama-3-8B layer on an H200: two GEMV launches of 16 rows about 167 us, the
+GEMM 117 us at 48 rows; the engine at batch 32 with gptq weights 1.48x; cuda/NOTES.md)."""
 GEMM_MAX_ROWS = 128
 """Rows of x up to which the mma.sync GEMM kernel runs where the GEMV does not; above, the
 weight is dequantized for cuBLAS (compute-bound there: cuBLAS's GEMM is the faster one)."""
