@@ -366,7 +366,7 @@ void quant_tile_gemm(ptr_t out, ptr_t partial, ptr_t x, ptr_t tiles, ptr_t tile_
   require(kernel < 2 || (sm90 && block_rows >= 64),
           where + "the wgmma kernel needs the sm_90a image on this device and block_rows 64 "
                   "or 128 (got " + std::to_string(block_rows) + ")");
-  const int warpgroups = kernel >= 2 ? kernel : (kernel == 0 && sm90 && block_rows >= 64 ? 2 : 0);
+  const int warpgroups = kernel >= 2 ? kernel : (kernel == 0 && sm90 && block_rows >= 64 ? 4 : 0);
   require(m >= 0 && m <= int64_t(65535) * block_rows,
           where + "m=" + std::to_string(m) + " out of range (at most 65535 blocks of " +
               std::to_string(block_rows) + " rows)");
