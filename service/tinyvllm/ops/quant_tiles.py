@@ -176,11 +176,16 @@ def split_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.zeros(SPLIT_COUNTS, dtype=torch.int32, device=device))
 
 
+def _kernels_take(x: torch.Tensor, w: QuantTiles) -> bool:
+    """Whether the tile kernels may run over x at all: on CUDA, in the scales' dtype, enabled."""
+    return x.is_cuda and x.dtype == w.tile_scales.dtype and kernel_enabled("quant_linear")
+
+
 def gemv_serves(x: torch.Tensor, w: QuantTiles, rms_norm: bool = False) -> bool:
     """Whether `tile_linear` over x [m, k] (or [m, 2k] with silu_mul) runs the GEMV kernel: at
     most MAX_LAUNCHES (HOPPER_GEMV_LAUNCHES where the wgmma GEMM runs) launches of
     `rows_per_launch` rows, each reading the whole weight."""
-    if not (x.is_cuda and x.dtype == w.tile_scales.dtype and kernel_enabled("quant_linear")):
+    if not _kernels_take(x, w):
         return False
     launches = HOPPER_GEMV_LAUNCHES if runs_sm90a_code(x.device) else MAX_LAUNCHES
     return 1 <= x.shape[0] <= launches * rows_per_launch(w, rms_norm)
@@ -188,7 +193,7 @@ def gemv_serves(x: torch.Tensor, w: QuantTiles, rms_norm: bool = False) -> bool:
 
 def gemm_serves(x: torch.Tensor, w: QuantTiles) -> bool:
     """Whether `tile_linear` over x [m, k] runs the GEMM kernel where the GEMV does not."""
-    if not (x.is_cuda and x.dtype == w.tile_scales.dtype and kernel_enabled("quant_linear")):
+    if not _kernels_take(x, w):
         return False
     return 1 <= x.shape[0] <= (WGMMA_MAX_ROWS if runs_sm90a_code(x.device) else GEMM_MAX_ROWS)
 
