@@ -188,9 +188,18 @@ __global__ void __launch_bounds__(kGemmWarps * 32) quant_tile_gemm_kernel(
 // wgmma.m64nBNk16: A (its 4 bands' 64 weight rows) from registers, dequantized from the lane's word
 // as above; B (x, K-major) read through a descriptor by the tensor cores once for all 4 warps.
 // A tile's MMAs run while the next tile is dequantized (wait_group 1; the A fragments alternate
-// between two register sets); the copies run kWgmmaStages - 2 tiles ahead, so that the slot a
-// copy refills was read by MMAs already waited for.
-constexpr int kWgmmaStages = 6;
+// between two register sets).
+//
+// Every thread copies a share of each tile (its chunks of x, its lane's word), kWgmmaAhead tiles
+// ahead, through kWgmmaStages slots; no CTA-wide barrier holds the warpgroups in step. A slot's
+// full mbarrier completes when all threads' copies into it have landed (cp.async arrives); its
+// empty mbarrier when every warp has waited for its MMAs on it. A thread refills a slot only
+// after its empty phase, so a warpgroup runs up to kWgmmaStages - kWgmmaAhead - 1 tiles ahead
+// of the slowest, and the warpgroups' dequantizing (ALU) overlaps the others' MMAs. The words'
+// copies carry no L2 policy: with `l2_evict_first_policy` on them this kernel raised an illegal
+// instruction at that copy (compute-sanitizer, 128 rows of x, nvcc 13.0).
+constexpr int kWgmmaStages = 8;
+constexpr int kWgmmaAhead = 4;
 
 // The tile word of lane (g, t) holds k = 4t .. 4t + 3 of a k-step (the mma.sync kernels pair it
 // with x loaded in the same order), but wgmma reads x from shared memory in k's own order, so
@@ -207,7 +216,8 @@ __device__ __forceinline__ uint32_t natural_k_word(uint32_t q, int t) {
 
 template <int BN, int WGS>
 constexpr int wgmma_gemm_smem_bytes() {
-  return kWgmmaStages * (BN * kTileK * 2 + WGS * 4 * 32 * 16) + 1024;  // + the atom alignment
+  // + the slots' full and empty mbarriers, + the atom alignment
+  return kWgmmaStages * (BN * kTileK * 2 + WGS * 4 * 32 * 16) + 2 * kWgmmaStages * 8 + 1024;
 }
 
 template <typename T, int BN, int WGS>
@@ -217,72 +227,84 @@ __global__ void __launch_bounds__(WGS * 128, 1) quant_tile_wgmma_kernel(
     const T* __restrict__ bias, int m, int n, int k, int64_t x_stride, int64_t out_stride,
     int groups, int group_shift, bool interleaved) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kWarps = WGS * 4, kThreads = WGS * 128;
-  constexpr uint32_t kXBytes = BN * kTileK * 2;  // a stage of x: BN swizzled rows of 128 bytes
+  constexpr int kWarps = WGS * 4, kThreads = WGS * 128, S = kWgmmaStages;
+  constexpr uint32_t kXBytes = BN * kTileK * 2;  // a slot of x: BN swizzled rows of 128 bytes
+  constexpr uint32_t kWBytes = kWarps * 32 * 16;  // a slot of words: one 512-byte band a warp
+  constexpr int kXChunks = BN * 8 / kThreads;    // 16-byte chunks of x a thread copies a tile
+  static_assert(BN * 8 % kThreads == 0, "x's 16-byte chunks a tile split evenly");
+  static_assert((S & (S - 1)) == 0 && kWgmmaAhead < S - 1, "slots a power of two, slack left");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t smem0 = (smem_addr(smem_raw) + 1023) & ~1023u;
-  unsigned char* const xs = smem_raw + (smem0 - smem_addr(smem_raw));     // [stages][BN x 64]
-  uint4* const ws = reinterpret_cast<uint4*>(xs + kWgmmaStages * kXBytes);  // [stages][warps][32]
+  unsigned char* const xs = smem_raw + (smem0 - smem_addr(smem_raw));  // [S][BN x 64]
+  unsigned char* const ws = xs + S * kXBytes;                         // [S][warps][32] x 16 B
+  const uint32_t full0 = smem0 + S * (kXBytes + kWBytes), empty0 = full0 + 8 * S;
   // The warp index through a shuffle: known warp-uniform, so no branch splits a warpgroup's MMAs.
   const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
-  const int g = lane >> 2, t = lane & 3;
-  // (warps past the last band multiply zeros)
+  const int t = lane & 3;
+  // (warps past the last band multiply zeros: their scale is 0)
   const GemmWarpSlice<T> sl(warp, kWarps, BN, n, k, tiles, tile_scales, x, groups, group_shift);
   const bool has_band = sl.has_band;
-  const int row0 = sl.row0, num_tiles = sl.num_tiles;
-  const uint64_t policy = l2_evict_first_policy();
+  const int num_tiles = sl.num_tiles;
+  if (threadIdx.x < S) {
+    mbarrier_init(full0 + 8 * threadIdx.x, kThreads);  // every thread's copies
+    mbarrier_init(empty0 + 8 * threadIdx.x, kWarps);   // every warp done with its MMAs
+  }
+  __syncthreads();
 
-  auto load_tile = [&](int i) {
-    if (i < num_tiles) {
-      const int slot = i % kWgmmaStages;
-      unsigned char* xd = xs + slot * kXBytes;
-      static_assert(BN * 8 % kThreads == 0, "x's 16-byte chunks a tile split evenly");
+  // This thread's copies of a tile, fixed but for the tile's offset: chunks of x (rows past m
+  // zero-filled) and the lane's word.
+  const T* xsrc[kXChunks];
+  uint32_t xdst[kXChunks];
+  int xbytes[kXChunks];
 #pragma unroll
-      for (int u = 0; u < BN * 8 / kThreads; ++u) {
-        const int v = u * kThreads + threadIdx.x;
-        const int r = v / 8, c = v % 8;
-        const bool ok = row0 + r < m;
-        cp_async16(xd + sw128_offset(r, c, BN),
-                   sl.xsrc + int64_t(ok ? row0 + r : 0) * x_stride + int64_t(i) * kTileK + c * 8,
-                   ok ? 16 : 0);
-      }
-      if (has_band) {
-        cp_async16(ws + (slot * kWarps + warp) * 32 + lane, sl.wsrc + int64_t(i) * 32, 16, policy);
-      }
+  for (int u = 0; u < kXChunks; ++u) {
+    const int v = u * kThreads + threadIdx.x, r = v / 8, c = v % 8;
+    const bool ok = sl.row0 + r < m;
+    xsrc[u] = sl.xsrc + int64_t(ok ? sl.row0 + r : 0) * x_stride + c * 8;
+    xdst[u] = sw128_offset(r, c, BN);
+    xbytes[u] = ok ? 16 : 0;
+  }
+  unsigned char* const wdst = ws + (warp * 32 + lane) * 16;
+  // Tile i into slot i % S once every warp is done with the slot's tile i - S.
+  auto produce = [&](int i) {
+    if (i >= num_tiles) return;
+    const int s = i & (S - 1);
+    mbarrier_wait(empty0 + 8 * s, ((i / S) & 1) ^ 1);  // returns at once on the first round
+#pragma unroll
+    for (int u = 0; u < kXChunks; ++u) {
+      cp_async16(xs + s * kXBytes + xdst[u], xsrc[u] + int64_t(i) * kTileK, xbytes[u]);
     }
-    cp_async_commit();
+    if (has_band) cp_async16(wdst + s * kWBytes, sl.wsrc + int64_t(i) * 32, 16);
+    cp_async_arrive(full0 + 8 * s);
   };
 #pragma unroll
-  for (int i = 0; i < kWgmmaStages - 2; ++i) load_tile(i);
+  for (int i = 0; i < kWgmmaAhead; ++i) produce(i);
 
   float acc[BN / 2];
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-  uint2 sc = num_tiles > 0 ? sl.scale_words(0) : make_uint2(0, 0);
+  uint2 sc = has_band ? sl.scale_words(0) : make_uint2(0, 0);
   auto step = [&](int i, uint32_t (&a)[4][4]) {
-    cp_async_wait<kWgmmaStages - 3>();
+    const int s = i & (S - 1);
+    mbarrier_wait(full0 + 8 * s, (i / S) & 1);
+    __syncwarp();  // the wait's loop may leave the warp split; the wgmma below needs it whole
     fence_proxy_async_smem();  // the copies are generic-proxy writes; wgmma reads async-proxy
-    __syncthreads();  // tile i landed for all; every warpgroup is done with tile i - 2's slot
-    load_tile(i + kWgmmaStages - 2);
-    const uint2 sc_next = i + 1 < num_tiles ? sl.scale_words(i + 1) : sc;
-    const int slot = i % kWgmmaStages;
-    const uint4 wq = ws[(slot * kWarps + warp) * 32 + lane];
+    const uint2 sc_next = has_band && i + 1 < num_tiles ? sl.scale_words(i + 1) : sc;
+    const uint4 wq = *reinterpret_cast<const uint4*>(wdst + s * kWBytes);
     const uint32_t words[4] = {wq.x, wq.y, wq.z, wq.w};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      dequantize_word<T>(natural_k_word(words[j], t), sc, a[j]);
-#pragma unroll
-      for (int r = 0; r < 4; ++r) a[j][r] = has_band ? a[j][r] : 0u;
-    }
+    for (int j = 0; j < 4; ++j) dequantize_word<T>(natural_k_word(words[j], t), sc, a[j]);
     sc = sc_next;
     wgmma_fence();
-    const uint32_t xb = smem0 + slot * kXBytes;
+    const uint32_t xb = smem0 + s * kXBytes;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       wgmma_rs<T, BN, 0>(acc, a[j], sw128_desc(xb + 32 * j, 16, 1024));
     }
     wgmma_commit();
     wgmma_wait<1>();  // tile i - 1's MMAs are done: its registers and slot may be reused
+    mbarrier_arrive_if(empty0 + 8 * ((i - 1) & (S - 1)), i > 0 && lane == 0);
+    produce(i + kWgmmaAhead);
   };
   uint32_t a0[4][4], a1[4][4];
   int i = 0;
@@ -294,8 +316,8 @@ __global__ void __launch_bounds__(WGS * 128, 1) quant_tile_wgmma_kernel(
   wgmma_wait<0>();
   reg_fence(acc);
   if (!has_band) return;
-  store_gemm_band<T, BN / 8>(acc, sl.band, row0, g, t, out, partial, bias, m, n, out_stride,
-                             interleaved);
+  store_gemm_band<T, BN / 8>(acc, sl.band, sl.row0, lane >> 2, t, out, partial, bias, m, n,
+                             out_stride, interleaved);
 #else
   __trap();  // launched only where the sm_90a image runs
 #endif

@@ -66,6 +66,15 @@ __device__ __forceinline__ void mbarrier_init(uint32_t bar, int count) {
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// The same where `pred` holds, by a predicated instruction: no branch splits the warp before its
+// next wgmma (the .aligned instructions need the whole warp converged).
+__device__ __forceinline__ void mbarrier_arrive_if(uint32_t bar, bool pred) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n"
+      "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
+      "r"(int(pred))
+      : "memory");
+}
 __device__ __forceinline__ void mbarrier_wait(uint32_t bar, int parity) {
   // Labels are local to the braces, so every inlined copy may reuse them.
   asm volatile(
