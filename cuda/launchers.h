@@ -151,8 +151,7 @@ void quant_tile_gemv(ptr_t out, ptr_t x, ptr_t tiles, ptr_t tile_scales, ptr_t b
 // block_rows (32, 64, 128) rows of x a CTA; k split `splits` ways, each split's float32 sums into
 // partial [splits, m, n] (given exactly when splits > 1, with no bias) for the caller to add.
 // kernel: 1 the mma.sync kernel, 2 / 4 the wgmma kernel with that many warpgroups a CTA (sm_90a
-// image only, block_rows 64 or 128), 0 wgmma with 4 where it runs and block_rows >= 64, else 1
-// (ops/quant_tiles.gemm_plan names the kernel).
+// image only, block_rows 64 or 128); ops/quant_tiles.gemm_plan names it.
 void quant_tile_gemm(ptr_t out, ptr_t partial, ptr_t x, ptr_t tiles, ptr_t tile_scales,
                      ptr_t bias, int64_t m, int64_t n, int64_t k, int64_t x_stride,
                      int64_t out_stride, int group_size, int interleaved, int block_rows,

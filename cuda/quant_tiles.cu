@@ -359,14 +359,12 @@ void quant_tile_gemm(ptr_t out, ptr_t partial, ptr_t x, ptr_t tiles, ptr_t tile_
   check_tiles(where, n, k, group_size, interleaved != 0, tiles, tile_scales);
   require(block_rows == 32 || block_rows == 64 || block_rows == 128,
           where + "block_rows=" + std::to_string(block_rows) + " must be 32, 64 or 128");
-  require(kernel == 0 || kernel == 1 || kernel == 2 || kernel == 4,
+  require(kernel == 1 || kernel == 2 || kernel == 4,
           where + "kernel=" + std::to_string(kernel) +
-              " must be 0 (auto), 1 (mma.sync) or 2 / 4 (wgmma with that many warpgroups)");
-  const bool sm90 = device_has_pdl_code();
-  require(kernel < 2 || (sm90 && block_rows >= 64),
+              " must be 1 (mma.sync) or 2 / 4 (wgmma with that many warpgroups)");
+  require(kernel == 1 || (device_has_pdl_code() && block_rows >= 64),
           where + "the wgmma kernel needs the sm_90a image on this device and block_rows 64 "
                   "or 128 (got " + std::to_string(block_rows) + ")");
-  const int warpgroups = kernel >= 2 ? kernel : (kernel == 0 && sm90 && block_rows >= 64 ? 4 : 0);
   require(m >= 0 && m <= int64_t(65535) * block_rows,
           where + "m=" + std::to_string(m) + " out of range (at most 65535 blocks of " +
               std::to_string(block_rows) + " rows)");
@@ -421,9 +419,9 @@ void quant_tile_gemm(ptr_t out, ptr_t partial, ptr_t x, ptr_t tiles, ptr_t tile_
     using R128 = std::integral_constant<int, 128>;
     using W2 = std::integral_constant<int, 2>;
     using W4 = std::integral_constant<int, 4>;
-    if (warpgroups == 2) {
+    if (kernel == 2) {
       block_rows == 64 ? wgmma(R64{}, W2{}) : wgmma(R128{}, W2{});
-    } else if (warpgroups == 4) {
+    } else if (kernel == 4) {
       block_rows == 64 ? wgmma(R64{}, W4{}) : wgmma(R128{}, W4{});
     } else if (block_rows == 32) {
       mma_sync(R32{});

@@ -375,7 +375,7 @@ def test_gemm_refuses_bad_launches():
         qt.tile_gemm(x, tiles, block_rows=48)
     with pytest.raises(ValueError, match="splits=5 must be 1 to k / 64=4"):
         qt.tile_gemm(x, tiles, splits=5)
-    with pytest.raises(ValueError, match=r"kernel=3 must be 0 \(auto\), 1 \(mma.sync\)"):
+    with pytest.raises(ValueError, match=r"kernel=3 must be 1 \(mma.sync\) or 2 / 4"):
         qt.tile_gemm(x, tiles, kernel=3)
     with pytest.raises(ValueError, match="the wgmma kernel needs the sm_90a image"):
         qt.tile_gemm(x, tiles, block_rows=32, kernel=2)  # 32 rows: too few on any device
