@@ -121,7 +121,14 @@ async def test_soak_with_random_cancels_and_a_4mb_prompt(server):
     probe.assert_fast(HEALTH_LIMIT_S)
     await _fill_stream_limit(server)
     rss_after = _rss_bytes(server.proc.pid)
-    # glibc's arenas move RSS by a few per cent from round to round at a steady state (seen: -14%
-    # to +5% over six rounds); a leak of 50 KB per stream would pass 10%.
+    # glibc's arenas move RSS by several per cent from round to round at a steady state (seen:
+    # -15% to +11% over six rounds of one server); a leak of 50 KB per stream would pass 10% after
+    # one round and further after each. So a round past 10% is followed by another, and the
+    # lower of the two must stay within 10%: noise falls back, a leak grows on.
+    if rss_after > 1.10 * rss_before:
+        await _soak(server, seed=1)
+        wait_for_metrics(server, IDLE, timeout_s=30.0)
+        await _fill_stream_limit(server)
+        rss_after = min(rss_after, _rss_bytes(server.proc.pid))
     assert rss_after <= 1.10 * rss_before, (
         f"RSS {rss_before / 2**20:.1f} MiB before a round, {rss_after / 2**20:.1f} MiB after")
