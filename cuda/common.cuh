@@ -101,6 +101,14 @@ __device__ __forceinline__ uint4 pack8(const float (&in)[8]) {
   return v;
 }
 
+// Named barrier ID (1..15; 0 is __syncthreads) for `threads` threads, the id an immediate:
+// ptxas then reserves the barriers up to the highest id a kernel names (with an id in a
+// register, `ptxas -v` reports all 16 used).
+template <int ID>
+__device__ __forceinline__ void named_barrier_sync(int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "r"(threads) : "memory");
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);

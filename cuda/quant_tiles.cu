@@ -19,15 +19,16 @@ constexpr int kTileMaxM = 16;  // two n-tiles of the mma's 8 columns
 constexpr int kStages = kTileStages;
 constexpr int kMaxSplits = 16;  // CTAs sharing a band, each over its own slice of k
 
-// Dynamic shared memory of a launch of M rows: the staged activations (M x k), the warps' rings
-// of `chunks` chunks of kStages tiles (512 bytes of weights and 64 of scales each) and x's sums
-// per tile (sized for one tile each: groups at fixed positions use fewer).
-constexpr int ring_bytes(int stages, int chunks) {
-  return kTileWarps * chunks * stages * 32 * (16 + 2);
+// Dynamic shared memory of a launch of M rows: the staged activations (M x k), the rings of
+// the warps of `band_groups` groups, `chunks` chunks of kStages tiles each (512 bytes of weights
+// and 64 of scales a tile), and x's sums per tile (sized for one tile each: groups at fixed
+// positions use fewer).
+constexpr int ring_bytes(int stages, int chunks, int band_groups) {
+  return band_groups * kTileWarps * chunks * stages * 32 * (16 + 2);
 }
 template <int M>
-int64_t tile_smem_bytes(int64_t k, int chunks = 2) {
-  return M * (k * 2 + 16 * kTileRowPad<M>) + ring_bytes(kStages, chunks) +
+int64_t tile_smem_bytes(int64_t k, int chunks = 2, int band_groups = 1) {
+  return M * (k * 2 + 16 * kTileRowPad<M>) + ring_bytes(kStages, chunks, band_groups) +
          (k / kTileK) * kTileSumCols<M> * 4;
 }
 
@@ -134,23 +135,24 @@ int tile_splits(int64_t k, int prologue, int requested) {
 
 // Each CTA takes ceil(bands / resident CTAs of its split) bands (strided), so that all CTAs are
 // resident at once and none has a band more than the others but the last few.
-template <typename T, int M, int P, bool S, int G, int R = 2>
+template <typename T, int M, int P, bool S, int G, int R = 2, int BG = 1>
 void launch_g(T* out, const T* x, const uint4* tiles, const uint2* scales, const T* bias,
               const T* residual, const T* norm_weight, int m, int n, int k, int64_t x_stride,
               int64_t out_stride, int64_t residual_stride, float eps, int groups, int shift,
               bool interleaved, int splits, float* split_sums, unsigned* split_counts,
               cudaStream_t stream) {
-  auto kernel = quant_tile_gemv_kernel<T, M, P, S, G, kStages, R>;
+  auto kernel = quant_tile_gemv_kernel<T, M, P, S, G, kStages, R, BG>;
   static std::once_flag once;
   std::call_once(once, [&] {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     kernel_smem_cap<T, M, P, S>()),
                "quant_tile_gemv: cudaFuncSetAttribute");
   });
-  const int smem = int(tile_smem_bytes<M>(k / splits, R));
-  const int grid = resident_grid(kernel, kTileWarps * 32, smem, (n + kTileRows - 1) / kTileRows,
+  const int smem = int(tile_smem_bytes<M>(k / splits, R, BG));
+  const int threads = kTileWarps * 32 * BG;
+  const int grid = resident_grid(kernel, threads, smem, (n + kTileRows - 1) / kTileRows,
                                  "quant_tile_gemv: occupancy", splits);
-  launch_pdl(kernel, dim3(grid, splits), dim3(kTileWarps * 32), smem, stream, out, x, tiles,
+  launch_pdl(kernel, dim3(grid, splits), dim3(threads), smem, stream, out, x, tiles,
              scales, bias, residual, norm_weight, m, n, k, x_stride, out_stride, residual_stride,
              eps, groups, shift, interleaved, split_sums, split_counts);
 }
@@ -168,30 +170,40 @@ void launch(T* out, const T* x, const uint4* tiles, const uint2* scales, const T
     shift = 0;
     while ((1 << shift) < group_size) ++shift;
   }
-  auto go = [&](auto g, auto r) {
-    launch_g<T, M, P, S, decltype(g)::value, decltype(r)::value>(
+  auto go = [&](auto g, auto r, auto bg) {
+    launch_g<T, M, P, S, decltype(g)::value, decltype(r)::value, decltype(bg)::value>(
         out, x, tiles, scales, bias, residual, norm_weight, m, n, k, x_stride, out_stride,
         residual_stride, eps, groups, shift, interleaved, splits, split_sums, split_counts,
         stream);
   };
   using G0 = std::integral_constant<int, 0>;
   using G2 = std::integral_constant<int, 2>;
+  using BG1 = std::integral_constant<int, 1>;
+  using R2 = std::integral_constant<int, 2>;
   const bool fixed = fixed_group_tiles(k, group_size, splits) == 2;
   // One row (batch-1 decode): a ring of three chunks where it fits, so that a third more of the
   // weight is requested before the PDL wait (llama3-8b-shape TPOT 2.26 -> 2.20 ms on an H200;
   // at two rows the isolated down_proj was slower with three, 13.7 against 12.9 us).
-  // 16 rows: one CTA an SM at k = 4096 (170 KB), so a third chunk per warp is the SM's only
-  // way to keep more of the weight in flight (the isolated rows unchanged; llama3-8b-shape
-  // W4A16 batch 16, 64/256: 3,857 -> 3,971 tok/s on an H200).
-  if constexpr (M == 1 || M == 16) {
-    using R3 = std::integral_constant<int, 3>;
-    if (splits == 1 && tile_smem_bytes<M>(k, 3) <= tile_smem_cap<M>()) {
-      fixed ? go(G2{}, R3{}) : go(G0{}, R3{});
+  // 16 rows (9-16): where one CTA of 8 warps fills the SM's shared memory (k = 4096: 172 KB),
+  // a CTA of two band groups, 16 warps on one staged copy of x (H200: llama3-8b-shape gate_up at
+  // 16 rows 29.5 us against 37.1; W4A16 batch 16, 64/256: 4,147.0 against 3,928.4 tok/s);
+  // else a third chunk per warp keeps more of the weight in flight (batch 16: 3,857 -> 3,971).
+  if constexpr (M == 16) {
+    using BG2 = std::integral_constant<int, 2>;
+    if (splits == 1 && tile_ctas_per_sm<M>(tile_smem_bytes<M>(k)) < 2 &&
+        tile_smem_bytes<M>(k, 2, 2) <= tile_smem_cap<M>()) {
+      fixed ? go(G2{}, R2{}, BG2{}) : go(G0{}, R2{}, BG2{});
       return;
     }
   }
-  using R2 = std::integral_constant<int, 2>;
-  fixed ? go(G2{}, R2{}) : go(G0{}, R2{});
+  if constexpr (M == 1 || M == 16) {
+    using R3 = std::integral_constant<int, 3>;
+    if (splits == 1 && tile_smem_bytes<M>(k, 3) <= tile_smem_cap<M>()) {
+      fixed ? go(G2{}, R3{}, BG1{}) : go(G0{}, R3{}, BG1{});
+      return;
+    }
+  }
+  fixed ? go(G2{}, R2{}, BG1{}) : go(G0{}, R2{}, BG1{});
 }
 
 template <typename T, int P, bool S = false>

@@ -25,7 +25,10 @@
 //
 // Work split: CTAs are all resident and stride over the bands (CTA c: bands c, c + grid, ...); in
 // every band, warp w takes the tiles [k_tiles * w / 8, k_tiles * (w + 1) / 8), and the warps add
-// their sums through shared memory (one barrier per band, double-buffered). Each warp streams its
+// their sums through shared memory (one barrier per band, double-buffered). Where one CTA of 8
+// warps fills the SM's shared memory (16 rows of x at k = 4096), a CTA runs two such groups of 8
+// warps over alternate bands, sharing one staged copy of x (group barriers: named barriers, two
+// a band over one buffer). Each warp streams its
 // tiles, band after band, in chunks of kTileStages tiles through a ring of R chunks in shared
 // memory: one cp.async commit group per chunk (a lane's 16 bytes of each tile, and one scale word
 // of the chunk per lane), copied R chunks ahead of its multiply, the first R before the PDL wait
@@ -162,7 +165,7 @@ constexpr int kTileHeldNormVectors = 4;
 // [kTileWarps][M] shared floats). A lane takes vectors v0 + lane, v0 + lane + 32, ... of every
 // row, so a row's sum of squares is taken in the same order whatever its position among the
 // rows. nw: the lane's first kTileHeldNormVectors vectors of the norm weight (kGemvRmsNorm).
-template <typename T, int M, int P>
+template <typename T, int M, int P, bool GROUP_BARRIER = false>
 __device__ __forceinline__ void tile_stage_slice(uint4* act, int row_stride, int v0, int v1,
                                                  const T* x, int64_t x_stride,
                                                  const T* norm_weight,
@@ -219,7 +222,12 @@ __device__ __forceinline__ void tile_stage_slice(uint4* act, int row_stride, int
       const float s = warp_sum(sum_sq[i]);
       if (lane == 0) ss[warp][i] = s;
     }
-    __syncthreads();  // every warp's slice summed (warps without tiles add 0)
+    // every warp's slice summed (none: 0); GROUP_BARRIER: the CTA's first kTileWarps warps only
+    if constexpr (GROUP_BARRIER) {
+      named_barrier_sync<3>(kTileWarps * 32);
+    } else {
+      __syncthreads();
+    }
     float inv_rms[M];
 #pragma unroll
     for (int i = 0; i < M; ++i) {
@@ -280,8 +288,9 @@ __device__ __forceinline__ void tile_slice_sums(float* sx, const uint4* act, int
 // chunk's groups are scaled with no per-tile check, alternating two accumulators so that one
 // group's scaling waits on its mma chain while the next group's mmas issue, and x's sums are
 // taken per group. G == 0: any group (the group of each tile is checked).
-template <typename T, int M, int P, bool SILU_MUL, int G = 0, int D = kTileStages, int R = 2>
-__global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
+template <typename T, int M, int P, bool SILU_MUL, int G = 0, int D = kTileStages, int R = 2,
+          int BG = 1>
+__global__ void __launch_bounds__(kTileWarps * 32 * BG) quant_tile_gemv_kernel(
     T* out,                               // [m, out_stride]: n columns (SILU_MUL: n / 2)
     const T* __restrict__ x,              // [m, x_stride]: k columns (2k for kGemvSiluMul)
     const uint4* __restrict__ tiles,      // [bands][k / 64][32]
@@ -305,8 +314,27 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   static_assert(M <= 16, "two n-tiles of 8 rows at most");
   extern __shared__ uint4 act[];
   __shared__ float row_sum_sq[kTileWarps][M];  // kGemvRmsNorm: the warps' sums of squares
-  __shared__ float partial[2][kTileWarps][4 * NT][32];  // double-buffered: one barrier per band
+  // BG band groups of kTileWarps warps (BG = 2 where one CTA of 8 warps would fill the SM's
+  // shared memory: 16 rows at k = 4096): group bg takes the CTA's bands bg, bg + BG, ..., all
+  // sharing one copy of x staged by group 0. Warp w of a group takes the same slice of k in
+  // every band (kw), and the group's warps add their sums in partial[bg][band's buffer]: two
+  // buffers a group for BG = 1 (one barrier a band), one for BG = 2 (two barriers a band; the
+  // same static memory). A group's barrier: __syncthreads for BG = 1, else named barrier 1 + bg
+  // (3: group 0's RMSNorm).
+  static_assert(BG == 1 || BG == 2, "one or two band groups");
+  constexpr int kBuffers = 2 / BG;
+  __shared__ float partial[BG][kBuffers][kTileWarps][4 * NT][32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int bg = warp / kTileWarps, kw = warp % kTileWarps;
+  auto group_sync = [&]() {
+    if constexpr (BG == 1) {
+      __syncthreads();
+    } else if (bg == 0) {
+      named_barrier_sync<1>(kTileWarps * 32);
+    } else {
+      named_barrier_sync<2>(kTileWarps * 32);
+    }
+  };
   const int g = lane >> 2, t = lane & 3;
   const int splits = gridDim.y, all_tiles = k / kTileK;
   const int k_tiles = all_tiles / splits;       // the split's (the launcher checks it divides)
@@ -315,13 +343,17 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   constexpr int kPad = kTileRowPad<M>;
   const int act_vectors = M * (k8 + kPad);
   uint4* ring = act + act_vectors + warp * R * D * 32;
-  uint2* ring_sc = reinterpret_cast<uint2*>(act + act_vectors + kTileWarps * R * D * 32) +
+  uint2* ring_sc = reinterpret_cast<uint2*>(act + act_vectors + BG * kTileWarps * R * D * 32) +
                    warp * R * D * 8;
-  float* sx = reinterpret_cast<float*>(act + act_vectors + kTileWarps * R * D * (32 + 4));
+  float* sx = reinterpret_cast<float*>(act + act_vectors + BG * kTileWarps * R * D * (32 + 4));
   const int bands = (n + kTileRows - 1) / kTileRows;
-  // CTA c owns bands c, c + grid, ...; in each, warp w the tiles [tile_begin, tile_end).
-  const int my_bands = int(blockIdx.x) < bands ? (bands - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  const int tile_begin = k_tiles * warp / kTileWarps, tile_end = k_tiles * (warp + 1) / kTileWarps;
+  // CTA c owns bands c, c + grid, ...; its band group bg every BG-th of them (my_bands: the
+  // group's; the group's band i is the CTA's BG i + bg); in each, warp kw the tiles
+  // [tile_begin, tile_end).
+  const int cta_bands = int(blockIdx.x) < bands ? (bands - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int my_bands = cta_bands > bg ? (cta_bands - 1 - bg) / BG + 1 : 0;
+  auto band_of = [&](int bi) { return int(blockIdx.x) + (bi * BG + bg) * int(gridDim.x); };
+  const int tile_begin = k_tiles * kw / kTileWarps, tile_end = k_tiles * (kw + 1) / kTileWarps;
   const int per_band = tile_end - tile_begin;
   // The warp's stream: per band, per_band tiles padded to a multiple of D positions, in chunks
   // of D positions (padding positions copy and multiply nothing). Chunk c goes to ring slot
@@ -329,16 +361,16 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   // fall between chunks, and a chunk's slots and sources are offsets from one base.
   const int padded = (per_band + D - 1) / D * D;
   const bool full = per_band > 0 && padded == per_band;  // (k < 512: some warps have no tiles)
-  const int64_t w_step = int64_t(gridDim.x) * all_tiles * 32;  // one band of this CTA to the next
-  const int64_t sc_step = int64_t(gridDim.x) * groups * 8;
+  const int64_t w_step = int64_t(BG) * gridDim.x * all_tiles * 32;  // one band of the group's
+  const int64_t sc_step = int64_t(BG) * gridDim.x * groups * 8;       // to the next
   // Group of tile i: i >> tile_group_shift (one group: a shift past any tile index).
   const int tile_group_shift = group_shift - 6;
   // The copy cursor: band copy_band of this CTA's and position copy_j0 in it, with that band's
   // words (w: this lane's of the slice's first tile; sc: the band's scale words).
   int copy_band = 0, copy_j0 = 0;
   const uint4* copy_w =
-      tiles + (int64_t(blockIdx.x) * all_tiles + tile_offset + tile_begin) * 32 + lane;
-  const uint2* copy_sc = tile_scales + int64_t(blockIdx.x) * groups * 8;
+      tiles + (int64_t(band_of(0)) * all_tiles + tile_offset + tile_begin) * 32 + lane;
+  const uint2* copy_sc = tile_scales + int64_t(band_of(0)) * groups * 8;
   static_assert(D * 8 <= 32, "a lane copies one scale word of a chunk");
   // The scale word this lane copies: row sc_g's of the chunk's position sc_d.
   const int sc_d = lane / 8, sc_g = lane % 8;
@@ -390,14 +422,21 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   }
   wait_for_previous_grid();
 
-  // Each warp stages, and sums, the slice of x it multiplies: no barrier but RMSNorm's.
+  // Each warp of group 0 stages, and sums, the slice of x it multiplies: no barrier but
+  // RMSNorm's, and for BG = 2 one that lets group 1 read them.
   // (x from the split's first column; the RMSNorm prologue runs unsplit)
-  tile_stage_slice<T, M, P>(act, k8 + kPad, v0, v1, x + tile_offset * kTileK, x_stride,
-                            norm_weight, norm_held, m, k, eps, row_sum_sq);
-  __syncwarp();
+  if (bg == 0) {
+    tile_stage_slice<T, M, P, (BG > 1)>(act, k8 + kPad, v0, v1, x + tile_offset * kTileK,
+                                        x_stride, norm_weight, norm_held, m, k, eps, row_sum_sq);
+    __syncwarp();
+  }
   allow_next_grid();
-  tile_slice_sums<T, M>(sx, act, k8 + kPad, tile_begin, tile_end, G > 0 ? G : 1);
-  __syncwarp();
+  if (bg == 0) tile_slice_sums<T, M>(sx, act, k8 + kPad, tile_begin, tile_end, G > 0 ? G : 1);
+  if constexpr (BG > 1) {
+    __syncthreads();
+  } else {
+    __syncwarp();
+  }
 
   constexpr uint32_t kMagic = TileMagic<T>::kPair;
   // bf16: the mma sums x (magic + q) over the group, and sum x (q - zero) = that - (magic +
@@ -580,17 +619,19 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
       flush();
       group = -1;
     }
+    const int buffer = bi % kBuffers;
+    if (kBuffers == 1 && bi > 0) group_sync();  // band bi - 1's writing warp has read it
 #pragma unroll
     for (int h = 0; h < NT; ++h) {
 #pragma unroll
       for (int c4 = 0; c4 < 4; ++c4) {
-        partial[bi & 1][warp][4 * h + c4][lane] = sum[h][c4];
+        partial[bg][buffer][kw][4 * h + c4][lane] = sum[h][c4];
         sum[h][c4] = 0.f;
       }
     }
-    __syncthreads();
-    if (warp == bi % kTileWarps) {
-      const int band = blockIdx.x + bi * gridDim.x;
+    group_sync();
+    if (kw == bi % kTileWarps) {
+      const int band = band_of(bi);
       float y[NT][4];
 #pragma unroll
       for (int h = 0; h < NT; ++h) {
@@ -598,7 +639,9 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
         for (int c4 = 0; c4 < 4; ++c4) {
           y[h][c4] = 0.f;
 #pragma unroll
-          for (int w = 0; w < kTileWarps; ++w) y[h][c4] += partial[bi & 1][w][4 * h + c4][lane];
+          for (int w = 0; w < kTileWarps; ++w) {
+            y[h][c4] += partial[bg][buffer][w][4 * h + c4][lane];
+          }
         }
       }
       if (splits > 1) {  // split k: the sums go out, the band's last split adds them (below)
@@ -627,8 +670,8 @@ __global__ void __launch_bounds__(kTileWarps * 32) quant_tile_gemv_kernel(
   // to arrive adds the splits' sums in split order (the same bits whichever arrives last) and
   // writes the outputs.
   __threadfence();  // this warp's sums are visible before its counts say so
-  for (int bi = warp; bi < my_bands; bi += kTileWarps) {
-    const int band = blockIdx.x + bi * gridDim.x;
+  for (int bi = kw; bi < my_bands; bi += kTileWarps) {
+    const int band = band_of(bi);
     unsigned arrived = 0;
     if (lane == 0) arrived = atomicAdd(split_counts + band, 1u);
     if (__shfl_sync(0xffffffffu, arrived, 0) != unsigned(splits - 1)) continue;

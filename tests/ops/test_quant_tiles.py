@@ -91,7 +91,8 @@ def rel_err(out, ref):
 @pytest.mark.parametrize("n,k,group_size", [(7, 64, 64), (1001, 576, 64), (4104, 4096, 128),
                                             (96, 14336, 14336), (333, 4160, 64),
                                             (6144, 4096, 128), (4096, 14336, 128),
-                                            (200, 1280, 256), (64, 1280, 1280)])
+                                            (200, 1280, 256), (64, 1280, 1280),
+                                            (16, 4096, 128)])  # one band: a CTA's group idle
 def test_gemv_matches_reference(dtype, m, n, k, group_size):
     seed = m * 7919 + n * 31 + k
     qweight, scales, zeros = make_weight(n, k, group_size, dtype, seed, "cuda")
