@@ -184,9 +184,10 @@ void launch(T* out, const T* x, const uint4* tiles, const uint2* scales, const T
   // One row (batch-1 decode): a ring of three chunks where it fits, so that a third more of the
   // weight is requested before the PDL wait (llama3-8b-shape TPOT 2.26 -> 2.20 ms on an H200;
   // at two rows the isolated down_proj was slower with three, 13.7 against 12.9 us).
-  // 16 rows (9-16): where one CTA of 8 warps fills the SM's shared memory (k = 4096: 172 KB),
-  // a CTA of two band groups, 16 warps on one staged copy of x (H200: llama3-8b-shape gate_up at
-  // 16 rows 29.5 us against 37.1; W4A16 batch 16, 64/256: 4,147.0 against 3,928.4 tok/s);
+  // 16 rows (9-16): where one CTA of 8 warps fills the SM's shared memory (228 KB an SM: k of
+  // 1920-4224; 4096: 172 KB), a CTA of two band groups, 16 warps on one staged copy of x (H200:
+  // llama3-8b-shape gate_up at 16 rows 29.5 us against 37.1; W4A16 batch 16, 64/256: 4,147.0
+  // against 3,928.4 tok/s);
   // else a third chunk per warp keeps more of the weight in flight (batch 16: 3,857 -> 3,971).
   if constexpr (M == 16) {
     using BG2 = std::integral_constant<int, 2>;
