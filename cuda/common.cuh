@@ -103,7 +103,8 @@ __device__ __forceinline__ uint4 pack8(const float (&in)[8]) {
 
 // Named barrier ID (1..15; 0 is __syncthreads) for `threads` threads, the id an immediate:
 // ptxas then reserves the barriers up to the highest id a kernel names (with an id in a
-// register, `ptxas -v` reports all 16 used).
+// register, as wgmma.cuh's named_barrier_sync(id, threads) for the sm_90a kernels takes it,
+// `ptxas -v` reports all 16 used).
 template <int ID>
 __device__ __forceinline__ void named_barrier_sync(int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "r"(threads) : "memory");

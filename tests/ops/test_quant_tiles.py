@@ -113,9 +113,11 @@ def test_gemv_matches_reference(dtype, m, n, k, group_size):
 @pytest.mark.parametrize("m", [1, 2, 4, 11, 16, 24, 40, 130])
 @pytest.mark.parametrize("fusion", ["rms_norm", "silu_mul", "residual", "silu_mul_out",
                                     "rms_norm+silu_mul_out", "silu_mul_out_plain_layout"])
-@pytest.mark.parametrize("k", [1024, 4096])  # 4096: the groups at fixed chunk positions
-def test_fused_prologues_and_epilogues_match_reference(dtype, m, fusion, k):
-    n, group_size = 1024, 128
+# k = 4096: the groups at fixed chunk positions; 9-16 rows there run two band groups a CTA, and
+# n = 4224 (264 bands) gives the second group of each CTA a band of its own.
+@pytest.mark.parametrize("k,n", [(1024, 1024), (4096, 1024), (4096, 4224)])
+def test_fused_prologues_and_epilogues_match_reference(dtype, m, fusion, k, n):
+    group_size = 128
     qweight, scales, zeros = make_weight(n, k, group_size, dtype, m + len(fusion) + k, "cuda")
     interleave = fusion.startswith("rms_norm+") or fusion == "silu_mul_out"
     tiles = qt.repack(qweight, scales, zeros, group_size, interleave)
