@@ -85,6 +85,37 @@ __device__ __forceinline__ void unpack8(const uint4& v, float (&out)[8]) {
   }
 }
 
+// Two floats -> one register of two 16-bit elements (lo in the low half).
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <typename T> struct HalfPair;
+template <> struct HalfPair<__nv_bfloat16> { using type = __nv_bfloat162; };
+template <> struct HalfPair<__half> { using type = __half2; };
+
+// f (a pair intrinsic: __hsub2, __hmul2) over the two T lanes of a and b, as one register.
+template <typename T, typename F>
+__device__ __forceinline__ uint32_t pair_op(uint32_t a, uint32_t b, F f) {
+  using P = typename HalfPair<T>::type;
+  P r = f(*reinterpret_cast<P*>(&a), *reinterpret_cast<P*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+template <typename T>
+__device__ __forceinline__ uint32_t sub_pair(uint32_t a, uint32_t b) {
+  return pair_op<T>(a, b, [](auto x, auto y) { return __hsub2(x, y); });
+}
+template <typename T>
+__device__ __forceinline__ uint32_t mul_pair(uint32_t a, uint32_t b) {
+  return pair_op<T>(a, b, [](auto x, auto y) { return __hmul2(x, y); });
+}
+
 // (a & mask) | bits in one lop3 (written as two operations, the compiler emits two).
 __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t bits) {
   uint32_t r;

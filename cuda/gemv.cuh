@@ -64,14 +64,19 @@ __device__ __forceinline__ float dot8(const uint4& w, const float (&a)[8]) {
 }
 
 // rmsnorm of 8 elements given the row's 1 / rms: round(x * scale) * w, as the unfused op rounds.
+// The product of two T values is exact in fp32, so T's own pair multiply rounds it the same way:
+// a rounding and a multiply for two elements an instruction each.
 template <typename T>
 __device__ __forceinline__ uint4 rms_scaled8(const uint4& x, const uint4& w, float scale) {
-  float xf[8], wf[8], of[8];
+  float xf[8];
   unpack8<T>(x, xf);
-  unpack8<T>(w, wf);
+  const uint32_t wp[4] = {w.x, w.y, w.z, w.w};
+  uint32_t o[4];
 #pragma unroll
-  for (int e = 0; e < 8; ++e) of[e] = round_to<T>(xf[e] * scale) * wf[e];
-  return pack8<T>(of);
+  for (int i = 0; i < 4; ++i) {
+    o[i] = mul_pair<T>(pack2<T>(xf[2 * i] * scale, xf[2 * i + 1] * scale), wp[i]);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
 // silu(gate) * up of 8 elements, rounded as the unfused op rounds.

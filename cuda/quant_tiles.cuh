@@ -70,26 +70,6 @@ template <> struct TileMagic<__half> {
   static constexpr bool kSubtract = true;
 };
 
-template <typename T> struct HalfPair;
-template <> struct HalfPair<__nv_bfloat16> { using type = __nv_bfloat162; };
-template <> struct HalfPair<__half> { using type = __half2; };
-
-// f (a pair intrinsic: __hsub2, __hmul2) over the two T lanes of a and b, as one register.
-template <typename T, typename F>
-__device__ __forceinline__ uint32_t pair_op(uint32_t a, uint32_t b, F f) {
-  using P = typename HalfPair<T>::type;
-  P r = f(*reinterpret_cast<P*>(&a), *reinterpret_cast<P*>(&b));
-  return *reinterpret_cast<uint32_t*>(&r);
-}
-template <typename T>
-__device__ __forceinline__ uint32_t sub_pair(uint32_t a, uint32_t b) {
-  return pair_op<T>(a, b, [](auto x, auto y) { return __hsub2(x, y); });
-}
-template <typename T>
-__device__ __forceinline__ uint32_t mul_pair(uint32_t a, uint32_t b) {
-  return pair_op<T>(a, b, [](auto x, auto y) { return __hmul2(x, y); });
-}
-
 // 8-byte global -> shared copy (cp.async's .cg form takes 16 bytes only).
 __device__ __forceinline__ void cp_async8(void* dst, const void* src, uint64_t policy) {
   asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, 8, %2;\n" ::"r"(
@@ -159,26 +139,45 @@ template <int M> constexpr int kTileRowPad = M > 1 ? 2 : 0;
 // v0 + lane + 32, ... of its warp's slice); further ones are read when they are used.
 constexpr int kTileHeldNormVectors = 4;
 
-// The warp's slice of x (vectors [v0, v1) of each of the M staged rows; rows at or past m are
-// zero) into act with prologue P, by the warp alone: every warp multiplies only its own slice of
-// k, so staging needs no barrier but RMSNorm's, whose row scale sums the warps' slices (ss:
-// [kTileWarps][M] shared floats). A lane takes vectors v0 + lane, v0 + lane + 32, ... of every
-// row, so a row's sum of squares is taken in the same order whatever its position among the
-// rows. nw: the lane's first kTileHeldNormVectors vectors of the norm weight (kGemvRmsNorm).
-template <typename T, int M, int P, bool GROUP_BARRIER = false>
+// The barrier of band group bg's kTileWarps warps: __syncthreads for one group, else named
+// barrier 1 + bg.
+template <int BG>
+__device__ __forceinline__ void tile_group_sync(int bg) {
+  if constexpr (BG == 1) {
+    __syncthreads();
+  } else if (bg == 0) {
+    named_barrier_sync<1>(kTileWarps * 32);
+  } else {
+    named_barrier_sync<2>(kTileWarps * 32);
+  }
+}
+
+// The warp's slice of x (vectors [v0, v1) of its group's rows of the M staged rows; rows at or
+// past m are zero) into act with prologue P, by the warp alone: every warp multiplies only its
+// own slice of k, so staging needs no barrier but RMSNorm's, whose row scale sums the warps'
+// slices (ss: [kTileWarps][M] shared floats). With BG band groups, warp kw of group bg stages
+// slice kw of rows [bg M / BG, (bg + 1) M / BG), and RMSNorm's barrier is the group's own (named
+// barrier 1 + bg for BG = 2, else __syncthreads). A lane takes vectors v0 + lane, v0 + lane + 32,
+// ... of every row, so a row's sum of squares is taken in the same order whatever its position
+// among the rows. nw: the lane's first kTileHeldNormVectors vectors of the norm weight
+// (kGemvRmsNorm).
+template <typename T, int M, int P, int BG = 1>
 __device__ __forceinline__ void tile_stage_slice(uint4* act, int row_stride, int v0, int v1,
                                                  const T* x, int64_t x_stride,
                                                  const T* norm_weight,
                                                  const uint4 (&nw)[kTileHeldNormVectors], int m,
                                                  int k, float eps, float (*ss)[M]) {
+  static_assert(M % BG == 0, "the rows split evenly among the band groups");
+  constexpr int MG = M / BG;  // the group's rows
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int kw = warp % kTileWarps, bg = warp / kTileWarps, r0 = bg * MG;
   // Rows per pass and vectors per lane per pass: at most 4 loads in flight before their use.
-  constexpr int kRows = M < 4 ? M : 4;
+  constexpr int kRows = MG < 4 ? MG : 4;
   constexpr int kB = 4 / kRows;
-  float sum_sq[M] = {};
+  float sum_sq[MG] = {};
   for (int base = v0 + lane; base < v1; base += 32 * kB) {
 #pragma unroll
-    for (int i0 = 0; i0 < M; i0 += kRows) {
+    for (int i0 = 0; i0 < MG; i0 += kRows) {
       uint4 a[kB][kRows], b[kB][kRows];
 #pragma unroll
       for (int j = 0; j < kB; ++j) {
@@ -186,8 +185,8 @@ __device__ __forceinline__ void tile_stage_slice(uint4* act, int row_stride, int
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           a[j][r] = b[j][r] = make_uint4(0, 0, 0, 0);
-          if (v < v1 && i0 + r < m) {
-            const uint4* xr = reinterpret_cast<const uint4*>(x + (i0 + r) * x_stride) + v;
+          if (v < v1 && r0 + i0 + r < m) {
+            const uint4* xr = reinterpret_cast<const uint4*>(x + (r0 + i0 + r) * x_stride) + v;
             a[j][r] = *xr;
             if constexpr (P == kGemvSiluMul) b[j][r] = xr[k / 8];  // up, k columns on
           }
@@ -199,7 +198,7 @@ __device__ __forceinline__ void tile_stage_slice(uint4* act, int row_stride, int
         if (v >= v1) break;
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
-          uint4& at = act[(i0 + r) * row_stride + v];
+          uint4& at = act[(r0 + i0 + r) * row_stride + v];
           if constexpr (P == kGemvSiluMul) {
             at = silu_mul8<T>(a[j][r], b[j][r]);
           } else {
@@ -218,29 +217,24 @@ __device__ __forceinline__ void tile_stage_slice(uint4* act, int row_stride, int
   }
   if constexpr (P == kGemvRmsNorm) {
 #pragma unroll
-    for (int i = 0; i < M; ++i) {
+    for (int i = 0; i < MG; ++i) {
       const float s = warp_sum(sum_sq[i]);
-      if (lane == 0) ss[warp][i] = s;
+      if (lane == 0) ss[kw][r0 + i] = s;
     }
-    // every warp's slice summed (none: 0); GROUP_BARRIER: the CTA's first kTileWarps warps only
-    if constexpr (GROUP_BARRIER) {
-      named_barrier_sync<3>(kTileWarps * 32);
-    } else {
-      __syncthreads();
-    }
-    float inv_rms[M];
+    tile_group_sync<BG>(bg);  // every warp's slice of the group's rows summed (none: 0)
+    float inv_rms[MG];
 #pragma unroll
-    for (int i = 0; i < M; ++i) {
+    for (int i = 0; i < MG; ++i) {
       float s = 0.f;
 #pragma unroll
-      for (int w = 0; w < kTileWarps; ++w) s += ss[w][i];
-      inv_rms[i] = i < m ? rsqrtf(s / k + eps) : 0.f;
+      for (int w = 0; w < kTileWarps; ++w) s += ss[w][r0 + i];
+      inv_rms[i] = r0 + i < m ? rsqrtf(s / k + eps) : 0.f;
     }
     // The lane's own vectors, in place: the held ones, then any further ones.
     auto scale = [&](int v, const uint4& w) {
 #pragma unroll
-      for (int i = 0; i < M; ++i) {
-        uint4& at = act[i * row_stride + v];
+      for (int i = 0; i < MG; ++i) {
+        uint4& at = act[(r0 + i) * row_stride + v];
         at = rms_scaled8<T>(at, w, inv_rms[i]);
       }
     };
@@ -255,18 +249,19 @@ __device__ __forceinline__ void tile_stage_slice(uint4* act, int row_stride, int
 }
 
 // sx[i][c] = the sum of act row c over span i (`span` tiles: one, or a group where groups sit at
-// fixed chunk positions) in fp32, for c < M and the spans of the warp's slice (tiles [tile0,
-// tile1), a whole number of spans): 8 lanes per (span, row), then a shuffle. Other columns are
-// left unwritten: they only feed the accumulators of unused columns.
+// fixed chunk positions) in fp32, for the rows c of [c0, c0 + rows) and the spans of the warp's
+// slice (tiles [tile0, tile1), a whole number of spans): 8 lanes per (span, row), then a
+// shuffle. Other columns are left unwritten: they only feed the accumulators of unused columns.
 template <typename T, int M>
 __device__ __forceinline__ void tile_slice_sums(float* sx, const uint4* act, int row_stride,
-                                                int tile0, int tile1, int span) {
+                                                int tile0, int tile1, int span, int c0,
+                                                int rows) {
   constexpr int kVectors = kTileK / 8;
   const int lane = threadIdx.x % 32, sub = lane % 8;
-  const int pairs = (tile1 - tile0) / span * M;
+  const int pairs = (tile1 - tile0) / span * rows;
   for (int p0 = 0; p0 < pairs; p0 += 4) {  // the same trip count in every lane (shuffles)
     const int p = p0 + lane / 8;
-    const int i = p / M, c = p % M;
+    const int i = p / rows, c = c0 + p % rows;
     float s = 0.f;
     if (p < pairs) {
       const uint4* v = act + c * row_stride + (tile0 + i * span) * kVectors;
@@ -316,25 +311,15 @@ __global__ void __launch_bounds__(kTileWarps * 32 * BG) quant_tile_gemv_kernel(
   __shared__ float row_sum_sq[kTileWarps][M];  // kGemvRmsNorm: the warps' sums of squares
   // BG band groups of kTileWarps warps (BG = 2 where one CTA of 8 warps would fill the SM's
   // shared memory: 16 rows at k = 4096): group bg takes the CTA's bands bg, bg + BG, ..., all
-  // sharing one copy of x staged by group 0. Warp w of a group takes the same slice of k in
-  // every band (kw), and the group's warps add their sums in partial[bg][band's buffer]: two
-  // buffers a group for BG = 1 (one barrier a band), one for BG = 2 (two barriers a band; the
-  // same static memory). A group's barrier: __syncthreads for BG = 1, else named barrier 1 + bg
-  // (3: group 0's RMSNorm).
+  // sharing one copy of x, each group staging its half of the rows. Warp w of a group takes the
+  // same slice of k in every band (kw), and the group's warps add their sums in partial[bg][band's
+  // buffer]: two buffers a group for BG = 1 (one barrier a band), one for BG = 2 (two barriers a
+  // band; the same static memory). A group's barrier: tile_group_sync.
   static_assert(BG == 1 || BG == 2, "one or two band groups");
   constexpr int kBuffers = 2 / BG;
   __shared__ float partial[BG][kBuffers][kTileWarps][4 * NT][32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int bg = warp / kTileWarps, kw = warp % kTileWarps;
-  auto group_sync = [&]() {
-    if constexpr (BG == 1) {
-      __syncthreads();
-    } else if (bg == 0) {
-      named_barrier_sync<1>(kTileWarps * 32);
-    } else {
-      named_barrier_sync<2>(kTileWarps * 32);
-    }
-  };
   const int g = lane >> 2, t = lane & 3;
   const int splits = gridDim.y, all_tiles = k / kTileK;
   const int k_tiles = all_tiles / splits;       // the split's (the launcher checks it divides)
@@ -422,16 +407,15 @@ __global__ void __launch_bounds__(kTileWarps * 32 * BG) quant_tile_gemv_kernel(
   }
   wait_for_previous_grid();
 
-  // Each warp of group 0 stages, and sums, the slice of x it multiplies: no barrier but
-  // RMSNorm's, and for BG = 2 one that lets group 1 read them.
+  // Each warp stages, and sums, the slice of x it multiplies, of its group's rows: no barrier
+  // but RMSNorm's, and for BG = 2 one that lets each group read the other's rows.
   // (x from the split's first column; the RMSNorm prologue runs unsplit)
-  if (bg == 0) {
-    tile_stage_slice<T, M, P, (BG > 1)>(act, k8 + kPad, v0, v1, x + tile_offset * kTileK,
-                                        x_stride, norm_weight, norm_held, m, k, eps, row_sum_sq);
-    __syncwarp();
-  }
+  tile_stage_slice<T, M, P, BG>(act, k8 + kPad, v0, v1, x + tile_offset * kTileK, x_stride,
+                                norm_weight, norm_held, m, k, eps, row_sum_sq);
+  __syncwarp();
   allow_next_grid();
-  if (bg == 0) tile_slice_sums<T, M>(sx, act, k8 + kPad, tile_begin, tile_end, G > 0 ? G : 1);
+  tile_slice_sums<T, M>(sx, act, k8 + kPad, tile_begin, tile_end, G > 0 ? G : 1, bg * (M / BG),
+                        M / BG);
   if constexpr (BG > 1) {
     __syncthreads();
   } else {
@@ -620,7 +604,8 @@ __global__ void __launch_bounds__(kTileWarps * 32 * BG) quant_tile_gemv_kernel(
       group = -1;
     }
     const int buffer = bi % kBuffers;
-    if (kBuffers == 1 && bi > 0) group_sync();  // band bi - 1's writing warp has read it
+    // (one buffer: band bi - 1's writing warp has read it)
+    if (kBuffers == 1 && bi > 0) tile_group_sync<BG>(bg);
 #pragma unroll
     for (int h = 0; h < NT; ++h) {
 #pragma unroll
@@ -629,7 +614,7 @@ __global__ void __launch_bounds__(kTileWarps * 32 * BG) quant_tile_gemv_kernel(
         sum[h][c4] = 0.f;
       }
     }
-    group_sync();
+    tile_group_sync<BG>(bg);
     if (kw == bi % kTileWarps) {
       const int band = band_of(bi);
       float y[NT][4];
