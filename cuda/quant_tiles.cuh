@@ -309,12 +309,12 @@ __global__ void __launch_bounds__(kTileWarps * 32 * BG) quant_tile_gemv_kernel(
   static_assert(M <= 16, "two n-tiles of 8 rows at most");
   extern __shared__ uint4 act[];
   __shared__ float row_sum_sq[kTileWarps][M];  // kGemvRmsNorm: the warps' sums of squares
-  // BG band groups of kTileWarps warps (BG = 2 where one CTA of 8 warps would fill the SM's
-  // shared memory: 16 rows at k = 4096): group bg takes the CTA's bands bg, bg + BG, ..., all
-  // sharing one copy of x, each group staging its half of the rows. Warp w of a group takes the
-  // same slice of k in every band (kw), and the group's warps add their sums in partial[bg][band's
-  // buffer]: two buffers a group for BG = 1 (one barrier a band), one for BG = 2 (two barriers a
-  // band; the same static memory). A group's barrier: tile_group_sync.
+  // BG band groups of kTileWarps warps (BG = 2: 3-16 rows unsplit, the launcher's choice):
+  // group bg takes the CTA's bands bg, bg + BG, ..., all sharing one copy of x, each group
+  // staging its half of the rows. Warp w of a group takes the same slice of k in every band
+  // (kw), and the group's warps add their sums in partial[bg][band's buffer]: two buffers a
+  // group for BG = 1 (one barrier a band), one for BG = 2 (two barriers a band; the same static
+  // memory). A group's barrier: tile_group_sync.
   static_assert(BG == 1 || BG == 2, "one or two band groups");
   constexpr int kBuffers = 2 / BG;
   __shared__ float partial[BG][kBuffers][kTileWarps][4 * NT][32];
