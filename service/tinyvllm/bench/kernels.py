@@ -693,7 +693,7 @@ def quant_rows(quick: bool, copy_gbps: float, gen) -> list[Row]:
         for m in ([1, 2, 4, 8, 16, 64] if quick else [1, 2, 4, 8, 16, 32, 64, 128, 256]):
             for name, n, k in QUANT_SHAPES:
                 rows.append(bench_quant_linear(m, name, n, k, bits, 128, copy_gbps, gen))
-    for m in [1, 2]:
+    for m in ([1, 16] if quick else [1, 2, 4, 8, 16]):  # the decode batches the GEMV serves
         for name, n, k, prologue, epilogue in GEMV_SHAPES["llama3-8b"][:5]:
             rows.append(bench_tile_fused(m, name, n, k, prologue, epilogue, copy_gbps, gen))
     for qdtype in (torch.float8_e4m3fn, torch.int8):
