@@ -184,15 +184,15 @@ void launch(T* out, const T* x, const uint4* tiles, const uint2* scales, const T
   // One row (batch-1 decode): a ring of three chunks where it fits, so that a third more of the
   // weight is requested before the PDL wait (llama3-8b-shape TPOT 2.26 -> 2.20 ms on an H200;
   // at two rows the isolated down_proj was slower with three, 13.7 against 12.9 us).
-  // 3-16 rows, unsplit: a CTA of two band groups, 16 warps on one staged copy of x, each group
+  // 2-16 rows, unsplit: a CTA of two band groups, 16 warps on one staged copy of x, each group
   // staging (and normalizing) half of its rows. At 16 rows (9-16) only where one CTA of 8 warps
   // fills the SM's shared memory (228 KB an SM: k of 1920-4224; 4096: 172 KB). H200,
   // llama3-8b-shape W4A16, one group -> two: gate_up at 16 rows 37.1 -> 29.5 us, batch 16
   // (64/256) 3,928 -> 4,147 tok/s; qkv with RMSNorm at 8 rows 14.2 -> 9.8 us, batch 8 2,688 ->
-  // 2,998 and batch 4 1,648 -> 1,793.
+  // 2,998 and batch 4 1,648 -> 1,793; gate_up at 2 rows 21.2 -> 19.8 us.
   // Else at 16 rows a third chunk per warp keeps more of the weight in flight (batch 16: 3,857
   // -> 3,971).
-  if constexpr (M >= 4) {
+  if constexpr (M >= 2) {
     using BG2 = std::integral_constant<int, 2>;
     if (splits == 1 && (M < 16 || tile_ctas_per_sm<M>(tile_smem_bytes<M>(k)) < 2) &&
         tile_smem_bytes<M>(k, 2, 2) <= tile_smem_cap<M>()) {

@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(kTileWarps * 32 * BG) quant_tile_gemv_kernel(
   static_assert(M <= 16, "two n-tiles of 8 rows at most");
   extern __shared__ uint4 act[];
   __shared__ float row_sum_sq[kTileWarps][M];  // kGemvRmsNorm: the warps' sums of squares
-  // BG band groups of kTileWarps warps (BG = 2: 3-16 rows unsplit, the launcher's choice):
+  // BG band groups of kTileWarps warps (BG = 2: 2-16 rows unsplit, the launcher's choice):
   // group bg takes the CTA's bands bg, bg + BG, ..., all sharing one copy of x, each group
   // staging its half of the rows. Warp w of a group takes the same slice of k in every band
   // (kw), and the group's warps add their sums in partial[bg][band's buffer]: two buffers a
