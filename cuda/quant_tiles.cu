@@ -190,8 +190,10 @@ void launch(T* out, const T* x, const uint4* tiles, const uint2* scales, const T
   // llama3-8b-shape W4A16, one group -> two: gate_up at 16 rows 37.1 -> 29.5 us, batch 16
   // (64/256) 3,928 -> 4,147 tok/s; qkv with RMSNorm at 8 rows 14.2 -> 9.8 us, batch 8 2,688 ->
   // 2,998 and batch 4 1,648 -> 1,793; gate_up at 2 rows 21.2 -> 19.8 us.
-  // Else at 16 rows a third chunk per warp keeps more of the weight in flight (batch 16: 3,857
-  // -> 3,971).
+  // Else at 16 rows (k where two 8-warp CTAs fit an SM, or two groups do not fit) a third chunk
+  // per warp, where it fits, keeps more of the weight in flight (measured at k = 4096 before two
+  // groups ran there: batch 16 3,857 -> 3,971 tok/s). Whether two groups also pay at 16 rows
+  // where two 8-warp CTAs fit is unmeasured.
   if constexpr (M >= 2) {
     using BG2 = std::integral_constant<int, 2>;
     if (splits == 1 && (M < 16 || tile_ctas_per_sm<M>(tile_smem_bytes<M>(k)) < 2) &&
